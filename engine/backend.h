@@ -1,0 +1,129 @@
+// The seam between the engine (request state, admission, KV blocks, streaming) and a decoder
+// (CPU reference now; CUDA host-driven and device-resident loop later). Shaped after DESIGN.md §2:
+// the backend owns a slot table; the engine publishes requests into slots with Prefill, lets the
+// backend decode with Run, and reads each slot's tokens from a per-slot TokenRing. Stop conditions
+// (EOS, stop ids, min/max new tokens, cancel) are decided by the backend, exactly like the GPU's
+// postprocess kernel, so a device loop can run many steps with no host call in between.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "models/config.h"
+#include "models/sampling.h"
+
+namespace ts {
+
+using SlotId = int32_t;
+
+struct StopParams {
+  std::vector<int32_t> stop_token_ids;  // finishing tokens besides EOS; the token is emitted
+  int32_t max_new_tokens = 16;          // >= 1
+  int32_t min_new_tokens = 0;           // EOS and stop ids are ignored before this many tokens
+  bool ignore_eos = false;
+};
+
+enum class FinishReason : uint8_t {
+  kNone = 0,
+  kEos = 1,        // a model EOS id
+  kStopToken = 2,  // one of StopParams::stop_token_ids
+  kLength = 3,     // max_new_tokens reached
+  kCancelled = 4,  // Cancel() took effect
+  kError = 5,
+};
+const char* FinishReasonName(FinishReason r);
+
+// One token-ring entry. The writer fills token and flags, then release-stores seq; the reader
+// accepts an entry only when seq equals the one it expects, so it never reads a torn entry.
+// Same layout in host-mapped pinned memory for the GPU writer.
+struct RingEntry {
+  uint32_t seq;    // 1-based sequence number of this token within the slot's current request
+  int32_t token;   // -1 for a finish-only entry (e.g. cancelled with no new token)
+  uint32_t flags;  // bit 0: FINISHED; bits 8..15: FinishReason
+  uint32_t reserved;
+};
+static_assert(sizeof(RingEntry) == 16);
+
+constexpr uint32_t kRingFinished = 1u;
+inline uint32_t RingFlags(FinishReason r) {
+  return r == FinishReason::kNone ? 0u : (kRingFinished | (static_cast<uint32_t>(r) << 8));
+}
+inline FinishReason RingReason(uint32_t flags) {
+  return static_cast<FinishReason>((flags >> 8) & 0xff);
+}
+
+// Single-producer single-consumer ring over caller-owned storage of `capacity` entries.
+class TokenRing {
+ public:
+  TokenRing() = default;
+  TokenRing(RingEntry* entries, uint32_t capacity) : entries_(entries), capacity_(capacity) {}
+  uint32_t capacity() const { return capacity_; }
+  RingEntry* entries() const { return entries_; }
+
+  // Producer side (CPU backend; the GPU writes the same layout from a kernel).
+  void Push(uint32_t seq, int32_t token, uint32_t flags);
+  // Consumer side: appends every entry from *next_seq on and advances *next_seq. Returns false if
+  // the producer lapped the reader (entries were lost), which the engine treats as an error.
+  bool Drain(uint32_t* next_seq, std::vector<RingEntry>* out) const;
+  // Zeroes every entry's seq so a new request starts at seq 1.
+  void Reset();
+
+ private:
+  RingEntry* entries_ = nullptr;
+  uint32_t capacity_ = 0;
+};
+
+struct SlotInit {
+  SlotId slot = -1;
+  std::span<const int32_t> prompt;       // [prompt_len], prompt_len >= 1
+  std::span<const int32_t> block_table;  // [ceil((prompt_len + max_new_tokens) / block_size)]
+  SamplingParams sampling;
+  StopParams stop;
+};
+
+struct BackendInfo {
+  ModelConfig model;
+  int32_t max_slots = 0;       // slot table rows (the largest bucket)
+  int32_t kv_block_size = 0;   // tokens per KV block
+  int32_t num_kv_blocks = 0;   // blocks in the pool
+  uint32_t ring_capacity = 0;  // entries per slot ring
+  const char* name = "";
+};
+
+// What one step did, for stats and for the scheduler tests.
+struct StepReport {
+  int32_t active = 0;  // slots decoded this step
+  int32_t bucket = 0;  // padded batch size used
+};
+
+enum class RunMode {
+  kOneStep,       // host-driven: one decode step over the active slots, then return
+  kUntilIdle,     // device loop: keep stepping until no slot is active or Pause() is called
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const BackendInfo& info() const = 0;
+
+  // Fills KV for the new slots, samples each first token into its ring (finishing it at once if
+  // a stop condition holds) and publishes the slot as ACTIVE for Run.
+  virtual absl::Status Prefill(std::span<const SlotInit> slots) = 0;
+  // Decodes while any slot is active: one step, or until idle (device loop).
+  virtual absl::Status Run(RunMode mode) = 0;
+  // Takes effect within one step: the slot finishes with kCancelled.
+  virtual void Cancel(SlotId slot) = 0;
+  virtual const TokenRing& Ring(SlotId slot) const = 0;
+  // After the engine has seen FINISHED: the slot is FREE again and its ring reset.
+  virtual void Release(SlotId slot) = 0;
+  // Report of the last completed step (kOneStep mode).
+  virtual StepReport last_step() const = 0;
+};
+
+// Smallest bucket >= n; buckets sorted ascending. n must be <= buckets.back().
+int32_t PickBucket(std::span<const int32_t> buckets, int32_t n);
+
+}  // namespace ts

@@ -1,0 +1,125 @@
+// The serving engine: one engine thread owns all request state and runs
+//   Admit -> Prefill -> Publish -> Run (one step, or the device loop) -> Drain rings -> Retire
+// Requests move queued -> prefilling -> decoding -> finished | cancelled | failed.
+// The server talks to it only through this header; protobuf never reaches here.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/backend.h"
+#include "models/sampling.h"
+
+namespace ts {
+
+struct EngineOptions {
+  int32_t max_batch = 64;  // concurrent decoding requests; <= backend max_slots
+  std::vector<int32_t> buckets = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128};
+  int32_t queue_limit = 256;      // queued (not yet admitted) requests; beyond: RESOURCE_EXHAUSTED
+  int32_t max_context = 0;        // prompt + max_new_tokens; 0 = model max_position_embeddings
+  int32_t max_stop_ids = 16;      // cap on StopParams::stop_token_ids
+  int32_t stream_buffer_tokens = 4096;  // unread tokens per stream before it is cancelled
+  RunMode run_mode = RunMode::kOneStep;
+};
+
+struct GenerateRequest {
+  std::string request_id;  // optional; the engine assigns one when empty
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  StopParams stop;
+};
+
+// Everything a stream has not yet sent, coalesced.
+struct StreamUpdate {
+  std::vector<int32_t> tokens;
+  bool finished = false;
+  FinishReason reason = FinishReason::kNone;
+  absl::Status status;  // non-OK when the request failed
+  int32_t prompt_tokens = 0;
+  int32_t completion_tokens = 0;
+};
+
+// Shared between the engine thread (producer) and one server stream (consumer). Bounded: when more
+// than EngineOptions::stream_buffer_tokens are unread, the engine cancels the request, so a slow
+// reader never stalls the loop.
+class RequestStream {
+ public:
+  explicit RequestStream(std::string id, int32_t prompt_tokens);
+  const std::string& id() const { return id_; }
+
+  // Consumer: moves everything pending into *out. Returns false when there is nothing new.
+  bool Take(StreamUpdate* out);
+  // Consumer: called from the engine thread after new data arrives. Must not block.
+  void SetNotifier(std::function<void()> notify);
+
+  // Producer (engine thread).
+  void Append(std::span<const int32_t> tokens);  // returns without blocking
+  void Finish(FinishReason reason, absl::Status status);
+  int32_t unread() const;
+  bool finished() const;
+
+ private:
+  void Notify();
+  const std::string id_;
+  mutable std::mutex mu_;
+  StreamUpdate pending_;
+  bool done_ = false;
+  int32_t completion_tokens_ = 0;
+  std::function<void()> notify_;
+};
+
+struct ModelInfo {
+  int32_t vocab_size = 0;
+  int32_t max_context = 0;
+  int32_t max_new_tokens = 0;  // max_context - 1
+  std::vector<int32_t> eos_token_ids;
+  std::vector<int32_t> bos_token_ids;
+  std::vector<int32_t> buckets;
+  int32_t max_batch = 0;
+  int32_t max_stop_ids = 0;
+  std::string backend;
+};
+
+struct EngineStats {
+  int32_t queued = 0;
+  int32_t running = 0;
+  int32_t kv_blocks_total = 0;
+  int32_t kv_blocks_free = 0;
+  uint64_t steps = 0;
+  uint64_t tokens_generated = 0;
+  uint64_t requests_finished = 0;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(EngineOptions options,
+                                                        std::unique_ptr<Backend> backend);
+  ~Engine();  // stops the engine thread; unfinished streams finish with kCancelled
+
+  // INVALID_ARGUMENT naming the field; RESOURCE_EXHAUSTED when the queue is full;
+  // UNAVAILABLE when draining or stopped.
+  absl::StatusOr<std::shared_ptr<RequestStream>> Submit(GenerateRequest request);
+  // Frees the request's slot and KV blocks within one step. Idempotent.
+  void Cancel(const std::string& request_id);
+
+  // Stops admitting (Submit returns UNAVAILABLE); running requests continue.
+  void BeginDrain();
+  // True when nothing is queued or running.
+  bool Idle() const;
+
+  ModelInfo model_info() const;
+  EngineStats stats() const;
+
+ private:
+  Engine();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ts

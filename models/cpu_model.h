@@ -1,0 +1,65 @@
+// CPU reference Llama (fp32 arithmetic; bf16/f16 weights upcast at load). It is the correctness
+// oracle for the CUDA kernels and the backend CI serves with, so it is exact rather than clever,
+// but it uses every core for the GEMMs so a 1B checkpoint decodes.
+//
+// KV lives in a paged pool, the same layout idea as the GPU: block b of layer l holds block_size
+// tokens. One Forward call runs a batch of chunks (prefill chunks and single decode tokens mixed);
+// each chunk appends its tokens' K/V at positions [start_pos, start_pos + tokens.size()).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "models/config.h"
+
+namespace ts {
+
+class CpuKvPool {
+ public:
+  CpuKvPool(const ModelConfig& config, int32_t num_blocks, int32_t block_size);
+  int32_t num_blocks() const { return num_blocks_; }
+  int32_t block_size() const { return block_size_; }
+  // [head_dim] slice for (layer, block, slot in block, kv head).
+  float* k(int layer, int32_t block, int32_t offset, int kv_head);
+  float* v(int layer, int32_t block, int32_t offset, int kv_head);
+
+ private:
+  int32_t num_blocks_, block_size_, num_layers_, num_kv_heads_, head_dim_;
+  std::vector<float> k_, v_;  // [layers][blocks][block_size][kv_heads][head_dim]
+};
+
+struct SeqChunk {
+  std::span<const int32_t> tokens;       // [n] tokens to run
+  int32_t start_pos = 0;                 // tokens already in the cache for this sequence
+  std::span<const int32_t> block_table;  // [ceil((start_pos + n) / block_size)] block ids
+};
+
+enum class LogitsMode { kLastPerChunk, kAll };
+
+struct CpuModelOptions {
+  int num_threads = 0;  // 0 = hardware concurrency
+};
+
+class CpuModel {
+ public:
+  static absl::StatusOr<std::unique_ptr<CpuModel>> Load(const std::filesystem::path& dir,
+                                                        CpuModelOptions options = {});
+  ~CpuModel();
+  const ModelConfig& config() const;
+
+  // logits: resized to [rows][vocab], rows = chunks.size() (kLastPerChunk) or total tokens (kAll),
+  // in chunk order.
+  absl::Status Forward(std::span<const SeqChunk> chunks, CpuKvPool& kv, LogitsMode mode,
+                       std::vector<float>* logits);
+
+ private:
+  CpuModel();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ts
