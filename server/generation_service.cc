@@ -1,0 +1,288 @@
+#include "server/generation_service.h"
+
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/grpc_status.h"
+
+namespace ts::server {
+namespace {
+
+namespace pb = ::tailserve::v1;
+
+pb::FinishReason ToProto(FinishReason r) {
+  switch (r) {
+    case FinishReason::kEos:
+      return pb::FINISH_REASON_EOS;
+    case FinishReason::kStopToken:
+      return pb::FINISH_REASON_STOP_TOKEN;
+    case FinishReason::kLength:
+      return pb::FINISH_REASON_LENGTH;
+    case FinishReason::kCancelled:
+      return pb::FINISH_REASON_CANCELLED;
+    case FinishReason::kNone:
+    case FinishReason::kError:
+      break;
+  }
+  return pb::FINISH_REASON_UNSPECIFIED;
+}
+
+// A Generate call that failed before reaching the engine: finishes at once with `status`.
+class RejectReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
+ public:
+  explicit RejectReactor(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+class GenerateReactor;
+
+// The engine thread reaches the reactor only through this link. OnDone clears `reactor` under `mu`
+// before the reactor is deleted, so a notification that races with the end of the call finds
+// nullptr instead of a dangling pointer. The link lives as long as the RequestStream's notifier.
+struct ReactorLink {
+  std::mutex mu;
+  GenerateReactor* reactor = nullptr;  // guarded by mu
+};
+
+class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
+ public:
+  enum class Action { kNone, kWrite, kWriteAndFinish, kFinish };
+
+  GenerateReactor(GenerationService* service, Engine* engine, std::shared_ptr<RequestStream> stream,
+                  uint64_t seed)
+      : service_(service), engine_(engine), stream_(std::move(stream)), seed_(seed) {}
+
+  // Separate from the constructor: the notifier may fire at once, and the reactor must be fully
+  // built by then.
+  void Start() {
+    link_ = std::make_shared<ReactorLink>();
+    link_->reactor = this;
+    stream_->SetNotifier([link = link_] {
+      std::lock_guard<std::mutex> lock(link->mu);
+      if (link->reactor != nullptr) link->reactor->Pump();
+    });
+    Pump();
+  }
+
+  void OnWriteDone(bool ok) override {
+    grpc::Status finish_status;
+    bool finish = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      write_in_flight_ = false;
+      if (!ok || finish_after_write_.has_value() || cancelled_) {
+        // !ok: the client is gone; OnCancel (or OnDone) stops the engine side.
+        finish = !finish_called_;
+        finish_called_ = true;
+        finish_status =
+            ok && finish_after_write_.has_value() ? *finish_after_write_ : grpc::Status::CANCELLED;
+      }
+    }
+    if (finish) {
+      Finish(finish_status);
+      return;
+    }
+    Pump();
+  }
+
+  void OnCancel() override {
+    // Client cancel or deadline: free the slot and KV blocks now, not when the stream would end.
+    engine_->Cancel(stream_->id());
+    bool finish = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      if (!write_in_flight_ && !finish_called_) {
+        finish_called_ = true;
+        finish = true;
+      }
+    }
+    if (finish) Finish(grpc::Status::CANCELLED);
+  }
+
+  void OnDone() override {
+    {
+      std::lock_guard<std::mutex> lock(link_->mu);
+      link_->reactor = nullptr;
+    }
+    // A write failure without OnCancel also ends here; Cancel is idempotent.
+    bool final_taken;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      final_taken = final_taken_;
+    }
+    if (!final_taken) engine_->Cancel(stream_->id());
+    service_->StreamDone();
+    delete this;
+  }
+
+  // Sends whatever the engine has produced if no write is in flight. Called from the engine
+  // thread (notifier) and from gRPC threads (OnWriteDone, Start). Never blocks: the decision is
+  // made under mu_, and the gRPC call happens after releasing it because gRPC may run reactor
+  // callbacks on the calling thread.
+  void Pump() {
+    Action action = Action::kNone;
+    grpc::Status status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (write_in_flight_ || finish_called_) return;
+      if (cancelled_) {
+        finish_called_ = true;
+        status = grpc::Status::CANCELLED;
+        action = Action::kFinish;
+      }
+      if (action == Action::kNone) PrepareLocked(&action, &status);
+    }
+    // `this` may be deleted as soon as these return (OnDone on another thread).
+    switch (action) {
+      case Action::kWrite:
+        StartWrite(&response_);
+        break;
+      case Action::kWriteAndFinish:
+        StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+        break;
+      case Action::kFinish:
+        Finish(status);
+        break;
+      case Action::kNone:
+        break;
+    }
+  }
+
+ private:
+  // Takes the pending update and decides what to send. Caller holds mu_.
+  void PrepareLocked(Action* action, grpc::Status* status) {
+    StreamUpdate update;
+    if (!stream_->Take(&update)) return;
+    if (update.tokens.empty() && !update.finished) return;
+    BuildResponse(update);
+    if (!update.finished) {
+      write_in_flight_ = true;
+      *action = Action::kWrite;
+    } else if (update.status.ok()) {
+      final_taken_ = true;
+      finish_called_ = true;
+      *action = Action::kWriteAndFinish;
+    } else {
+      // The request failed (slow reader, engine shutdown, backend error): deliver the tokens
+      // produced so far, then the error.
+      final_taken_ = true;
+      *status = ToGrpcStatus(update.status);
+      if (update.tokens.empty()) {
+        finish_called_ = true;
+        *action = Action::kFinish;
+      } else {
+        finish_after_write_ = *status;
+        write_in_flight_ = true;
+        *action = Action::kWrite;
+      }
+    }
+  }
+
+  void BuildResponse(const StreamUpdate& update) {
+    response_.Clear();
+    response_.set_request_id(stream_->id());
+    response_.mutable_token_ids()->Add(update.tokens.begin(), update.tokens.end());
+    if (first_message_) {
+      response_.set_seed(seed_);
+      first_message_ = false;
+    }
+    if (update.finished) {
+      response_.set_finish_reason(ToProto(update.reason));
+      response_.mutable_usage()->set_prompt_tokens(update.prompt_tokens);
+      response_.mutable_usage()->set_completion_tokens(update.completion_tokens);
+    }
+  }
+
+  GenerationService* const service_;
+  Engine* const engine_;
+  const std::shared_ptr<RequestStream> stream_;
+  const uint64_t seed_;
+  std::shared_ptr<ReactorLink> link_;
+
+  std::mutex mu_;
+  pb::GenerateResponse response_;  // guarded by mu_; read by gRPC while a write is in flight
+  bool write_in_flight_ = false;   // guarded by mu_
+  bool finish_called_ = false;     // guarded by mu_
+  bool cancelled_ = false;         // guarded by mu_
+  bool first_message_ = true;      // guarded by mu_
+  bool final_taken_ = false;       // guarded by mu_; read in OnDone once every op is over
+  std::optional<grpc::Status> finish_after_write_;  // guarded by mu_
+};
+
+}  // namespace
+
+GenerationService::GenerationService(Engine* engine, GenerationServiceOptions options)
+    : engine_(engine),
+      options_(std::move(options)),
+      model_info_(engine->model_info()),
+      limits_{.vocab_size = model_info_.vocab_size,
+              .max_context = model_info_.max_context,
+              .max_stop_ids = model_info_.max_stop_ids},
+      seed_rng_(std::random_device{}()) {}
+
+uint64_t GenerationService::DrawSeed() {
+  std::lock_guard<std::mutex> lock(seed_mu_);
+  return seed_rng_();
+}
+
+grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::Generate(
+    grpc::CallbackServerContext* context, const pb::GenerateRequest* request) {
+  (void)context;
+  if (draining()) {
+    return new RejectReactor(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining; retry elsewhere"));
+  }
+  absl::StatusOr<GenerateRequest> converted = ValidateAndConvert(*request, limits_, DrawSeed());
+  if (!converted.ok()) return new RejectReactor(ToGrpcStatus(converted.status()));
+  const uint64_t seed = converted->sampling.seed;
+  absl::StatusOr<std::shared_ptr<RequestStream>> stream = engine_->Submit(*std::move(converted));
+  if (!stream.ok()) return new RejectReactor(ToGrpcStatus(stream.status()));
+  active_streams_.fetch_add(1);
+  auto* reactor = new GenerateReactor(this, engine_, *std::move(stream), seed);
+  reactor->Start();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* context,
+                                                          const pb::GetModelInfoRequest* request,
+                                                          pb::ModelInfo* response) {
+  (void)request;
+  const ModelInfo& m = model_info_;
+  response->set_model(options_.model_name);
+  response->set_backend(m.backend);
+  response->set_vocab_size(m.vocab_size);
+  response->set_max_context(m.max_context);
+  response->set_max_new_tokens(m.max_new_tokens);
+  response->mutable_eos_token_ids()->Add(m.eos_token_ids.begin(), m.eos_token_ids.end());
+  response->mutable_bos_token_ids()->Add(m.bos_token_ids.begin(), m.bos_token_ids.end());
+  response->mutable_buckets()->Add(m.buckets.begin(), m.buckets.end());
+  response->set_max_batch(m.max_batch);
+  response->set_max_stop_token_ids(m.max_stop_ids);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GenerationService::GetStats(grpc::CallbackServerContext* context,
+                                                      const pb::GetStatsRequest* request,
+                                                      pb::ServerStats* response) {
+  (void)request;
+  const EngineStats s = engine_->stats();
+  response->set_queued(s.queued);
+  response->set_running(s.running);
+  response->set_kv_blocks_total(s.kv_blocks_total);
+  response->set_kv_blocks_free(s.kv_blocks_free);
+  response->set_steps(s.steps);
+  response->set_tokens_generated(s.tokens_generated);
+  response->set_requests_finished(s.requests_finished);
+  response->set_active_streams(active_streams());
+  response->set_draining(draining());
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace ts::server

@@ -1,0 +1,309 @@
+// tailserve: the gRPC server binary. Loads a model, starts the engine and serves
+// tailserve.v1.Generation until SIGTERM/SIGINT, then drains (DESIGN.md §8).
+#include <signal.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "engine/cpu_backend.h"
+#include "engine/engine.h"
+#include "models/config.h"
+#include "server/server.h"
+#include "server/step_delay_backend.h"
+
+ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on (0.0.0.0 or :: for all).");
+ABSL_FLAG(int32_t, port, 0, "Port to listen on; 0 picks a free port (printed at startup).");
+ABSL_FLAG(std::string, model_dir, "",
+          "Hugging Face checkpoint directory (config.json, *.safetensors).");
+ABSL_FLAG(std::string, model_name, "",
+          "Name reported by GetModelInfo; default: model_dir's basename.");
+ABSL_FLAG(std::string, backend, "cpu", "Decoder backend: cpu (fp32 reference) or cuda.");
+ABSL_FLAG(int32_t, max_batch, 16, "Concurrent decoding requests.");
+ABSL_FLAG(std::string, buckets, "",
+          "Comma list of batch-size buckets, ascending; default: powers of two up to max_batch.");
+ABSL_FLAG(int32_t, queue_limit, 256,
+          "Queued requests beyond which Generate is RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int32_t, max_context, 0, "Prompt + new tokens per request; 0 = the model's maximum.");
+ABSL_FLAG(int32_t, kv_blocks, 0, "KV pool size in blocks; 0 = max_batch full-length sequences.");
+ABSL_FLAG(int32_t, kv_block_size, 16, "Tokens per KV block.");
+ABSL_FLAG(int32_t, drain_timeout_s, 30, "On SIGTERM, how long open streams may take to finish.");
+ABSL_FLAG(int32_t, stream_buffer_tokens, 4096,
+          "Unread tokens per stream before a slow reader's request is cancelled.");
+ABSL_FLAG(int32_t, threads, 0, "CPU backend threads; 0 = all hardware threads.");
+ABSL_FLAG(int32_t, stats_interval_s, 60, "Log a one-line stats summary this often; 0 = off.");
+ABSL_FLAG(int32_t, watchdog_s, 30,
+          "Report NOT_SERVING while requests wait and no step completed for this long; 0 = off.");
+ABSL_FLAG(int32_t, debug_step_delay_ms, 0,
+          "Testing only: sleep this long before every decode step (simulates a slow device).");
+
+namespace ts::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+absl::StatusOr<std::vector<int32_t>> ParseBuckets(const std::string& text, int32_t max_batch) {
+  std::vector<int32_t> buckets;
+  if (text.empty()) {
+    for (int32_t b = 1; b < max_batch; b *= 2) buckets.push_back(b);
+    buckets.push_back(max_batch);
+    return buckets;
+  }
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int32_t b = 0;
+    if (!absl::SimpleAtoi(part, &b) || b < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--buckets: '", part, "' is not a positive integer"));
+    }
+    buckets.push_back(b);
+  }
+  if (buckets.empty()) return absl::InvalidArgumentError("--buckets: empty list");
+  TS_RETURN_IF_ERROR(ValidateBuckets(buckets));
+  if (buckets.back() < max_batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--buckets: the largest bucket (", buckets.back(),
+                     ") is smaller than --max_batch (", max_batch, ")"));
+  }
+  return buckets;
+}
+
+struct Loaded {
+  std::unique_ptr<Engine> engine;
+  std::string model_name;
+};
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
+                                                     const std::vector<int32_t>& buckets) {
+  const std::string kind = absl::GetFlag(FLAGS_backend);
+  if (kind == "cuda") {
+    return absl::UnimplementedError(
+        "--backend cuda: this tailserve was built without the CUDA backend; use --backend cpu");
+  }
+  if (kind != "cpu") {
+    return absl::InvalidArgumentError(absl::StrCat("--backend: unknown '", kind, "' (cpu|cuda)"));
+  }
+  const int32_t max_batch = absl::GetFlag(FLAGS_max_batch);
+  const int32_t block = absl::GetFlag(FLAGS_kv_block_size);
+  if (block < 1) return absl::InvalidArgumentError("--kv_block_size: must be >= 1");
+  int32_t context = absl::GetFlag(FLAGS_max_context);
+  if (context <= 0) context = config.max_position_embeddings;
+  int32_t blocks = absl::GetFlag(FLAGS_kv_blocks);
+  if (blocks <= 0) blocks = max_batch * ((context + block - 1) / block);
+  int32_t threads = absl::GetFlag(FLAGS_threads);
+  if (threads <= 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  CpuBackendOptions options{.model_dir = absl::GetFlag(FLAGS_model_dir),
+                            .max_slots = buckets.back(),
+                            .num_kv_blocks = blocks,
+                            .kv_block_size = block,
+                            .buckets = buckets,
+                            .num_threads = threads};
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateCpuBackend(options));
+  const int32_t delay_ms = absl::GetFlag(FLAGS_debug_step_delay_ms);
+  if (delay_ms > 0) {
+    backend =
+        std::make_unique<StepDelayBackend>(std::move(backend), std::chrono::milliseconds(delay_ms));
+  }
+  return backend;
+}
+
+// Parameter count of a Llama-family model, for the startup budget line.
+int64_t CountParams(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, q = int64_t{c.num_heads} * c.head_dim,
+                kv = int64_t{c.num_kv_heads} * c.head_dim;
+  const int64_t per_layer = h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size + 2 * h;
+  const int64_t embed = int64_t{c.vocab_size} * h;
+  return embed + c.num_layers * per_layer + h + (c.tie_word_embeddings ? 0 : embed);
+}
+
+void PrintBudget(const BackendInfo& info, const ModelInfo& model) {
+  const ModelConfig& c = info.model;
+  const double mib = 1024.0 * 1024.0;
+  // The CPU backend computes in fp32: 4 bytes per weight and per cached K/V element.
+  const int64_t weight_bytes = CountParams(c) * 4;
+  const int64_t kv_bytes_per_token = int64_t{2} * c.num_layers * c.num_kv_heads * c.head_dim * 4;
+  const int64_t kv_tokens = int64_t{info.num_kv_blocks} * info.kv_block_size;
+  std::printf(
+      "tailserve budget: backend %s, weights %.1f MiB (fp32), KV %d blocks x %d tokens = %lld "
+      "tokens (%.1f MiB), max_batch %d, max_context %d, ring %u entries/slot\n",
+      info.name, weight_bytes / mib, info.num_kv_blocks, info.kv_block_size,
+      static_cast<long long>(kv_tokens), kv_tokens * kv_bytes_per_token / mib, model.max_batch,
+      model.max_context, info.ring_capacity);
+}
+
+absl::StatusOr<Loaded> Load() {
+  const std::string dir = absl::GetFlag(FLAGS_model_dir);
+  if (dir.empty()) return absl::InvalidArgumentError("--model_dir: required");
+  TS_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
+  const int32_t max_batch = absl::GetFlag(FLAGS_max_batch);
+  if (max_batch < 1) return absl::InvalidArgumentError("--max_batch: must be >= 1");
+  TS_ASSIGN_OR_RETURN(std::vector<int32_t> buckets,
+                      ParseBuckets(absl::GetFlag(FLAGS_buckets), max_batch));
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(config, buckets));
+  const BackendInfo info = backend->info();
+  EngineOptions options{.max_batch = max_batch,
+                        .buckets = buckets,
+                        .queue_limit = absl::GetFlag(FLAGS_queue_limit),
+                        .max_context = absl::GetFlag(FLAGS_max_context),
+                        .stream_buffer_tokens = absl::GetFlag(FLAGS_stream_buffer_tokens)};
+  Loaded out;
+  TS_ASSIGN_OR_RETURN(out.engine, Engine::Create(std::move(options), std::move(backend)));
+  PrintBudget(info, out.engine->model_info());
+  out.model_name = absl::GetFlag(FLAGS_model_name);
+  if (out.model_name.empty()) {
+    out.model_name = std::filesystem::path(dir).lexically_normal().filename().string();
+    if (out.model_name.empty()) {
+      out.model_name = std::filesystem::path(dir).lexically_normal().parent_path().filename();
+    }
+  }
+  return out;
+}
+
+void LogStats(TailServer& server, Engine& engine, const char* prefix) {
+  const EngineStats s = engine.stats();
+  std::fprintf(stderr,
+               "%s: queued %d running %d streams %d kv_free %d/%d steps %llu tokens %llu "
+               "finished %llu\n",
+               prefix, s.queued, s.running, server.service().active_streams(), s.kv_blocks_free,
+               s.kv_blocks_total, static_cast<unsigned long long>(s.steps),
+               static_cast<unsigned long long>(s.tokens_generated),
+               static_cast<unsigned long long>(s.requests_finished));
+}
+
+// Waits up to `timeout` for one of the signals in `set`; returns it, or 0 on timeout.
+int WaitSignal(const sigset_t& set, std::chrono::milliseconds timeout) {
+  timespec ts{.tv_sec = static_cast<time_t>(timeout.count() / 1000),
+              .tv_nsec = static_cast<long>((timeout.count() % 1000) * 1000000)};
+  const int sig = sigtimedwait(&set, nullptr, &ts);
+  return sig > 0 ? sig : 0;
+}
+
+// Flags the server unhealthy while requests wait and the engine makes no progress.
+class Watchdog {
+ public:
+  explicit Watchdog(std::chrono::seconds limit) : limit_(limit) {}
+  // Returns the serving state the server should report now.
+  bool Check(const EngineStats& s) {
+    const auto now = Clock::now();
+    if (s.steps != last_steps_ || s.queued + s.running == 0) {
+      last_steps_ = s.steps;
+      last_progress_ = now;
+    }
+    const bool stalled = limit_.count() > 0 && now - last_progress_ > limit_;
+    if (stalled != stalled_) {
+      std::fprintf(stderr, "tailserve watchdog: %s\n",
+                   stalled ? "no step completed while requests wait; NOT_SERVING"
+                           : "progress resumed; SERVING");
+      stalled_ = stalled;
+    }
+    return !stalled;
+  }
+
+ private:
+  const std::chrono::seconds limit_;
+  uint64_t last_steps_ = 0;
+  Clock::time_point last_progress_ = Clock::now();
+  bool stalled_ = false;
+};
+
+int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
+  const std::chrono::seconds stats_every(absl::GetFlag(FLAGS_stats_interval_s));
+  Watchdog watchdog{std::chrono::seconds(absl::GetFlag(FLAGS_watchdog_s))};
+  auto next_stats = Clock::now() + stats_every;
+  bool serving = true;
+  int sig = 0;
+  while (sig == 0) {
+    sig = WaitSignal(signals, std::chrono::milliseconds(200));
+    if (absl::Status h = engine.health(); !h.ok()) {
+      // A sticky backend failure: every request has already ended with INTERNAL. Staying up would
+      // only answer errors, so go NOT_SERVING and exit non-zero for the supervisor to restart us.
+      std::fprintf(stderr, "tailserve: backend failed, exiting: %s\n", h.ToString().c_str());
+      server.SetServing(false);
+      server.Shutdown(std::chrono::milliseconds(1000));
+      return 1;
+    }
+    const bool healthy = watchdog.Check(engine.stats());
+    if (healthy != serving) {
+      server.SetServing(healthy);
+      serving = healthy;
+    }
+    if (stats_every.count() > 0 && Clock::now() >= next_stats) {
+      LogStats(server, engine, "tailserve stats");
+      next_stats = Clock::now() + stats_every;
+    }
+  }
+
+  const std::chrono::seconds drain_timeout(absl::GetFlag(FLAGS_drain_timeout_s));
+  std::fprintf(stderr, "tailserve draining: got %s, %d streams open, waiting up to %llds\n",
+               strsignal(sig), server.service().active_streams(),
+               static_cast<long long>(drain_timeout.count()));
+  server.BeginDrain();
+  const auto deadline = Clock::now() + drain_timeout;
+  while (!server.Drained() && Clock::now() < deadline) {
+    if (WaitSignal(signals, std::chrono::milliseconds(50)) != 0) {
+      std::fprintf(stderr, "tailserve: second signal, stopping without waiting\n");
+      break;
+    }
+  }
+  const bool drained = server.Drained();
+  if (!drained) LogStats(server, engine, "tailserve drain timed out, cancelling");
+  server.Shutdown(std::chrono::milliseconds(drained ? 1000 : 0));
+  LogStats(server, engine, "tailserve stopped");
+  return 0;
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("tailserve --model_dir DIR [--port N] [--backend cpu] ...");
+  absl::ParseCommandLine(argc, argv);
+
+  // Block the shutdown signals before any thread starts, so every thread inherits the mask and
+  // only sigtimedwait in this thread ever sees them: no work happens inside a signal handler.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  absl::StatusOr<Loaded> loaded = Load();
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "tailserve: %s\n", loaded.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<Engine> engine = std::move(loaded->engine);
+  absl::StatusOr<std::unique_ptr<TailServer>> server =
+      TailServer::Start(ServerOptions{.host = absl::GetFlag(FLAGS_host),
+                                      .port = absl::GetFlag(FLAGS_port),
+                                      .model_name = loaded->model_name},
+                        engine.get());
+  if (!server.ok()) {
+    std::fprintf(stderr, "tailserve: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("tailserve listening on %s\n", (*server)->address().c_str());
+  std::fflush(stdout);
+  const int rc = Serve(**server, *engine, signals);
+  // The server goes first: no reactor may outlive the engine it points into.
+  server->reset();
+  engine.reset();
+  return rc;
+}
+
+}  // namespace
+}  // namespace ts::server
+
+int main(int argc, char** argv) {
+  return ts::server::Main(argc, argv);
+}

@@ -1,0 +1,69 @@
+#include "server/server.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace ts::server {
+
+absl::StatusOr<std::unique_ptr<TailServer>> TailServer::Start(const ServerOptions& options,
+                                                              Engine* engine) {
+  std::unique_ptr<TailServer> s(new TailServer());
+  s->engine_ = engine;
+  s->service_ = std::make_unique<GenerationService>(
+      engine, GenerationServiceOptions{.model_name = options.model_name});
+
+  // Both must be set before the builder is created: they register through global hooks.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+  const bool ipv6 = options.host.find(':') != std::string::npos;
+  const std::string host = ipv6 ? absl::StrCat("[", options.host, "]") : options.host;
+  grpc::ServerBuilder builder;
+  int bound_port = 0;
+  builder.AddListeningPort(absl::StrCat(host, ":", options.port), grpc::InsecureServerCredentials(),
+                           &bound_port);
+  builder.RegisterService(s->service_.get());
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || bound_port == 0) {
+    return absl::UnavailableError(absl::StrCat("could not listen on ", host, ":", options.port,
+                                               " (address in use or not local?)"));
+  }
+  s->port_ = bound_port;
+  s->address_ = absl::StrCat(host, ":", bound_port);
+  s->SetServing(true);
+  return s;
+}
+
+TailServer::~TailServer() {
+  Shutdown(std::chrono::milliseconds(0));
+}
+
+void TailServer::SetServing(bool serving) {
+  if (shut_down_) return;
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus(serving);  // "" (the whole server) and every registered service
+}
+
+void TailServer::BeginDrain() {
+  SetServing(false);
+  service_->BeginDrain();
+  engine_->BeginDrain();
+}
+
+bool TailServer::Drained() const {
+  return service_->active_streams() == 0 && engine_->Idle();
+}
+
+void TailServer::Shutdown(std::chrono::milliseconds grace) {
+  if (shut_down_ || server_ == nullptr) return;
+  shut_down_ = true;
+  // The health service answers NOT_SERVING from here on.
+  server_->Shutdown(std::chrono::system_clock::now() + grace);
+  server_->Wait();
+}
+
+}  // namespace ts::server

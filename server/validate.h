@@ -1,0 +1,33 @@
+// The request edge: checks a tailserve.v1.GenerateRequest field by field and converts it to the
+// engine's native ts::GenerateRequest. Nothing reaches the engine without passing through here, and
+// every error names the offending field by its proto name ("sampling.top_p",
+// "prompt_token_ids[3]", ...), so clients can fix the request without reading server logs.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "engine/engine.h"
+#include "tailserve/v1/generation.pb.h"
+
+namespace ts::server {
+
+// What the loaded model and engine allow; filled from Engine::model_info().
+struct ValidationLimits {
+  int32_t vocab_size = 0;
+  int32_t max_context = 0;   // prompt + max_new_tokens
+  int32_t max_stop_ids = 0;  // cap on stop.stop_token_ids
+  int32_t max_request_id_chars = 128;
+};
+
+// Proto defaults for unset fields (documented in generation.proto).
+inline constexpr int32_t kDefaultMaxNewTokens = 16;
+
+// Pure: the same inputs always give the same result. `drawn_seed` is used when sampling.seed is
+// unset (the caller draws it, so this function stays deterministic and testable).
+// Errors: INVALID_ARGUMENT naming the field; UNIMPLEMENTED for prompt_text (no tokenizer yet).
+absl::StatusOr<GenerateRequest> ValidateAndConvert(const tailserve::v1::GenerateRequest& request,
+                                                   const ValidationLimits& limits,
+                                                   uint64_t drawn_seed);
+
+}  // namespace ts::server

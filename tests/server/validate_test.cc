@@ -1,0 +1,227 @@
+// The request edge: every bad field gets its status code and a message naming the field; good
+// requests convert to exactly the native request the engine expects.
+#include "server/validate.h"
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/grpc_status.h"
+
+namespace ts::server {
+namespace {
+
+namespace pb = ::tailserve::v1;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr ValidationLimits kLimits{.vocab_size = 311, .max_context = 256, .max_stop_ids = 4};
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+pb::GenerateRequest Good() {
+  pb::GenerateRequest r;
+  for (int id : {1, 17, 310, 0}) r.mutable_prompt_token_ids()->add_ids(id);
+  return r;
+}
+
+struct BadCase {
+  std::string name;
+  std::function<void(pb::GenerateRequest*)> mutate;
+  absl::StatusCode code;
+  std::string field;  // must appear in the message
+};
+
+class BadFieldTest : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(BadFieldTest, RejectedWithCodeNamingField) {
+  const BadCase& c = GetParam();
+  pb::GenerateRequest r = Good();
+  c.mutate(&r);
+  absl::StatusOr<GenerateRequest> got = ValidateAndConvert(r, kLimits, 7);
+  ASSERT_FALSE(got.ok()) << c.name;
+  EXPECT_EQ(got.status().code(), c.code) << got.status();
+  EXPECT_THAT(std::string(got.status().message()), HasSubstr(c.field));
+  // The field name leads the message so clients can parse it.
+  EXPECT_EQ(std::string(got.status().message()).rfind(c.field, 0), 0u) << got.status();
+}
+
+void SetIds(pb::GenerateRequest* r, std::initializer_list<int> ids) {
+  r->mutable_prompt_token_ids()->clear_ids();
+  for (int id : ids) r->mutable_prompt_token_ids()->add_ids(id);
+}
+
+const absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
+
+INSTANTIATE_TEST_SUITE_P(
+    Edge, BadFieldTest,
+    ::testing::Values(
+        BadCase{"no_prompt", [](auto* r) { r->clear_prompt(); }, kInvalid, "prompt_token_ids"},
+        BadCase{"empty_prompt", [](auto* r) { SetIds(r, {}); }, kInvalid, "prompt_token_ids"},
+        BadCase{"negative_id",
+                [](auto* r) {
+                  SetIds(r, {1, 2, 3, -1});
+                },
+                kInvalid, "prompt_token_ids[3]"},
+        BadCase{"id_eq_vocab", [](auto* r) { SetIds(r, {311}); }, kInvalid, "prompt_token_ids[0]"},
+        BadCase{"prompt_text", [](auto* r) { r->set_prompt_text("hello"); },
+                absl::StatusCode::kUnimplemented, "prompt_text"},
+        BadCase{"prompt_fills_context",
+                [](auto* r) {
+                  SetIds(r, {});
+                  for (int i = 0; i < 256; ++i) r->mutable_prompt_token_ids()->add_ids(5);
+                },
+                kInvalid, "prompt_token_ids"},
+        BadCase{"over_context",
+                [](auto* r) { r->mutable_stop()->set_max_new_tokens(253); },  // 4 + 253 > 256
+                kInvalid, "stop.max_new_tokens"},
+        BadCase{"huge_max_new",
+                [](auto* r) {
+                  r->mutable_stop()->set_max_new_tokens(std::numeric_limits<int32_t>::max());
+                },
+                kInvalid, "stop.max_new_tokens"},
+        BadCase{"zero_max_new", [](auto* r) { r->mutable_stop()->set_max_new_tokens(0); }, kInvalid,
+                "stop.max_new_tokens"},
+        BadCase{"neg_min_new", [](auto* r) { r->mutable_stop()->set_min_new_tokens(-1); }, kInvalid,
+                "stop.min_new_tokens"},
+        BadCase{"min_over_max",
+                [](auto* r) {
+                  r->mutable_stop()->set_max_new_tokens(8);
+                  r->mutable_stop()->set_min_new_tokens(9);
+                },
+                kInvalid, "stop.min_new_tokens"},
+        BadCase{"too_many_stops",
+                [](auto* r) {
+                  for (int i = 0; i < 5; ++i) r->mutable_stop()->add_stop_token_ids(i);
+                },
+                kInvalid, "stop.stop_token_ids"},
+        BadCase{"bad_stop_id",
+                [](auto* r) {
+                  r->mutable_stop()->add_stop_token_ids(3);
+                  r->mutable_stop()->add_stop_token_ids(400);
+                },
+                kInvalid, "stop.stop_token_ids[1]"},
+        BadCase{"nan_temp", [](auto* r) { r->mutable_sampling()->set_temperature(kNaN); }, kInvalid,
+                "sampling.temperature"},
+        BadCase{"inf_temp", [](auto* r) { r->mutable_sampling()->set_temperature(kInf); }, kInvalid,
+                "sampling.temperature"},
+        BadCase{"neg_temp", [](auto* r) { r->mutable_sampling()->set_temperature(-0.5f); },
+                kInvalid, "sampling.temperature"},
+        BadCase{"top_p_zero", [](auto* r) { r->mutable_sampling()->set_top_p(0.0f); }, kInvalid,
+                "sampling.top_p"},
+        BadCase{"top_p_over", [](auto* r) { r->mutable_sampling()->set_top_p(1.01f); }, kInvalid,
+                "sampling.top_p"},
+        BadCase{"top_p_nan", [](auto* r) { r->mutable_sampling()->set_top_p(kNaN); }, kInvalid,
+                "sampling.top_p"},
+        BadCase{"top_k_neg", [](auto* r) { r->mutable_sampling()->set_top_k(-1); }, kInvalid,
+                "sampling.top_k"},
+        BadCase{"top_k_over", [](auto* r) { r->mutable_sampling()->set_top_k(312); }, kInvalid,
+                "sampling.top_k"},
+        BadCase{"min_p_over", [](auto* r) { r->mutable_sampling()->set_min_p(1.5f); }, kInvalid,
+                "sampling.min_p"},
+        BadCase{"min_p_neg", [](auto* r) { r->mutable_sampling()->set_min_p(-0.1f); }, kInvalid,
+                "sampling.min_p"},
+        BadCase{"rep_zero", [](auto* r) { r->mutable_sampling()->set_repetition_penalty(0.0f); },
+                kInvalid, "sampling.repetition_penalty"},
+        BadCase{"rep_nan", [](auto* r) { r->mutable_sampling()->set_repetition_penalty(kNaN); },
+                kInvalid, "sampling.repetition_penalty"},
+        BadCase{"presence_over", [](auto* r) { r->mutable_sampling()->set_presence_penalty(2.5f); },
+                kInvalid, "sampling.presence_penalty"},
+        BadCase{"frequency_under",
+                [](auto* r) { r->mutable_sampling()->set_frequency_penalty(-2.5f); }, kInvalid,
+                "sampling.frequency_penalty"},
+        BadCase{"frequency_inf",
+                [](auto* r) { r->mutable_sampling()->set_frequency_penalty(kInf); }, kInvalid,
+                "sampling.frequency_penalty"},
+        BadCase{"long_request_id", [](auto* r) { r->set_request_id(std::string(200, 'x')); },
+                kInvalid, "request_id"}),
+    [](const ::testing::TestParamInfo<BadCase>& info) { return info.param.name; });
+
+TEST(ValidateTest, DefaultsApplyAndSeedIsDrawn) {
+  absl::StatusOr<GenerateRequest> got = ValidateAndConvert(Good(), kLimits, 12345);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_THAT(got->prompt, ElementsAre(1, 17, 310, 0));
+  EXPECT_EQ(got->request_id, "");
+  EXPECT_EQ(got->sampling.temperature, 1.0f);
+  EXPECT_EQ(got->sampling.top_k, 0);
+  EXPECT_EQ(got->sampling.top_p, 1.0f);
+  EXPECT_EQ(got->sampling.min_p, 0.0f);
+  EXPECT_EQ(got->sampling.repetition_penalty, 1.0f);
+  EXPECT_EQ(got->sampling.seed, 12345u);
+  EXPECT_EQ(got->stop.max_new_tokens, kDefaultMaxNewTokens);
+  EXPECT_EQ(got->stop.min_new_tokens, 0);
+  EXPECT_FALSE(got->stop.ignore_eos);
+  EXPECT_TRUE(got->stop.stop_token_ids.empty());
+}
+
+TEST(ValidateTest, EveryFieldConverts) {
+  pb::GenerateRequest r = Good();
+  r.set_request_id("req-7");
+  pb::SamplingParams* s = r.mutable_sampling();
+  s->set_temperature(0.8f);
+  s->set_top_k(40);
+  s->set_top_p(0.9f);
+  s->set_min_p(0.05f);
+  s->set_repetition_penalty(1.1f);
+  s->set_presence_penalty(-0.5f);
+  s->set_frequency_penalty(0.25f);
+  s->set_seed(42);
+  pb::StopParams* st = r.mutable_stop();
+  st->set_max_new_tokens(252);  // 4 + 252 == max_context exactly: allowed
+  st->set_min_new_tokens(3);
+  st->add_stop_token_ids(2);
+  st->add_stop_token_ids(310);
+  st->set_ignore_eos(true);
+  absl::StatusOr<GenerateRequest> got = ValidateAndConvert(r, kLimits, 999);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->request_id, "req-7");
+  EXPECT_EQ(got->sampling.temperature, 0.8f);
+  EXPECT_EQ(got->sampling.top_k, 40);
+  EXPECT_EQ(got->sampling.top_p, 0.9f);
+  EXPECT_EQ(got->sampling.min_p, 0.05f);
+  EXPECT_EQ(got->sampling.repetition_penalty, 1.1f);
+  EXPECT_EQ(got->sampling.presence_penalty, -0.5f);
+  EXPECT_EQ(got->sampling.frequency_penalty, 0.25f);
+  EXPECT_EQ(got->sampling.seed, 42u);  // explicit seed wins over the drawn one
+  EXPECT_EQ(got->stop.max_new_tokens, 252);
+  EXPECT_EQ(got->stop.min_new_tokens, 3);
+  EXPECT_THAT(got->stop.stop_token_ids, ElementsAre(2, 310));
+  EXPECT_TRUE(got->stop.ignore_eos);
+}
+
+TEST(ValidateTest, GreedyAndEdgeValuesAccepted) {
+  pb::GenerateRequest r = Good();
+  r.mutable_sampling()->set_temperature(0.0f);
+  r.mutable_sampling()->set_top_k(311);  // == vocab
+  r.mutable_sampling()->set_top_p(1.0f);
+  r.mutable_sampling()->set_min_p(1.0f);
+  r.mutable_sampling()->set_presence_penalty(2.0f);
+  r.mutable_sampling()->set_frequency_penalty(-2.0f);
+  r.mutable_sampling()->set_seed(0);  // set to zero is still "set"
+  for (int i = 0; i < 4; ++i) r.mutable_stop()->add_stop_token_ids(i);  // == cap
+  absl::StatusOr<GenerateRequest> got = ValidateAndConvert(r, kLimits, 5);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(got->sampling.greedy());
+  EXPECT_EQ(got->sampling.top_k, 311);
+  EXPECT_EQ(got->sampling.seed, 0u);
+  EXPECT_EQ(got->stop.stop_token_ids.size(), 4u);
+}
+
+TEST(GrpcStatusTest, CodesAndMessagesCarryOver) {
+  const grpc::Status s = ToGrpcStatus(absl::InvalidArgumentError("sampling.top_p: bad"));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(), "sampling.top_p: bad");
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+  EXPECT_EQ(ToGrpcCode(absl::StatusCode::kResourceExhausted), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(ToGrpcCode(absl::StatusCode::kUnavailable), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(ToGrpcCode(absl::StatusCode::kUnimplemented), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_EQ(ToGrpcCode(absl::StatusCode::kAlreadyExists), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(ToGrpcCode(absl::StatusCode::kInternal), grpc::StatusCode::INTERNAL);
+  EXPECT_EQ(ToGrpcCode(absl::StatusCode::kCancelled), grpc::StatusCode::CANCELLED);
+}
+
+}  // namespace
+}  // namespace ts::server
