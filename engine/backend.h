@@ -36,6 +36,14 @@ enum class FinishReason : uint8_t {
 };
 const char* FinishReasonName(FinishReason r);
 
+// The stop rule every backend applies after sampling a token, exactly as the GPU postprocess kernel
+// does. `index` is the token's 0-based index among the generated tokens. EOS (unless ignore_eos)
+// and stop ids count only from index min_new_tokens on (vLLM's min_tokens); the token is emitted
+// either way. Reaching max_new_tokens gives kLength unless the token also stops for EOS/stop id.
+// Cancellation is checked before sampling, by the backend, and is not part of this rule.
+FinishReason CheckStop(const StopParams& stop, std::span<const int32_t> eos_token_ids,
+                       int32_t token, int32_t index);
+
 // One token-ring entry. The writer fills token and flags, then release-stores seq; the reader
 // accepts an entry only when seq equals the one it expects, so it never reads a torn entry.
 // Same layout in host-mapped pinned memory for the GPU writer.
@@ -68,8 +76,10 @@ class TokenRing {
   // Consumer side: appends every entry from *next_seq on and advances *next_seq. Returns false if
   // the producer lapped the reader (entries were lost), which the engine treats as an error.
   bool Drain(uint32_t* next_seq, std::vector<RingEntry>* out) const;
-  // Zeroes every entry's seq so a new request starts at seq 1.
+  // Zeroes every entry's seq so a new request starts at seq 1. Only while the producer is idle.
   void Reset();
+  // Highest seq currently stored (0 when empty). After a lap the reader resynchronises here.
+  uint32_t LatestSeq() const;
 
  private:
   RingEntry* entries_ = nullptr;
@@ -100,8 +110,8 @@ struct StepReport {
 };
 
 enum class RunMode {
-  kOneStep,       // host-driven: one decode step over the active slots, then return
-  kUntilIdle,     // device loop: keep stepping until no slot is active or Pause() is called
+  kOneStep,    // host-driven: one decode step over the active slots, then return
+  kUntilIdle,  // device loop: keep stepping until no slot is active or Pause() is called
 };
 
 class Backend {
@@ -123,7 +133,9 @@ class Backend {
   virtual StepReport last_step() const = 0;
 };
 
-// Smallest bucket >= n; buckets sorted ascending. n must be <= buckets.back().
+// Smallest bucket >= n (0 for n <= 0); buckets sorted ascending. n must be <= buckets.back().
 int32_t PickBucket(std::span<const int32_t> buckets, int32_t n);
+// Positive and strictly ascending; the error names the offending index.
+absl::Status ValidateBuckets(std::span<const int32_t> buckets);
 
 }  // namespace ts

@@ -18,12 +18,16 @@
 
 namespace ts {
 
+// Engine::Create normalises these: buckets are sorted and deduplicated (each must be positive);
+// max_batch is clamped to the backend's max_slots and to the largest bucket; buckets above the
+// first one >= max_batch are dropped. max_context must fit the model and the whole KV pool
+// (v1 reserves a request's worst case at admission and never evicts), else Create fails.
 struct EngineOptions {
   int32_t max_batch = 64;  // concurrent decoding requests; <= backend max_slots
   std::vector<int32_t> buckets = {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128};
-  int32_t queue_limit = 256;      // queued (not yet admitted) requests; beyond: RESOURCE_EXHAUSTED
-  int32_t max_context = 0;        // prompt + max_new_tokens; 0 = model max_position_embeddings
-  int32_t max_stop_ids = 16;      // cap on StopParams::stop_token_ids
+  int32_t queue_limit = 256;  // queued (not yet admitted) requests; beyond: RESOURCE_EXHAUSTED
+  int32_t max_context = 0;    // prompt + max_new_tokens; 0 = model max_position_embeddings
+  int32_t max_stop_ids = 16;  // cap on StopParams::stop_token_ids
   int32_t stream_buffer_tokens = 4096;  // unread tokens per stream before it is cancelled
   RunMode run_mode = RunMode::kOneStep;
 };
@@ -35,7 +39,12 @@ struct GenerateRequest {
   StopParams stop;
 };
 
-// Everything a stream has not yet sent, coalesced.
+// Everything a stream has not yet sent, coalesced. How a request ends:
+//   eos / stop_token / length       status OK
+//   cancelled by Engine::Cancel      status OK
+//   cancelled because the reader fell more than stream_buffer_tokens behind: RESOURCE_EXHAUSTED
+//   cancelled because the engine shut down: UNAVAILABLE
+//   error (backend failure, ring overrun): INTERNAL
 struct StreamUpdate {
   std::vector<int32_t> tokens;
   bool finished = false;
@@ -60,13 +69,16 @@ class RequestStream {
 
   // Producer (engine thread).
   void Append(std::span<const int32_t> tokens);  // returns without blocking
+  // First call wins; later Append/Finish calls are ignored.
   void Finish(FinishReason reason, absl::Status status);
-  int32_t unread() const;
-  bool finished() const;
+  int32_t unread() const;  // tokens appended but not yet taken
+  bool finished() const;   // Finish was called (the consumer may not have taken it yet)
+  int32_t completion_tokens() const;
 
  private:
   void Notify();
   const std::string id_;
+  const int32_t prompt_tokens_;
   mutable std::mutex mu_;
   StreamUpdate pending_;
   bool done_ = false;
@@ -115,6 +127,9 @@ class Engine {
 
   ModelInfo model_info() const;
   EngineStats stats() const;
+  // OK while the backend works. After a backend failure every request has ended with INTERNAL,
+  // Submit returns UNAVAILABLE, and this returns the failure (the server goes NOT_SERVING).
+  absl::Status health() const;
 
  private:
   Engine();

@@ -1,0 +1,632 @@
+// Steps the scheduler over a scripted backend, one iteration at a time, and asserts which requests
+// ran, with which bucket, and how many tokens each stream holds after every step.
+#include "engine/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "tests/engine/mock_backend.h"
+#include "tests/engine/stream_reader.h"
+
+namespace ts {
+namespace {
+
+using ::ts::testing::DefaultMockToken;
+using ::ts::testing::MockBackend;
+using ::ts::testing::MockBackendOptions;
+using ::ts::testing::StreamReader;
+using Ids = std::vector<std::string>;
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void Make(MockBackendOptions mo = {}, EngineOptions eo = {}) {
+    auto backend = std::make_unique<MockBackend>(std::move(mo));
+    mock_ = backend.get();
+    auto s = Scheduler::Create(std::move(eo), std::move(backend));
+    ASSERT_TRUE(s.ok()) << s.status();
+    sched_ = std::move(*s);
+  }
+
+  GenerateRequest Req(std::string id, std::vector<int32_t> prompt, int32_t max_new) {
+    GenerateRequest r;
+    r.request_id = std::move(id);
+    r.prompt = std::move(prompt);
+    r.sampling.temperature = 0.0f;
+    r.stop.max_new_tokens = max_new;
+    return r;
+  }
+
+  StreamReader* Submit(GenerateRequest r) {
+    auto s = sched_->Submit(std::move(r));
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) return nullptr;
+    readers_.push_back(std::make_unique<StreamReader>(*s));
+    return readers_.back().get();
+  }
+  StreamReader* Submit(std::string id, std::vector<int32_t> prompt, int32_t max_new) {
+    return Submit(Req(std::move(id), std::move(prompt), max_new));
+  }
+
+  // Steps until `r` finishes (bounded so a bug fails instead of hanging).
+  void StepUntilFinished(StreamReader* r, int max_steps = 200) {
+    for (int i = 0; i < max_steps && !r->finished; ++i) {
+      sched_->Step();
+      r->Pull();
+    }
+    ASSERT_TRUE(r->finished);
+  }
+
+  static std::vector<int32_t> Expected(const std::vector<int32_t>& prompt, int32_t n) {
+    std::vector<int32_t> out;
+    for (int32_t i = 0; i < n; ++i) out.push_back(DefaultMockToken(prompt, i));
+    return out;
+  }
+
+  MockBackend* mock_ = nullptr;
+  std::unique_ptr<Scheduler> sched_;
+  std::vector<std::unique_ptr<StreamReader>> readers_;
+};
+
+TEST_F(SchedulerTest, SingleRequestGetsOneTokenPerStepThenRetires) {
+  Make();
+  const std::vector<int32_t> prompt = {5, 6, 7};
+  StreamReader* a = Submit("a", prompt, 4);
+  EXPECT_EQ(sched_->stats().queued, 1);
+  EXPECT_FALSE(sched_->Idle());
+
+  StepTrace t = sched_->Step();
+  EXPECT_EQ(t.admitted, Ids({"a"}));
+  EXPECT_EQ(t.decoded, Ids({"a"}));
+  EXPECT_EQ(t.report.active, 1);
+  EXPECT_EQ(t.report.bucket, 1);
+  a->Pull();
+  EXPECT_EQ(a->tokens, Expected(prompt, 2));  // prefill's token + one decode step
+  EXPECT_FALSE(a->finished);
+  ASSERT_EQ(mock_->prefills.size(), 1u);
+  // (3 + 4) tokens in blocks of 4 -> 2 blocks reserved up front.
+  EXPECT_EQ(mock_->prefills[0][0].block_table.size(), 2u);
+  EXPECT_EQ(sched_->stats().kv_blocks_free, 1024 - 2);
+  EXPECT_EQ(sched_->stats().running, 1);
+
+  t = sched_->Step();
+  EXPECT_TRUE(t.admitted.empty());
+  a->Pull();
+  EXPECT_EQ(a->tokens.size(), 3u);
+
+  t = sched_->Step();
+  EXPECT_EQ(t.retired, Ids({"a"}));
+  a->Pull();
+  EXPECT_EQ(a->tokens, Expected(prompt, 4));
+  EXPECT_TRUE(a->finished);
+  EXPECT_EQ(a->reason, FinishReason::kLength);
+  EXPECT_TRUE(a->status.ok());
+  EXPECT_EQ(a->prompt_tokens, 3);
+  EXPECT_EQ(a->completion_tokens, 4);
+  EXPECT_EQ(mock_->releases, std::vector<SlotId>({0}));
+
+  const EngineStats st = sched_->stats();
+  EXPECT_EQ(st.kv_blocks_free, st.kv_blocks_total);
+  EXPECT_EQ(st.running, 0);
+  EXPECT_EQ(st.steps, 3u);
+  EXPECT_EQ(st.tokens_generated, 4u);
+  EXPECT_EQ(st.requests_finished, 1u);
+  EXPECT_TRUE(sched_->Idle());
+
+  t = sched_->Step();
+  EXPECT_FALSE(t.did_work);
+  EXPECT_TRUE(t.decoded.empty());
+  EXPECT_EQ(mock_->runs.size(), 3u);
+}
+
+struct BucketCase {
+  int32_t requests;
+  int32_t bucket;
+};
+class SchedulerBucketTest : public SchedulerTest,
+                            public ::testing::WithParamInterface<BucketCase> {};
+
+TEST_P(SchedulerBucketTest, ActiveBatchPadsToSmallestBucket) {
+  Make();
+  std::vector<StreamReader*> rs;
+  for (int32_t i = 0; i < GetParam().requests; ++i) {
+    rs.push_back(Submit(absl::StrCat("r", i), {i + 1, 3}, 3));
+  }
+  StepTrace t = sched_->Step();
+  EXPECT_EQ(static_cast<int32_t>(t.admitted.size()), GetParam().requests);
+  EXPECT_EQ(t.report.active, GetParam().requests);
+  EXPECT_EQ(t.report.bucket, GetParam().bucket);
+  t = sched_->Step();
+  EXPECT_EQ(static_cast<int32_t>(t.retired.size()), GetParam().requests);
+  for (int32_t i = 0; i < GetParam().requests; ++i) {
+    rs[i]->Pull();
+    // Each request gets its own stream, independent of its neighbours.
+    EXPECT_EQ(rs[i]->tokens, Expected({i + 1, 3}, 3)) << "request " << i;
+    EXPECT_EQ(rs[i]->reason, FinishReason::kLength);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Buckets, SchedulerBucketTest,
+                         ::testing::Values(BucketCase{1, 1}, BucketCase{2, 2}, BucketCase{3, 4},
+                                           BucketCase{5, 8}, BucketCase{17, 24}, BucketCase{33, 48},
+                                           BucketCase{64, 64}));
+
+TEST_F(SchedulerTest, BucketShrinksAsRequestsFinish) {
+  Make();
+  StreamReader* a = Submit("a", {1}, 2);
+  StreamReader* b = Submit("b", {2}, 3);
+  StreamReader* c = Submit("c", {3}, 5);
+  StepTrace t = sched_->Step();
+  EXPECT_EQ(t.report.bucket, 4);
+  EXPECT_EQ(t.retired, Ids({"a"}));
+  t = sched_->Step();
+  EXPECT_EQ(t.decoded, Ids({"b", "c"}));
+  EXPECT_EQ(t.report.bucket, 2);
+  EXPECT_EQ(t.retired, Ids({"b"}));
+  t = sched_->Step();
+  EXPECT_EQ(t.decoded, Ids({"c"}));
+  EXPECT_EQ(t.report.bucket, 1);
+  t = sched_->Step();
+  EXPECT_EQ(t.retired, Ids({"c"}));
+  for (auto* r : {a, b, c}) r->Pull();
+  EXPECT_EQ(a->tokens.size(), 2u);
+  EXPECT_EQ(b->tokens.size(), 3u);
+  EXPECT_EQ(c->tokens, Expected({3}, 5));
+}
+
+TEST_F(SchedulerTest, MaxBatchLimitsConcurrency) {
+  EngineOptions eo;
+  eo.max_batch = 2;
+  Make({}, eo);
+  EXPECT_EQ(sched_->model_info().max_batch, 2);
+  StreamReader* a = Submit("a", {1}, 2);
+  StreamReader* b = Submit("b", {2}, 4);
+  StreamReader* c = Submit("c", {3}, 2);
+
+  StepTrace t = sched_->Step();
+  EXPECT_EQ(t.admitted, Ids({"a", "b"}));
+  EXPECT_EQ(t.retired, Ids({"a"}));
+  EXPECT_EQ(sched_->stats().queued, 1);
+  c->Pull();
+  EXPECT_TRUE(c->tokens.empty());
+
+  t = sched_->Step();  // a's slot is free again: c joins b
+  EXPECT_EQ(t.admitted, Ids({"c"}));
+  EXPECT_EQ(t.decoded, Ids({"b", "c"}));
+  EXPECT_EQ(t.retired, Ids({"c"}));
+  // c reuses a's slot.
+  EXPECT_EQ(mock_->prefills[1][0].slot, mock_->prefills[0][0].slot);
+
+  t = sched_->Step();
+  EXPECT_EQ(t.retired, Ids({"b"}));
+  for (auto* r : {a, b, c}) r->Pull();
+  EXPECT_EQ(b->tokens, Expected({2}, 4));
+  EXPECT_EQ(c->tokens, Expected({3}, 2));
+  for (const auto& run : mock_->runs) EXPECT_LE(run.active.size(), 2u);
+}
+
+TEST_F(SchedulerTest, AdmissionWaitsForKvBlocksUntilARequestRetires) {
+  MockBackendOptions mo;
+  mo.kv_block_size = 4;
+  mo.num_kv_blocks = 8;
+  mo.max_position_embeddings = 32;
+  Make(mo);
+  StreamReader* a = Submit("a", {1, 2, 3, 4}, 12);  // 16 tokens: 4 blocks
+  StreamReader* b = Submit("b", {5, 6, 7, 8}, 3);   // 7 tokens: 2 blocks
+  StreamReader* c = Submit("c", {9, 9, 9, 9}, 12);  // 4 blocks: does not fit next to a and b
+
+  StepTrace t = sched_->Step();
+  EXPECT_EQ(t.admitted, Ids({"a", "b"}));
+  EXPECT_EQ(sched_->stats().kv_blocks_free, 2);
+  EXPECT_EQ(sched_->stats().queued, 1);
+
+  t = sched_->Step();
+  EXPECT_TRUE(t.admitted.empty());
+  EXPECT_EQ(t.retired, Ids({"b"}));
+  EXPECT_EQ(sched_->stats().kv_blocks_free, 4);
+
+  t = sched_->Step();
+  EXPECT_EQ(t.admitted, Ids({"c"}));
+  EXPECT_EQ(mock_->prefills[0][0].block_table, std::vector<int32_t>({0, 1, 2, 3}));
+  EXPECT_EQ(mock_->prefills[0][1].block_table, std::vector<int32_t>({4, 5}));
+  EXPECT_EQ(mock_->prefills[1][0].block_table, std::vector<int32_t>({4, 5, 6, 7}));
+  EXPECT_EQ(sched_->stats().kv_blocks_free, 0);
+
+  StepUntilFinished(c);
+  a->Pull();
+  b->Pull();
+  EXPECT_TRUE(a->finished);
+  EXPECT_EQ(a->tokens, Expected({1, 2, 3, 4}, 12));
+  EXPECT_EQ(b->tokens, Expected({5, 6, 7, 8}, 3));
+  EXPECT_EQ(c->tokens, Expected({9, 9, 9, 9}, 12));
+  EXPECT_EQ(sched_->stats().kv_blocks_free, 8);
+}
+
+TEST_F(SchedulerTest, FullQueueIsResourceExhaustedAtOnce) {
+  EngineOptions eo;
+  eo.queue_limit = 2;
+  eo.max_batch = 1;
+  Make({}, eo);
+  Submit("a", {1}, 5);
+  Submit("b", {2}, 5);
+  auto c = sched_->Submit(Req("c", {3}, 5));
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted) << c.status();
+  // The rejected id is not held: it can be submitted once there is room.
+  sched_->Step();  // admits a; the queue has room again
+  EXPECT_EQ(sched_->stats().queued, 1);
+  EXPECT_NE(Submit("c", {3}, 5), nullptr);
+  EXPECT_EQ(sched_->Submit(Req("d", {4}, 5)).status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+// --- stop conditions ---------------------------------------------------------------------------
+
+constexpr int32_t kEos = 2;  // MockBackendOptions' default eos_token_ids
+
+int32_t EosFromIndex2(std::span<const int32_t> prompt, int32_t index) {
+  return index >= 2 ? kEos : DefaultMockToken(prompt, index);
+}
+
+TEST_F(SchedulerTest, EosFinishesAndIsEmitted) {
+  Make();
+  mock_->set_script(EosFromIndex2);
+  StreamReader* a = Submit("a", {4}, 10);
+  StepUntilFinished(a);
+  EXPECT_EQ(a->reason, FinishReason::kEos);
+  const std::vector<int32_t> prompt = {4};
+  EXPECT_EQ(a->tokens,
+            std::vector<int32_t>({DefaultMockToken(prompt, 0), DefaultMockToken(prompt, 1), kEos}));
+}
+
+TEST_F(SchedulerTest, MinNewTokensSuppressesEos) {
+  Make();
+  mock_->set_script(EosFromIndex2);
+  GenerateRequest r = Req("a", {4}, 10);
+  r.stop.min_new_tokens = 3;
+  StreamReader* a = Submit(std::move(r));
+  StepUntilFinished(a);
+  EXPECT_EQ(a->reason, FinishReason::kEos);
+  // EOS at index 2 is ignored; the one at index 3 counts.
+  ASSERT_EQ(a->tokens.size(), 4u);
+  EXPECT_EQ(a->tokens[2], kEos);
+  EXPECT_EQ(a->tokens[3], kEos);
+}
+
+TEST_F(SchedulerTest, StopTokenFinishes) {
+  Make();
+  const std::vector<int32_t> prompt = {8};
+  ASSERT_NE(DefaultMockToken(prompt, 0), DefaultMockToken(prompt, 1));
+  GenerateRequest r = Req("a", prompt, 10);
+  r.stop.stop_token_ids = {DefaultMockToken(prompt, 1)};
+  StreamReader* a = Submit(std::move(r));
+  StepUntilFinished(a);
+  EXPECT_EQ(a->reason, FinishReason::kStopToken);
+  EXPECT_EQ(a->tokens, Expected(prompt, 2));
+}
+
+TEST_F(SchedulerTest, IgnoreEosRunsToMaxNewTokens) {
+  Make();
+  mock_->set_script(EosFromIndex2);
+  GenerateRequest r = Req("a", {4}, 6);
+  r.stop.ignore_eos = true;
+  StreamReader* a = Submit(std::move(r));
+  StepUntilFinished(a);
+  EXPECT_EQ(a->reason, FinishReason::kLength);
+  EXPECT_EQ(a->tokens.size(), 6u);
+  EXPECT_EQ(a->tokens.back(), kEos);
+}
+
+TEST_F(SchedulerTest, OneNewTokenFinishesInPrefill) {
+  Make();
+  StreamReader* a = Submit("a", {4}, 1);
+  StepTrace t = sched_->Step();
+  EXPECT_EQ(t.admitted, Ids({"a"}));
+  EXPECT_EQ(t.report.active, 0);  // finished at prefill: nothing left to decode
+  EXPECT_EQ(t.retired, Ids({"a"}));
+  a->Pull();
+  EXPECT_EQ(a->tokens, Expected({4}, 1));
+  EXPECT_EQ(a->reason, FinishReason::kLength);
+  EXPECT_EQ(sched_->stats().steps, 0u);
+}
+
+// --- cancellation ------------------------------------------------------------------------------
+
+TEST_F(SchedulerTest, CancelQueuedRequestNeverReachesTheBackend) {
+  EngineOptions eo;
+  eo.max_batch = 1;
+  Make({}, eo);
+  StreamReader* a = Submit("a", {1}, 10);
+  StreamReader* b = Submit("b", {2}, 10);
+  sched_->Step();
+  sched_->Cancel("b");
+  sched_->Cancel("b");     // idempotent
+  sched_->Cancel("nope");  // unknown ids are ignored
+  StepTrace t = sched_->Step();
+  EXPECT_TRUE(t.admitted.empty());
+  b->Pull();
+  EXPECT_TRUE(b->finished);
+  EXPECT_EQ(b->reason, FinishReason::kCancelled);
+  EXPECT_TRUE(b->status.ok());
+  EXPECT_TRUE(b->tokens.empty());
+  EXPECT_EQ(sched_->stats().queued, 0);
+  StepUntilFinished(a);
+  for (const auto& p : mock_->prefills) {
+    for (const auto& s : p) EXPECT_EQ(s.prompt, std::vector<int32_t>({1}));
+  }
+}
+
+TEST_F(SchedulerTest, CancelRunningFreesSlotAndBlocksWithinOneStep) {
+  Make();
+  StreamReader* a = Submit("a", {1}, 50);
+  StreamReader* b = Submit("b", {2}, 50);
+  sched_->Step();
+  a->Pull();
+  ASSERT_EQ(a->tokens.size(), 2u);
+  const SlotId a_slot = sched_->FindRunning("a")->slot;
+  const int32_t per_request = static_cast<int32_t>(mock_->prefills[0][0].block_table.size());
+  EXPECT_EQ(sched_->stats().kv_blocks_free, 1024 - 2 * per_request);
+
+  sched_->Cancel("a");
+  StepTrace t = sched_->Step();
+  EXPECT_EQ(t.retired, Ids({"a"}));
+  EXPECT_EQ(mock_->cancels, std::vector<SlotId>({a_slot}));
+  EXPECT_TRUE(mock_->slot_free(a_slot));
+  EXPECT_EQ(sched_->stats().kv_blocks_free, 1024 - per_request);
+  EXPECT_EQ(sched_->FindRunning("a"), nullptr);
+  a->Pull();
+  EXPECT_TRUE(a->finished);
+  EXPECT_EQ(a->reason, FinishReason::kCancelled);
+  EXPECT_TRUE(a->status.ok());
+  EXPECT_EQ(a->tokens.size(), 2u);  // the cancel step adds no token
+  b->Pull();
+  EXPECT_EQ(b->tokens, Expected({2}, 3));
+  EXPECT_FALSE(b->finished);
+  // The id is free again once retired.
+  EXPECT_NE(Submit("a", {3}, 2), nullptr);
+}
+
+TEST_F(SchedulerTest, SlowReaderIsCancelledWithoutStallingOthers) {
+  EngineOptions eo;
+  eo.stream_buffer_tokens = 3;
+  Make({}, eo);
+  StreamReader* slow = Submit("slow", {1}, 50);
+  StreamReader* fast = Submit("fast", {2}, 8);
+  for (int step = 1; step <= 3; ++step) {
+    sched_->Step();
+    fast->Pull();
+  }
+  // After step 3 the slow stream holds 4 unread tokens > 3: the cancel is on its way.
+  const SlotId slow_slot = sched_->FindRunning("slow")->slot;
+  EXPECT_EQ(mock_->cancels, std::vector<SlotId>({slow_slot}));
+  StepTrace t = sched_->Step();
+  EXPECT_EQ(t.retired, Ids({"slow"}));
+  slow->Pull();
+  EXPECT_TRUE(slow->finished);
+  EXPECT_EQ(slow->reason, FinishReason::kCancelled);
+  EXPECT_EQ(slow->status.code(), absl::StatusCode::kResourceExhausted) << slow->status;
+  EXPECT_NE(slow->status.message().find("too slow"), std::string::npos);
+  EXPECT_EQ(slow->tokens, Expected({1}, 4));
+  StepUntilFinished(fast);
+  EXPECT_EQ(fast->reason, FinishReason::kLength);
+  EXPECT_EQ(fast->tokens, Expected({2}, 8));
+}
+
+TEST_F(SchedulerTest, DrainRejectsNewRequestsAndFinishesRunningOnes) {
+  Make();
+  StreamReader* a = Submit("a", {1}, 5);
+  sched_->Step();
+  sched_->BeginDrain();
+  auto b = sched_->Submit(Req("b", {2}, 5));
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kUnavailable) << b.status();
+  StepUntilFinished(a);
+  EXPECT_EQ(a->reason, FinishReason::kLength);
+  EXPECT_EQ(a->tokens, Expected({1}, 5));
+  EXPECT_TRUE(sched_->Idle());
+}
+
+TEST_F(SchedulerTest, RingOverrunFailsTheRequestAndStillFreesIt) {
+  MockBackendOptions mo;
+  mo.ring_capacity = 4;
+  mo.tokens_per_run = 6;  // one Run writes more than the ring holds
+  Make(mo);
+  StreamReader* a = Submit("a", {1}, 50);
+  sched_->Step();
+  for (int i = 0; i < 3 && !a->finished; ++i) {
+    sched_->Step();
+    a->Pull();
+  }
+  a->Pull();
+  ASSERT_TRUE(a->finished);
+  EXPECT_EQ(a->reason, FinishReason::kError);
+  EXPECT_EQ(a->status.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(a->status.message().find("overrun"), std::string::npos) << a->status;
+  EXPECT_EQ(mock_->releases.size(), 1u);
+  EXPECT_EQ(sched_->stats().kv_blocks_free, 1024);
+  EXPECT_TRUE(sched_->Idle());
+}
+
+TEST_F(SchedulerTest, RequestIdsAreAssignedAndDuplicatesRejected) {
+  Make();
+  StreamReader* x = Submit("x", {1}, 2);
+  auto dup = sched_->Submit(Req("x", {1}, 2));
+  EXPECT_EQ(dup.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(dup.status().message().find("request_id"), std::string::npos);
+  StreamReader* taken = Submit("req-2", {1}, 2);
+  StreamReader* g1 = Submit("", {1}, 2);
+  StreamReader* g2 = Submit("", {1}, 2);
+  EXPECT_FALSE(g1->stream->id().empty());
+  EXPECT_NE(g1->stream->id(), g2->stream->id());
+  EXPECT_NE(g1->stream->id(), taken->stream->id());
+  EXPECT_NE(g2->stream->id(), taken->stream->id());
+  StepUntilFinished(x);
+  EXPECT_NE(Submit("x", {1}, 2), nullptr);
+}
+
+TEST_F(SchedulerTest, BackendFailureEndsEveryRequestWithInternal) {
+  EngineOptions eo;
+  eo.max_batch = 1;
+  Make({}, eo);
+  StreamReader* a = Submit("a", {1}, 10);
+  StreamReader* b = Submit("b", {2}, 10);
+  sched_->Step();
+  mock_->fail_next_run(absl::InternalError("device lost"));
+  sched_->Step();
+  for (auto* r : {a, b}) {
+    r->Pull();
+    ASSERT_TRUE(r->finished);
+    EXPECT_EQ(r->reason, FinishReason::kError);
+    EXPECT_EQ(r->status.code(), absl::StatusCode::kInternal);
+    EXPECT_NE(r->status.message().find("device lost"), std::string::npos);
+  }
+  EXPECT_FALSE(sched_->health().ok());
+  EXPECT_EQ(sched_->Submit(Req("c", {1}, 2)).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(sched_->Idle());
+}
+
+TEST_F(SchedulerTest, AbortAllEndsQueuedAndRunningStreams) {
+  EngineOptions eo;
+  eo.max_batch = 1;
+  Make({}, eo);
+  StreamReader* a = Submit("a", {1}, 10);
+  StreamReader* b = Submit("b", {2}, 10);
+  sched_->Step();
+  sched_->AbortAll(absl::UnavailableError("engine stopped"));
+  for (auto* r : {a, b}) {
+    r->Pull();
+    ASSERT_TRUE(r->finished);
+    EXPECT_EQ(r->reason, FinishReason::kCancelled);
+    EXPECT_EQ(r->status.code(), absl::StatusCode::kUnavailable);
+  }
+  EXPECT_FALSE(sched_->WaitForWork());  // stopped: the engine thread would exit
+  EXPECT_EQ(sched_->Submit(Req("c", {1}, 2)).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// --- validation --------------------------------------------------------------------------------
+
+struct InvalidCase {
+  const char* name;
+  std::function<void(GenerateRequest*)> mutate;
+  const char* field;
+};
+
+class SchedulerValidationTest : public SchedulerTest,
+                                public ::testing::WithParamInterface<InvalidCase> {};
+
+TEST_P(SchedulerValidationTest, NamesTheField) {
+  Make();  // vocab 100, max_context 256, max_stop_ids 16
+  GenerateRequest r = Req("", {1, 2, 3}, 8);
+  ASSERT_TRUE(ValidateRequest(r, RequestLimits{100, 256, 16}).ok());
+  GetParam().mutate(&r);
+  auto s = sched_->Submit(std::move(r));
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(s.status().message(), GetParam().field)) << s.status();
+  EXPECT_EQ(sched_->stats().queued, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fields, SchedulerValidationTest,
+    ::testing::Values(
+        InvalidCase{"EmptyPrompt", [](GenerateRequest* r) { r->prompt.clear(); },
+                    "prompt_token_ids"},
+        InvalidCase{"PromptIdTooLarge", [](GenerateRequest* r) { r->prompt[1] = 100; },
+                    "prompt_token_ids"},
+        InvalidCase{"PromptIdNegative", [](GenerateRequest* r) { r->prompt[0] = -1; },
+                    "prompt_token_ids"},
+        InvalidCase{"ZeroMaxNew", [](GenerateRequest* r) { r->stop.max_new_tokens = 0; },
+                    "stop.max_new_tokens"},
+        InvalidCase{"BeyondContext",
+                    [](GenerateRequest* r) {
+                      r->prompt.assign(200, 1);
+                      r->stop.max_new_tokens = 57;
+                    },
+                    "stop.max_new_tokens"},
+        InvalidCase{"MinAboveMax", [](GenerateRequest* r) { r->stop.min_new_tokens = 9; },
+                    "stop.min_new_tokens"},
+        InvalidCase{"TooManyStopIds",
+                    [](GenerateRequest* r) { r->stop.stop_token_ids.assign(17, 5); },
+                    "stop.stop_token_ids"},
+        InvalidCase{"StopIdOutOfVocab",
+                    [](GenerateRequest* r) {
+                      r->stop.stop_token_ids = {3, 100};
+                    },
+                    "stop.stop_token_ids"},
+        InvalidCase{"NegativeTemperature", [](GenerateRequest* r) { r->sampling.temperature = -1; },
+                    "sampling.temperature"},
+        InvalidCase{"ZeroTopP", [](GenerateRequest* r) { r->sampling.top_p = 0.0f; },
+                    "sampling.top_p"},
+        InvalidCase{"TopKAboveVocab", [](GenerateRequest* r) { r->sampling.top_k = 101; },
+                    "sampling.top_k"},
+        InvalidCase{"LongRequestId",
+                    [](GenerateRequest* r) { r->request_id = std::string(300, 'x'); },
+                    "request_id"}),
+    [](const ::testing::TestParamInfo<InvalidCase>& info) { return info.param.name; });
+
+TEST_F(SchedulerTest, ExactlyMaxContextIsAccepted) {
+  Make();
+  GenerateRequest r = Req("a", std::vector<int32_t>(200, 1), 56);  // 256 = max_context
+  EXPECT_NE(Submit(std::move(r)), nullptr);
+}
+
+// --- options -----------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<Scheduler>> CreateWith(MockBackendOptions mo, EngineOptions eo) {
+  return Scheduler::Create(std::move(eo), std::make_unique<MockBackend>(std::move(mo)));
+}
+
+TEST(SchedulerOptions, BucketsAreSortedAndMaxBatchClamped) {
+  EngineOptions eo;
+  eo.buckets = {8, 1, 4, 2, 4};
+  auto s = CreateWith({}, eo);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ((*s)->model_info().buckets, std::vector<int32_t>({1, 2, 4, 8}));
+  EXPECT_EQ((*s)->model_info().max_batch, 8);
+
+  MockBackendOptions small;
+  small.max_slots = 16;
+  s = CreateWith(small, EngineOptions{});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ((*s)->model_info().max_batch, 16);
+  EXPECT_EQ((*s)->model_info().buckets, std::vector<int32_t>({1, 2, 4, 8, 16}));
+
+  eo = EngineOptions{};
+  eo.max_batch = 20;
+  s = CreateWith({}, eo);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ((*s)->model_info().max_batch, 20);
+  EXPECT_EQ((*s)->model_info().buckets, std::vector<int32_t>({1, 2, 4, 8, 16, 24}));
+  EXPECT_EQ((*s)->model_info().max_context, 256);
+  EXPECT_EQ((*s)->model_info().max_new_tokens, 255);
+  EXPECT_EQ((*s)->model_info().backend, "mock");
+}
+
+TEST(SchedulerOptions, BadOptionsNameTheOption) {
+  EngineOptions eo;
+  eo.buckets = {1, 0, 4};
+  EXPECT_EQ(CreateWith({}, eo).status().code(), absl::StatusCode::kInvalidArgument);
+  eo = EngineOptions{};
+  eo.max_batch = 0;
+  EXPECT_TRUE(absl::StartsWith(CreateWith({}, eo).status().message(), "max_batch"));
+  eo = EngineOptions{};
+  eo.queue_limit = 0;
+  EXPECT_TRUE(absl::StartsWith(CreateWith({}, eo).status().message(), "queue_limit"));
+  eo = EngineOptions{};
+  eo.max_context = 300;  // model allows 256
+  EXPECT_TRUE(absl::StartsWith(CreateWith({}, eo).status().message(), "max_context"));
+  // One max-length request must fit the whole KV pool.
+  MockBackendOptions mo;
+  mo.num_kv_blocks = 8;
+  mo.kv_block_size = 4;
+  eo = EngineOptions{};
+  eo.max_context = 64;
+  auto s = CreateWith(mo, eo);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StartsWith(s.status().message(), "max_context")) << s.status();
+  eo.max_context = 32;
+  EXPECT_TRUE(CreateWith(mo, eo).ok());
+}
+
+}  // namespace
+}  // namespace ts
