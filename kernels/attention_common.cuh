@@ -1,0 +1,81 @@
+// Internal helpers shared by the attention kernels (decode, combine, prefill). Not a public header:
+// only kernels/*attention*.cu include it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace ts::kernels::attention_internal {
+
+// The one place a runtime head_dim becomes a compile-time constant. Every attention launcher goes
+// through here, so adding a size means one new case (and one more template instance per kernel).
+inline constexpr int kSupportedHeadDims[] = {16, 64, 128};
+
+template <typename Fn>
+absl::Status DispatchHeadDim(int head_dim, const char* field, Fn&& fn) {
+  switch (head_dim) {
+    case 16:
+      return fn(std::integral_constant<int, 16>{});
+    case 64:
+      return fn(std::integral_constant<int, 64>{});
+    case 128:
+      return fn(std::integral_constant<int, 128>{});
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " = ", head_dim, " is not supported; supported: 16, 64, 128"));
+  }
+}
+
+inline bool IsAligned(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+inline bool IsPowerOfTwo(int v) {
+  return v > 0 && (v & (v - 1)) == 0;
+}
+
+inline int Log2Exact(int v) {
+  int s = 0;
+  while ((1 << s) < v) ++s;
+  return s;
+}
+
+// How one sequence's context is cut into splits. The split kernels and the combine kernel both
+// evaluate it, so the combine knows how many partial results a sequence has without any host
+// involvement. Splits are block-aligned and cover [i * tokens, min(ctx, (i+1) * tokens)).
+struct SplitGeometry {
+  int32_t num_splits;        // upper bound of splits per sequence (<= workspace max_splits)
+  int32_t min_split_tokens;  // a split never holds fewer tokens than this (except the last)
+  int32_t block_size;        // tokens per KV block; split sizes are multiples of it
+  int32_t max_context;       // max_blocks_per_seq * block_size; longer context_lens are clamped
+};
+
+__host__ __device__ inline int32_t ClampedContext(const SplitGeometry& g, int32_t context_len) {
+  return context_len < 0 ? 0 : (context_len > g.max_context ? g.max_context : context_len);
+}
+
+// Tokens per split for a sequence with `ctx` tokens; always >= 1.
+__host__ __device__ inline int32_t SplitTokens(const SplitGeometry& g, int32_t ctx) {
+  int32_t per = (ctx + g.num_splits - 1) / g.num_splits;
+  per = (per + g.block_size - 1) / g.block_size * g.block_size;
+  if (per < g.min_split_tokens) per = g.min_split_tokens;
+  return per < 1 ? 1 : per;
+}
+
+// Non-empty splits of a sequence with `ctx` tokens: ceil(ctx / SplitTokens) <= num_splits.
+__host__ __device__ inline int32_t NumActiveSplits(const SplitGeometry& g, int32_t ctx) {
+  const int32_t per = SplitTokens(g, ctx);
+  return (ctx + per - 1) / per;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+}  // namespace ts::kernels::attention_internal

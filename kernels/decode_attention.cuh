@@ -1,0 +1,112 @@
+// Paged decode attention (one new query token per sequence) with GQA, split along the context
+// (flash-decoding). One tile = (sequence, kv head, split): it reads its K/V range once and serves
+// every query head of that kv head's group, keeping an fp32 online softmax. Tiles write normalised
+// partial outputs and their log2-sum-exp to a workspace; attention_combine merges the splits.
+//
+// Two ways to cut the work, chosen by `mode`:
+//  - kStaticSplit: grid = num_splits x kv-head groups x num_seqs; each sequence is cut into
+//    num_splits block-aligned ranges of equal size. Simple; a ragged batch leaves SMs idle.
+//  - kWorkQueue: a persistent grid pulls fixed-size chunks (chunk_tokens) of every sequence from an
+//    atomic counter, so a batch with contexts 100..4000 keeps every SM busy until the end. Each CTA
+//    prefix-sums the per-sequence chunk counts itself (num_seqs is small), which saves a graph
+//    node.
+//
+// Graph capture: LaunchDecodeAttention enqueues exactly two kernels (split + combine), allocates
+// nothing and never reads device memory on the host. The work-queue counters live in the workspace
+// and are reset by the last CTA of each launch, so a captured graph can be replayed any number of
+// times. num_splits / chunk_tokens are ordinary kernel parameters, so cudaGraphExecUpdate can
+// change them when the context-length regime changes.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace ts::kernels {
+
+enum class DecodeAttentionMode : int32_t {
+  kStaticSplit = 0,
+  kWorkQueue = 1,
+};
+
+struct DecodeAttentionParams {
+  const __nv_bfloat16* q;        // [num_seqs, num_q_heads, head_dim], RoPE applied, 16-B aligned
+  const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, head_dim] (kv_layout.cuh)
+  const __nv_bfloat16* v_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
+  const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq], block ids < num_blocks
+  // [num_seqs], tokens to attend to, including the current token whose K/V is already written.
+  // 0 marks a padding row (its output is all zeros); values above max_blocks_per_seq * block_size
+  // are clamped to it.
+  const int32_t* context_lens;
+  __nv_bfloat16* out;  // [num_seqs, num_q_heads, head_dim]
+  // DecodeAttentionWorkspaceBytes(num_seqs, num_q_heads, head_dim, max_splits) bytes, 256-B
+  // aligned; zero it once after allocation (ResetDecodeAttentionWorkspace), never again.
+  void* workspace;
+  size_t workspace_bytes = 0;
+
+  int32_t num_seqs = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;  // divides num_q_heads
+  int32_t head_dim = 0;      // one of 16, 64, 128
+  int32_t block_size = 0;    // power of two
+  int32_t num_blocks = 0;    // blocks in the cache pool (for validation of shapes only)
+  int32_t max_blocks_per_seq = 0;
+  float scale = 0.f;  // usually 1/sqrt(head_dim)
+
+  DecodeAttentionMode mode = DecodeAttentionMode::kStaticSplit;
+  int32_t max_splits = 0;  // workspace capacity: partial results per (seq, head)
+  // kStaticSplit: splits per sequence, in [1, max_splits]; see ChooseNumSplits.
+  int32_t num_splits = 1;
+  // kWorkQueue: tokens per work tile (rounded up to a block multiple); a sequence whose context
+  // needs more than max_splits tiles gets proportionally larger tiles. See ChooseWorkQueueConfig.
+  int32_t chunk_tokens = 256;
+  int32_t persistent_ctas = 0;  // kWorkQueue: grid size, e.g. 4 x #SMs
+  int32_t tiles_per_claim = 1;  // kWorkQueue: tiles taken per atomicAdd
+};
+
+// Workspace layout: [kDecodeAttentionCounterBytes: two uint32 work-queue counters, rest padding]
+// [LSE fp32 [num_seqs, num_q_heads, max_splits], padded to 256 B]
+// [partial outputs fp32 [num_seqs, num_q_heads, max_splits, head_dim]].
+inline constexpr size_t kDecodeAttentionCounterBytes = 256;
+
+// Bytes of workspace for the given shape.
+size_t DecodeAttentionWorkspaceBytes(int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
+                                     int32_t max_splits);
+
+// Zeroes the work-queue counters at the start of `workspace` (cudaMemsetAsync on `stream`). Call
+// once after allocating the workspace, before the first launch or capture.
+absl::Status ResetDecodeAttentionWorkspace(void* workspace, size_t workspace_bytes,
+                                           cudaStream_t stream);
+
+struct SplitChoiceInputs {
+  int32_t num_seqs = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t max_context_len = 0;  // longest context in the batch (or the regime's upper bound)
+  int32_t num_sms = 0;          // cudaDevAttrMultiProcessorCount
+  int32_t max_splits = 0;       // workspace capacity
+};
+
+// Static-split count: enough tiles to fill the GPU a few times over, but never splits shorter than
+// about 128 tokens (the merge would cost more than it saves). Result in [1, max_splits].
+int32_t ChooseNumSplits(const SplitChoiceInputs& in);
+
+struct WorkQueueConfig {
+  int32_t chunk_tokens;
+  int32_t persistent_ctas;
+  int32_t tiles_per_claim;
+};
+
+// Work-queue settings for a batch regime: chunk size so that each CTA gets several tiles (bounded
+// tail), grid = 4 CTAs per SM.
+WorkQueueConfig ChooseWorkQueueConfig(const SplitChoiceInputs& in, int32_t block_size);
+
+// Validates `p` (InvalidArgument naming the field), then enqueues the split kernel and the combine
+// kernel on `stream`. Returns launch errors as Internal.
+absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t stream);
+
+}  // namespace ts::kernels

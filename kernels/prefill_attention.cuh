@@ -1,0 +1,44 @@
+// Causal prefill attention over the paged KV cache, for a ragged batch of prompt chunks. The
+// rope_kv kernel has already written this chunk's K/V into the cache, so every query reads all of
+// its keys (cached prefix + chunk) from the cache. GQA: one CTA serves the query heads of one kv
+// head for up to 64 (token, head) rows; QK^T and PV run on the tensor cores (mma.sync bf16,
+// fp32 accumulate) with an fp32 online softmax.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace ts::kernels {
+
+struct PrefillAttentionParams {
+  const __nv_bfloat16* q;        // [total_tokens, num_q_heads, head_dim], RoPE applied, 4-B aligned
+  const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, head_dim] (kv_layout.cuh)
+  const __nv_bfloat16* v_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
+  const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq]
+  const int32_t* cu_seqlens;     // [num_seqs + 1], starts at 0, ends at total_tokens
+  // [num_seqs], tokens already cached before this chunk (query i sits at position start + i and
+  // attends to keys 0..start+i); nullptr means all zero.
+  const int32_t* start_pos;
+  __nv_bfloat16* out;  // [total_tokens, num_q_heads, head_dim]
+
+  int32_t num_seqs = 0;
+  int32_t total_tokens = 0;
+  int32_t max_q_len = 0;  // >= every cu_seqlens[i+1] - cu_seqlens[i]; sizes the grid
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;  // divides num_q_heads
+  int32_t head_dim = 0;      // one of 16, 64, 128
+  int32_t block_size = 0;    // power of two
+  int32_t num_blocks = 0;
+  int32_t max_blocks_per_seq = 0;
+  float scale = 0.f;  // usually 1/sqrt(head_dim)
+};
+
+// Validates `p` (InvalidArgument naming the field) and enqueues one kernel on `stream`. No
+// allocation, no synchronisation, no host reads of device memory.
+absl::Status LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_t stream);
+
+}  // namespace ts::kernels
