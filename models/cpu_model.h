@@ -20,14 +20,29 @@ namespace ts {
 
 class CpuKvPool {
  public:
+  // num_blocks >= 0 and block_size >= 1 are the caller's invariants (checked).
   CpuKvPool(const ModelConfig& config, int32_t num_blocks, int32_t block_size);
   int32_t num_blocks() const { return num_blocks_; }
   int32_t block_size() const { return block_size_; }
-  // [head_dim] slice for (layer, block, slot in block, kv head).
-  float* k(int layer, int32_t block, int32_t offset, int kv_head);
-  float* v(int layer, int32_t block, int32_t offset, int kv_head);
+  int32_t num_layers() const { return num_layers_; }
+  int32_t num_kv_heads() const { return num_kv_heads_; }
+  int32_t head_dim() const { return head_dim_; }
+  // [head_dim] slice for (layer, block, slot in block, kv head). Arguments are not range-checked:
+  // Forward validates block tables before it touches the pool.
+  float* k(int layer, int32_t block, int32_t offset, int kv_head) {
+    return k_.data() + Index(layer, block, offset, kv_head);
+  }
+  float* v(int layer, int32_t block, int32_t offset, int kv_head) {
+    return v_.data() + Index(layer, block, offset, kv_head);
+  }
 
  private:
+  size_t Index(int layer, int32_t block, int32_t offset, int kv_head) const {
+    return (((static_cast<size_t>(layer) * num_blocks_ + block) * block_size_ + offset) *
+                num_kv_heads_ +
+            kv_head) *
+           head_dim_;
+  }
   int32_t num_blocks_, block_size_, num_layers_, num_kv_heads_, head_dim_;
   std::vector<float> k_, v_;  // [layers][blocks][block_size][kv_heads][head_dim]
 };
@@ -41,7 +56,7 @@ struct SeqChunk {
 enum class LogitsMode { kLastPerChunk, kAll };
 
 struct CpuModelOptions {
-  int num_threads = 0;  // 0 = hardware concurrency
+  int num_threads = 0;  // 0 = hardware concurrency; counts the calling thread
 };
 
 class CpuModel {
@@ -50,9 +65,16 @@ class CpuModel {
                                                         CpuModelOptions options = {});
   ~CpuModel();
   const ModelConfig& config() const;
+  size_t weight_bytes() const;  // fp32 weights held (the tied lm_head counted once)
+  int num_threads() const;
 
   // logits: resized to [rows][vocab], rows = chunks.size() (kLastPerChunk) or total tokens (kAll),
-  // in chunk order.
+  // in chunk order. InvalidArgument (naming the chunk) for an empty chunk, a token id outside
+  // [0, vocab), a negative start_pos, a position >= max_position_embeddings, a block table shorter
+  // than ceil((start_pos + n) / block_size) or holding an id outside [0, num_blocks) or a repeated
+  // id, or a pool shaped for another model; nothing is written to `kv` or `logits` then.
+  // A token's result does not depend on what else is in the batch (bit-identical).
+  // Not thread-safe: one Forward at a time per model (it reuses scratch buffers).
   absl::Status Forward(std::span<const SeqChunk> chunks, CpuKvPool& kv, LogitsMode mode,
                        std::vector<float>* logits);
 
