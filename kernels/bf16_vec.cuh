@@ -1,0 +1,36 @@
+// Device helpers shared by the elementwise kernels: 16-byte bf16 vectors and warp reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace ts::kernels {
+
+struct alignas(16) Bf16x8 {
+  __nv_bfloat16 h[8];
+};
+
+// `p` must be 16-byte aligned (the launchers check the base pointers and the row strides).
+__device__ __forceinline__ Bf16x8 LoadBf16x8(const __nv_bfloat16* p) {
+  Bf16x8 v;
+  *reinterpret_cast<uint4*>(&v) = __ldg(reinterpret_cast<const uint4*>(p));
+  return v;
+}
+// Plain (coherent) load, for data this kernel itself may have written.
+__device__ __forceinline__ Bf16x8 LoadBf16x8Coherent(const __nv_bfloat16* p) {
+  Bf16x8 v;
+  *reinterpret_cast<uint4*>(&v) = *reinterpret_cast<const uint4*>(p);
+  return v;
+}
+__device__ __forceinline__ void StoreBf16x8(__nv_bfloat16* p, const Bf16x8& v) {
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+}  // namespace ts::kernels

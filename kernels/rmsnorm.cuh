@@ -1,0 +1,37 @@
+// Fused residual add + RMSNorm, one CTA per row, 16-byte vectors, the row held in registers:
+//   if x != nullptr:  residual = bf16(residual + x)        (in place)
+//   out = bf16(residual * rsqrt(mean(residual^2) + eps) * weight)
+// The residual stream is stored in bf16, as Hugging Face keeps it in a bf16 model (each add is
+// rounded to bf16); the sum of squares and the scaling are fp32 and `out` is rounded once (HF
+// rounds the normalised value to bf16 before the weight multiply: a difference within bf16
+// rounding).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace ts::kernels {
+
+struct RmsNormParams {
+  // [rows, hidden], optional: the sublayer output added into the residual first. May alias `out`
+  // (each element is read before the same thread writes it); must not alias `residual`.
+  const __nv_bfloat16* x = nullptr;
+  __nv_bfloat16* residual = nullptr;      // [rows, hidden], updated in place when x != nullptr
+  const __nv_bfloat16* weight = nullptr;  // [hidden]
+  __nv_bfloat16* out = nullptr;           // [rows, hidden]; must not alias `residual`
+  int32_t rows = 0;                       // >= 0; 0 launches nothing
+  int32_t hidden = 0;                     // multiple of 8, <= kRmsNormMaxHidden
+  float eps = 1e-6f;                      // > 0
+};
+
+inline constexpr int32_t kRmsNormMaxHidden = 32768;
+
+// Validates params (InvalidArgument naming the field) and enqueues the kernel on `stream`.
+// Graph-capturable: no allocation, no sync.
+absl::Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream);
+
+}  // namespace ts::kernels

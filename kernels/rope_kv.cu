@@ -1,0 +1,169 @@
+#include "kernels/rope_kv.cuh"
+
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "kernels/bf16_vec.cuh"
+#include "kernels/cuda_check.h"
+
+namespace ts::kernels {
+namespace {
+
+constexpr int kThreads = 128;
+
+// One CTA per row. A work item is (head, chunk): 8 rotation pairs (i, i + D/2), i.e. two 16-byte
+// vectors of one head, so q, k and v heads all move with 16-byte loads and stores.
+template <int kHeadDim>
+__global__ void __launch_bounds__(kThreads) RopeKvKernel(RopeKvParams p) {
+  constexpr int kHalf = kHeadDim / 2;
+  constexpr int kChunks = kHalf / 8;
+  __shared__ float cos_s[kHalf], sin_s[kHalf];
+
+  const int32_t row = blockIdx.x;
+  const int32_t pos = p.positions[row];
+  for (int i = threadIdx.x; i < kHalf; i += kThreads) {
+    const float angle = static_cast<float>(pos) * p.inv_freq[i];
+    sincosf(angle, &sin_s[i], &cos_s[i]);
+  }
+
+  const KvLayout& l = p.layout;
+  const int32_t slot = p.slot_mapping[row];
+  const bool slot_ok =
+      slot >= 0 && static_cast<int64_t>(slot) < static_cast<int64_t>(l.num_blocks) * l.block_size;
+  if (!slot_ok && slot != -1 && threadIdx.x == 0 && p.error_flag != nullptr) *p.error_flag = 1;
+  const int32_t block = slot_ok ? slot / l.block_size : 0;
+  const int32_t offset = slot_ok ? slot % l.block_size : 0;
+  __syncthreads();
+
+  const int hq = p.num_q_heads, hkv = l.num_kv_heads;
+  __nv_bfloat16* row_ptr = p.qkv + static_cast<int64_t>(row) * (hq + 2 * hkv) * kHeadDim;
+  const int items = (hq + 2 * hkv) * kChunks;
+  for (int item = threadIdx.x; item < items; item += kThreads) {
+    const int head = item / kChunks;
+    const int i0 = (item % kChunks) * 8;
+    __nv_bfloat16* src = row_ptr + head * kHeadDim;
+    Bf16x8 lo = LoadBf16x8Coherent(src + i0);
+    Bf16x8 hi = LoadBf16x8Coherent(src + kHalf + i0);
+    if (head >= hq + hkv) {  // v: copy into the cache only
+      if (slot_ok) {
+        __nv_bfloat16* dst = p.v_cache + KvOffset(l, block, head - hq - hkv, offset);
+        StoreBf16x8(dst + i0, lo);
+        StoreBf16x8(dst + kHalf + i0, hi);
+      }
+      continue;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float x1 = __bfloat162float(lo.h[j]), x2 = __bfloat162float(hi.h[j]);
+      const float c = cos_s[i0 + j], s = sin_s[i0 + j];
+      lo.h[j] = __float2bfloat16_rn(x1 * c - x2 * s);
+      hi.h[j] = __float2bfloat16_rn(x2 * c + x1 * s);
+    }
+    __nv_bfloat16* dst = src;
+    if (head < hq && p.q_out != nullptr) {
+      dst = p.q_out + (static_cast<int64_t>(row) * hq + head) * kHeadDim;
+    }
+    StoreBf16x8(dst + i0, lo);
+    StoreBf16x8(dst + kHalf + i0, hi);
+    if (head >= hq && slot_ok) {
+      __nv_bfloat16* kdst = p.k_cache + KvOffset(l, block, head - hq, offset);
+      StoreBf16x8(kdst + i0, lo);
+      StoreBf16x8(kdst + kHalf + i0, hi);
+    }
+  }
+}
+
+absl::Status Validate(const RopeKvParams& p) {
+  const KvLayout& l = p.layout;
+  TS_RETURN_IF_ERROR(RequirePositive("rope_kv.layout.num_blocks", l.num_blocks));
+  TS_RETURN_IF_ERROR(RequirePositive("rope_kv.layout.block_size", l.block_size));
+  TS_RETURN_IF_ERROR(RequirePositive("rope_kv.layout.num_kv_heads", l.num_kv_heads));
+  TS_RETURN_IF_ERROR(RequirePositive("rope_kv.num_q_heads", p.num_q_heads));
+  if (p.num_q_heads % l.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rope_kv.num_q_heads (", p.num_q_heads,
+                     ") must be a multiple of rope_kv.layout.num_kv_heads (", l.num_kv_heads, ")"));
+  }
+  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.qkv", p.qkv));
+  if (p.q_out != nullptr) TS_RETURN_IF_ERROR(RequirePointer("rope_kv.q_out", p.q_out));
+  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.positions", p.positions, 4));
+  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.slot_mapping", p.slot_mapping, 4));
+  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.inv_freq", p.inv_freq, 4));
+  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.k_cache", p.k_cache));
+  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.v_cache", p.v_cache));
+  if (p.error_flag != nullptr)
+    TS_RETURN_IF_ERROR(RequirePointer("rope_kv.error_flag", p.error_flag, 4));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LaunchRopeKv(const RopeKvParams& p, cudaStream_t stream) {
+  TS_RETURN_IF_ERROR(RequireNonNegative("rope_kv.rows", p.rows));
+  if (p.rows == 0) return absl::OkStatus();
+  TS_RETURN_IF_ERROR(Validate(p));
+  // The one place head_dim becomes a compile-time constant.
+  switch (p.layout.head_dim) {
+    case 64:
+      RopeKvKernel<64><<<p.rows, kThreads, 0, stream>>>(p);
+      break;
+    case 128:
+      RopeKvKernel<128><<<p.rows, kThreads, 0, stream>>>(p);
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rope_kv.layout.head_dim must be one of {64, 128}, got ", p.layout.head_dim));
+  }
+  TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> ComputeInvFreq(const ModelConfig& config) {
+  const int dim = config.head_dim;
+  if (dim <= 0 || dim % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.head_dim must be positive and even, got ", dim));
+  }
+  if (!(config.rope_theta > 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.rope_theta must be > 0, got ", config.rope_theta));
+  }
+  // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim)), every step in fp32.
+  std::vector<float> inv(dim / 2);
+  for (int i = 0; i < dim / 2; ++i) {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim);
+    inv[i] = 1.0f / std::pow(config.rope_theta, exponent);
+  }
+  const RopeScaling& s = config.rope_scaling;
+  if (s.type == RopeType::kDefault) return inv;
+
+  // _compute_llama3_parameters, op for op in fp32 (python scalars meet fp32 tensors as fp32).
+  if (!(s.factor > 0.0f) || !(s.low_freq_factor > 0.0f) || !(s.high_freq_factor > 0.0f) ||
+      s.high_freq_factor == s.low_freq_factor || s.original_max_position_embeddings <= 0) {
+    return absl::InvalidArgumentError(
+        "config.rope_scaling: llama3 needs factor > 0, low_freq_factor > 0, high_freq_factor > 0 "
+        "and != low_freq_factor, original_max_position_embeddings > 0");
+  }
+  const float old_context = static_cast<float>(s.original_max_position_embeddings);
+  const float low_freq_wavelen = static_cast<float>(
+      static_cast<double>(s.original_max_position_embeddings) / s.low_freq_factor);
+  const float high_freq_wavelen = static_cast<float>(
+      static_cast<double>(s.original_max_position_embeddings) / s.high_freq_factor);
+  const float two_pi = static_cast<float>(2.0 * std::numbers::pi);
+  const float freq_range = static_cast<float>(static_cast<double>(s.high_freq_factor) -
+                                              static_cast<double>(s.low_freq_factor));
+  for (float& f : inv) {
+    const float wavelen = two_pi / f;
+    const float scaled = wavelen > low_freq_wavelen ? f / s.factor : f;
+    const float smooth = (old_context / wavelen - s.low_freq_factor) / freq_range;
+    const float smoothed = (1.0f - smooth) * scaled / s.factor + smooth * scaled;
+    const bool medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+    f = medium ? smoothed : scaled;
+  }
+  return inv;
+}
+
+}  // namespace ts::kernels

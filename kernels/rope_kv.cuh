@@ -1,0 +1,56 @@
+// RoPE (rotate_half, as Hugging Face Llama) fused with the paged K/V cache write.
+// Per row (token) of the fused QKV GEMM output:
+//   q heads: rotated in place, or into q_out;
+//   k heads: rotated in place and written to k_cache at the row's slot;
+//   v heads: copied to v_cache at the row's slot.
+// angle_i = float(position) * inv_freq[i] in fp32, as transformers forms it, then accurate
+// sincosf (not __sinf: positions reach 1e5 and more); the rotation is fp32 and each output is
+// rounded to bf16 once (HF rounds cos/sin and each product to bf16: a difference within bf16
+// rounding).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/kv_layout.cuh"
+#include "models/config.h"
+
+namespace ts::kernels {
+
+struct RopeKvParams {
+  // [rows, (num_q_heads + 2 * layout.num_kv_heads) * head_dim]: q heads, then k heads, then v
+  // heads per row, as a fused QKV GEMM writes them. q (unless q_out is set) and k are rotated in
+  // place, so a prefill attention may read K from here or from the cache.
+  __nv_bfloat16* qkv = nullptr;
+  // [rows, num_q_heads * head_dim], optional: receives rotated q; qkv's q part is then unchanged.
+  __nv_bfloat16* q_out = nullptr;
+  const int32_t* positions = nullptr;     // [rows] absolute position of each token
+  const int32_t* slot_mapping = nullptr;  // [rows] block * block_size + offset; -1 = no KV write
+  const float* inv_freq = nullptr;        // [head_dim / 2], from ComputeInvFreq
+  __nv_bfloat16* k_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
+  __nv_bfloat16* v_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
+  // [1], optional. A slot outside [-1, num_blocks * block_size) is a bug upstream: its K/V are
+  // not written (never out of bounds) and the kernel stores 1 here. Never cleared by the kernel.
+  int32_t* error_flag = nullptr;
+  KvLayout layout{};        // head_dim in {64, 128}; gives num_kv_heads for the qkv row too
+  int32_t rows = 0;         // >= 0; 0 launches nothing
+  int32_t num_q_heads = 0;  // a positive multiple of layout.num_kv_heads
+};
+
+// Validates params (InvalidArgument naming the field) and enqueues the kernel on `stream`.
+// Graph-capturable: no allocation, no sync.
+absl::Status LaunchRopeKv(const RopeKvParams& p, cudaStream_t stream);
+
+// inv_freq[i], i < head_dim / 2, exactly as transformers computes it in fp32:
+//   default: 1 / rope_theta^(2i / head_dim);
+//   llama3:  wavelengths longer than original_max_position_embeddings / low_freq_factor are
+//            divided by `factor`, shorter than .../high_freq_factor kept, smoothly blended between.
+// InvalidArgument for an odd or non-positive head_dim or llama3 factors that divide by zero.
+absl::StatusOr<std::vector<float>> ComputeInvFreq(const ModelConfig& config);
+
+}  // namespace ts::kernels

@@ -1,0 +1,208 @@
+// Helpers for kernel tests: guarded and poisoned device buffers, bf16 conversion on the host,
+// random non-zero data, error metrics, and capture into a CUDA graph. Header-only so any test
+// binary (ours or the attention tests) can include it without a library.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+#define TS_ASSERT_CUDA_OK(expr)                                                  \
+  do {                                                                           \
+    const cudaError_t ts_e_ = (expr);                                            \
+    ASSERT_EQ(ts_e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(ts_e_); \
+  } while (0)
+
+#define TS_ASSERT_OK(expr)                                        \
+  do {                                                            \
+    const ::absl::Status ts_s_ = (expr);                          \
+    ASSERT_TRUE(ts_s_.ok()) << #expr << ": " << ts_s_.ToString(); \
+  } while (0)
+
+// Expects InvalidArgument whose message names `field`.
+#define TS_EXPECT_INVALID(expr, field)                                      \
+  do {                                                                      \
+    const ::absl::Status ts_s_ = (expr);                                    \
+    EXPECT_EQ(ts_s_.code(), ::absl::StatusCode::kInvalidArgument) << ts_s_; \
+    EXPECT_NE(std::string(ts_s_.message()).find(field), std::string::npos)  \
+        << "message does not name " << (field) << ": " << ts_s_;            \
+  } while (0)
+
+namespace ts::kernels::testing {
+
+// ---- bf16 on the host (round to nearest even, as __float2bfloat16_rn does) ----
+inline uint16_t F32ToBf16Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float Bf16BitsToF32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float RoundBf16(float f) {
+  return Bf16BitsToF32(F32ToBf16Bits(f));
+}
+inline __nv_bfloat16 ToBf16(float f) {
+  __nv_bfloat16_raw r;
+  r.x = F32ToBf16Bits(f);
+  return __nv_bfloat16(r);
+}
+inline float FromBf16(__nv_bfloat16 h) {
+  return Bf16BitsToF32(__nv_bfloat16_raw(h).x);
+}
+
+inline std::vector<__nv_bfloat16> ToBf16(const std::vector<float>& v) {
+  std::vector<__nv_bfloat16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = ToBf16(v[i]);
+  return out;
+}
+inline std::vector<float> FromBf16(const std::vector<__nv_bfloat16>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = FromBf16(v[i]);
+  return out;
+}
+
+// Uniform in [lo, hi], redrawn while |x| < min_abs so no element is zero (zeros hide unwritten
+// outputs and wrong indexing). Values are rounded to bf16 when `bf16_exact`, so the bf16 copy on
+// the device and the float copy the reference reads are the same numbers.
+inline std::vector<float> RandomFloats(size_t n, float lo, float hi, uint32_t seed,
+                                       bool bf16_exact = true, float min_abs = 1e-3f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) {
+    do {
+      x = dist(gen);
+      if (bf16_exact) x = RoundBf16(x);
+    } while (std::fabs(x) < min_abs);
+  }
+  return v;
+}
+
+// ---- Device buffers with guard regions ----
+// [guard | data | guard]. The data is poisoned with 0xFF bytes (NaN for bf16 and fp32, -1 for
+// ints) and the guards hold kGuardByte; GuardsIntact() proves a kernel wrote nothing outside.
+template <typename T>
+class GuardedBuffer {
+ public:
+  static constexpr size_t kGuardBytes = 256;  // keeps the data 256-byte aligned
+  static constexpr unsigned char kGuardByte = 0x5A;
+
+  explicit GuardedBuffer(size_t n) : n_(n) {
+    const size_t bytes = kGuardBytes * 2 + n * sizeof(T);
+    if (cudaMalloc(&base_, bytes) != cudaSuccess) {
+      ADD_FAILURE() << "cudaMalloc(" << bytes << ") failed";
+      base_ = nullptr;
+      return;
+    }
+    cudaMemset(base_, kGuardByte, bytes);
+    Poison();
+  }
+  ~GuardedBuffer() {
+    if (base_ != nullptr) cudaFree(base_);
+  }
+  GuardedBuffer(const GuardedBuffer&) = delete;
+  GuardedBuffer& operator=(const GuardedBuffer&) = delete;
+
+  T* get() const {
+    return base_ == nullptr ? nullptr
+                            : reinterpret_cast<T*>(static_cast<char*>(base_) + kGuardBytes);
+  }
+  size_t size() const { return n_; }
+
+  void Poison() {
+    if (base_ != nullptr) cudaMemset(get(), 0xFF, n_ * sizeof(T));
+  }
+  void Upload(const std::vector<T>& v) {
+    EXPECT_EQ(v.size(), n_);
+    if (base_ != nullptr) cudaMemcpy(get(), v.data(), n_ * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  std::vector<T> Download() const {
+    std::vector<T> v(n_);
+    if (base_ != nullptr) cudaMemcpy(v.data(), get(), n_ * sizeof(T), cudaMemcpyDeviceToHost);
+    return v;
+  }
+  ::testing::AssertionResult GuardsIntact() const {
+    if (base_ == nullptr) return ::testing::AssertionFailure() << "no buffer";
+    std::vector<unsigned char> head(kGuardBytes), tail(kGuardBytes);
+    cudaMemcpy(head.data(), base_, kGuardBytes, cudaMemcpyDeviceToHost);
+    cudaMemcpy(tail.data(), static_cast<char*>(base_) + kGuardBytes + n_ * sizeof(T), kGuardBytes,
+               cudaMemcpyDeviceToHost);
+    for (size_t i = 0; i < kGuardBytes; ++i) {
+      if (head[i] != kGuardByte) return ::testing::AssertionFailure() << "guard before, byte " << i;
+      if (tail[i] != kGuardByte) return ::testing::AssertionFailure() << "guard after, byte " << i;
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+ private:
+  size_t n_;
+  void* base_ = nullptr;
+};
+
+// ---- Error metrics ----
+// ||got - ref||_2 / ||ref||_2; +inf when any got is NaN/inf (poison left unwritten never passes).
+inline double RelL2Error(const std::vector<float>& got, const std::vector<double>& ref) {
+  if (got.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    const double d = static_cast<double>(got[i]) - ref[i];
+    num += d * d;
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// Largest |got - ref| / (atol + |ref|); a per-element bound that RelL2Error can average away.
+inline double MaxScaledError(const std::vector<float>& got, const std::vector<double>& ref,
+                             double atol) {
+  double worst = 0;
+  for (size_t i = 0; i < got.size() && i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    worst = std::max(worst, std::fabs(got[i] - ref[i]) / (atol + std::fabs(ref[i])));
+  }
+  return worst;
+}
+
+// ---- CUDA graphs ----
+// Captures fn(stream) into a graph, instantiates and launches it once, and syncs the stream:
+// proves the launcher allocates, syncs and reads nothing on the host while captured.
+template <typename Fn>
+::testing::AssertionResult RunInGraph(cudaStream_t stream, Fn&& fn) {
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess) {
+    return ::testing::AssertionFailure() << "cudaStreamBeginCapture failed";
+  }
+  const absl::Status st = fn(stream);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  if (!st.ok()) return ::testing::AssertionFailure() << "launcher under capture: " << st;
+  if (end != cudaSuccess) {
+    return ::testing::AssertionFailure() << "EndCapture: " << cudaGetErrorString(end);
+  }
+  cudaGraphExec_t exec = nullptr;
+  cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+  if (e == cudaSuccess) e = cudaGraphLaunch(exec, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (exec != nullptr) cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  if (e != cudaSuccess) return ::testing::AssertionFailure() << cudaGetErrorString(e);
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace ts::kernels::testing
