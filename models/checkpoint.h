@@ -21,7 +21,9 @@ struct TensorView {
   std::string name;
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
-  const std::byte* data = nullptr;  // points into the mmap; valid while the Checkpoint lives
+  // [nbytes], little-endian, points into the mmap; valid while the Checkpoint lives. Not
+  // necessarily aligned to the dtype (the format does not promise it): read via memcpy.
+  const std::byte* data = nullptr;
   size_t nbytes = 0;
   std::string file;  // shard file name, for error messages
   int64_t numel() const;
@@ -47,7 +49,7 @@ class Checkpoint {
   std::unique_ptr<Impl> impl_;
 };
 
-// Upcasts any supported dtype to fp32. out has t.numel() elements.
+// Upcasts any supported dtype to fp32. out: [t.numel()].
 void ConvertToF32(const TensorView& t, float* out);
 float Bf16ToF32(uint16_t bits);
 float F16ToF32(uint16_t bits);

@@ -39,16 +39,20 @@ struct ModelConfig {
   int head_dim = 0;      // explicit `head_dim`, else hidden_size / num_heads
   int vocab_size = 0;
   int max_position_embeddings = 0;
-  float rms_norm_eps = 1e-5f;
+  float rms_norm_eps = 1e-6f;  // transformers' LlamaConfig default when the key is absent
   float rope_theta = 10000.0f;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
-  DType dtype = DType::kBF16;  // the checkpoint's declared dtype
+  // The declared `dtype`/`torch_dtype`; float32 when absent, as transformers assumes. Tensors carry
+  // their own dtype, so this is a hint for what to compute in, not a promise about the files.
+  DType dtype = DType::kF32;
+  // Unions of config.json and generation_config.json, first-seen order, no duplicates.
   std::vector<int32_t> bos_token_ids;
-  std::vector<int32_t> eos_token_ids;  // union of config.json and generation_config.json
+  std::vector<int32_t> eos_token_ids;
 };
 
-// Parses config.json text. `source` names the file in error messages.
+// Parses config.json text. `source` names the file in error messages. head_dim may differ from
+// hidden_size / num_heads only when config.json states it (q_proj is [num_heads*head_dim, hidden]).
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text,
                                              std::string_view source = "config.json");
 // Merges generation_config.json (bos/eos ids, which may be a single id or a list).

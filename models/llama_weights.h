@@ -1,5 +1,6 @@
 // Binds a checkpoint's tensors to the Llama layout and checks every shape against the config.
-// Both backends start from this: the CPU reference upcasts, the CUDA backend copies bf16 to the GPU.
+// Both backends start from this: the CPU reference upcasts, the CUDA backend copies bf16 to the
+// GPU. Tensor names are Hugging Face's (model.layers.{i}.self_attn.q_proj.weight, ...).
 #pragma once
 
 #include <vector>
@@ -29,7 +30,10 @@ struct LlamaTensors {
   std::vector<LlamaLayerTensors> layers;
 };
 
-// Fails with the tensor's name for a missing tensor, a wrong shape, or an unexpected bias tensor.
+// Fails with the tensor's name for a missing tensor, a wrong shape, or an unexpected tensor (any
+// bias, a layer index >= num_layers, anything else Llama does not use): a tensor we silently
+// ignored would mean computing a different model. rotary_emb.inv_freq buffers are skipped.
+// lm_head.weight is required unless config.tie_word_embeddings. The result points into `ckpt`.
 absl::StatusOr<LlamaTensors> BindLlamaTensors(const Checkpoint& ckpt, const ModelConfig& config);
 
 }  // namespace ts
