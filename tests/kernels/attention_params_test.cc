@@ -1,0 +1,190 @@
+// Host-only checks of the attention launchers: parameter validation (every rejection happens before
+// any CUDA call, so this runs without a GPU), the split geometry shared by the split and combine
+// kernels, and the host heuristics.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/attention_combine.cuh"
+#include "kernels/attention_common.cuh"
+#include "kernels/decode_attention.cuh"
+#include "kernels/prefill_attention.cuh"
+
+namespace ts::kernels {
+namespace {
+
+using attention_internal::NumActiveSplits;
+using attention_internal::SplitGeometry;
+using attention_internal::SplitTokens;
+
+template <typename T>
+T* Fake(uintptr_t addr) {
+  return reinterpret_cast<T*>(addr);  // never dereferenced: validation fails first
+}
+
+void ExpectInvalid(const absl::Status& s, const std::string& field) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find(field), std::string::npos) << s;
+}
+
+DecodeAttentionParams ValidDecode() {
+  DecodeAttentionParams p;
+  p.q = Fake<const __nv_bfloat16>(0x10000);
+  p.k_cache = Fake<const __nv_bfloat16>(0x20000);
+  p.v_cache = Fake<const __nv_bfloat16>(0x30000);
+  p.block_tables = Fake<const int32_t>(0x40000);
+  p.context_lens = Fake<const int32_t>(0x50000);
+  p.out = Fake<__nv_bfloat16>(0x60000);
+  p.workspace = Fake<void>(0x70000);
+  p.num_seqs = 4;
+  p.num_q_heads = 32;
+  p.num_kv_heads = 8;
+  p.head_dim = 128;
+  p.block_size = 16;
+  p.num_blocks = 100;
+  p.max_blocks_per_seq = 20;
+  p.scale = 0.088f;
+  p.max_splits = 8;
+  p.num_splits = 4;
+  p.workspace_bytes = DecodeAttentionWorkspaceBytes(4, 32, 128, 8);
+  return p;
+}
+
+TEST(DecodeAttentionParamsTest, RejectsEachBadField) {
+  DecodeAttentionParams p = ValidDecode();
+  p.head_dim = 96;
+  p.workspace_bytes = DecodeAttentionWorkspaceBytes(4, 32, 96, 8);
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "head_dim");
+  p = ValidDecode();
+  p.head_dim = 32;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "head_dim");
+  p = ValidDecode();
+  p.num_kv_heads = 5;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "num_q_heads");
+  p = ValidDecode();
+  p.block_size = 12;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "block_size");
+  p = ValidDecode();
+  p.num_splits = 9;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "num_splits");
+  p = ValidDecode();
+  p.workspace_bytes -= 1;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "workspace_bytes");
+  p = ValidDecode();
+  p.q = Fake<const __nv_bfloat16>(0x10008);
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "q");
+  p = ValidDecode();
+  p.context_lens = nullptr;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "context_lens");
+  p = ValidDecode();
+  p.mode = DecodeAttentionMode::kWorkQueue;
+  p.persistent_ctas = 0;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "persistent_ctas");
+  p.persistent_ctas = 132;
+  p.chunk_tokens = 0;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "chunk_tokens");
+  p.chunk_tokens = 256;
+  p.tiles_per_claim = 0;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "tiles_per_claim");
+}
+
+TEST(AttentionCombineParamsTest, RejectsBadFields) {
+  AttentionCombineParams c;
+  c.partial_out = Fake<const float>(0x10000);
+  c.partial_lse = Fake<const float>(0x20000);
+  c.context_lens = Fake<const int32_t>(0x30000);
+  c.out = Fake<__nv_bfloat16>(0x40000);
+  c.num_seqs = 2;
+  c.num_heads = 4;
+  c.head_dim = 48;
+  c.max_splits = 4;
+  c.num_splits = 4;
+  c.min_split_tokens = 1;
+  c.block_size = 16;
+  c.max_blocks_per_seq = 8;
+  ExpectInvalid(LaunchAttentionCombine(c, nullptr), "head_dim");
+  c.head_dim = 64;
+  c.num_splits = 5;
+  ExpectInvalid(LaunchAttentionCombine(c, nullptr), "num_splits");
+}
+
+TEST(PrefillAttentionParamsTest, RejectsBadFields) {
+  PrefillAttentionParams p;
+  p.q = Fake<const __nv_bfloat16>(0x10000);
+  p.k_cache = Fake<const __nv_bfloat16>(0x20000);
+  p.v_cache = Fake<const __nv_bfloat16>(0x30000);
+  p.block_tables = Fake<const int32_t>(0x40000);
+  p.cu_seqlens = Fake<const int32_t>(0x50000);
+  p.out = Fake<__nv_bfloat16>(0x60000);
+  p.num_seqs = 2;
+  p.total_tokens = 10;
+  p.max_q_len = 8;
+  p.num_q_heads = 8;
+  p.num_kv_heads = 2;
+  p.head_dim = 100;
+  p.block_size = 16;
+  p.num_blocks = 4;
+  p.max_blocks_per_seq = 2;
+  p.scale = 0.1f;
+  ExpectInvalid(LaunchPrefillAttention(p, nullptr), "head_dim");
+  p.head_dim = 64;
+  p.max_q_len = 11;
+  ExpectInvalid(LaunchPrefillAttention(p, nullptr), "max_q_len");
+  p.max_q_len = 8;
+  p.cu_seqlens = nullptr;
+  ExpectInvalid(LaunchPrefillAttention(p, nullptr), "cu_seqlens");
+}
+
+// The combine kernel trusts NumActiveSplits to stay within what the split kernel wrote.
+TEST(SplitGeometryTest, ActiveSplitsCoverContextWithinBound) {
+  for (int num_splits : {1, 2, 3, 7, 16, 64}) {
+    for (int min_tokens : {1, 16, 64, 256}) {
+      const SplitGeometry g{num_splits, min_tokens, 16, 1 << 20};
+      for (int ctx = 1; ctx <= 5000; ctx += (ctx < 300 ? 1 : 37)) {
+        const int per = SplitTokens(g, ctx);
+        const int n = NumActiveSplits(g, ctx);
+        ASSERT_GE(n, 1);
+        ASSERT_LE(n, num_splits) << "ctx " << ctx;
+        ASSERT_GE(per * n, ctx);
+        ASSERT_LT(per * (n - 1), ctx);
+        ASSERT_GE(per, min_tokens);
+        if (min_tokens % 16 == 0) {
+          ASSERT_EQ(per % 16, 0);
+        }
+      }
+    }
+  }
+}
+
+TEST(DecodeHeuristicsTest, SplitChoicesStayInRange) {
+  SplitChoiceInputs in;
+  in.num_q_heads = 32;
+  in.num_kv_heads = 8;
+  in.num_sms = 132;
+  in.max_splits = 32;
+  in.num_seqs = 1;
+  in.max_context_len = 8000;
+  EXPECT_EQ(ChooseNumSplits(in), 32);  // one sequence: as many splits as the workspace allows
+  in.max_context_len = 100;
+  EXPECT_EQ(ChooseNumSplits(in), 1);  // short context: splitting would not pay
+  in.num_seqs = 256;
+  in.max_context_len = 8000;
+  EXPECT_EQ(ChooseNumSplits(in), 1);  // 2048 tiles already fill the GPU
+  in.num_seqs = 32;
+  const WorkQueueConfig wq = ChooseWorkQueueConfig(in, 16);
+  EXPECT_EQ(wq.persistent_ctas, 4 * 132);
+  EXPECT_EQ(wq.chunk_tokens % 16, 0);
+  EXPECT_GE(wq.chunk_tokens, 64);
+  EXPECT_LE(wq.chunk_tokens, 512);
+  EXPECT_GE(wq.tiles_per_claim, 1);
+}
+
+TEST(DecodeWorkspaceTest, SizeCoversCountersLseAndPartials) {
+  const size_t b = DecodeAttentionWorkspaceBytes(3, 5, 64, 7);
+  EXPECT_GE(b, kDecodeAttentionCounterBytes + 3 * 5 * 7 * 4 + 3 * 5 * 7 * 64 * 4);
+  EXPECT_LT(b, kDecodeAttentionCounterBytes + 3 * 5 * 7 * 4 + 3 * 5 * 7 * 64 * 4 + 256);
+}
+
+}  // namespace
+}  // namespace ts::kernels

@@ -1,0 +1,358 @@
+// Paged decode attention (static split and work queue) + combine against a CPU reference computed
+// in double from the same bf16-rounded inputs.
+//
+// Tolerance: per (seq, head) row, max |got - ref| <= 2e-2 * max |ref|. The output is bf16 (relative
+// rounding 2^-9); the kernel accumulates in fp32 in a different order than the reference, which
+// adds ~1e-6. 2e-2 leaves room for both while any indexing bug (wrong token, head, block or split)
+// moves a row by O(max |ref|). Rows of empty sequences (context 0) must be exactly zero.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/decode_attention.cuh"
+#include "tests/kernels/attention_test_util.h"
+
+namespace ts::kernels::testing {
+namespace {
+
+constexpr double kTol = 2e-2;
+constexpr int kBlockSize = 16;
+constexpr int kMaxSplits = 64;
+
+struct Heads {
+  int q;
+  int kv;
+};
+
+struct ModeConfig {
+  DecodeAttentionMode mode;
+  int num_splits = 1;    // static
+  int chunk_tokens = 0;  // queue
+  int ctas = 0;          // queue
+  int claim = 1;         // queue
+  std::string Name() const {
+    return mode == DecodeAttentionMode::kStaticSplit
+               ? absl::StrCat("static splits=", num_splits)
+               : absl::StrCat("queue chunk=", chunk_tokens, " ctas=", ctas, " claim=", claim);
+  }
+};
+
+int NumSms() {
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return std::max(sms, 1);
+}
+
+// out[s, h, :] = softmax_t(scale * q[s, h] . k[s, t]) v[s, t], in double.
+std::vector<double> Reference(const std::vector<float>& q, const PagedKv& kv,
+                              const std::vector<int32_t>& ctx, int num_q_heads, float scale) {
+  const int d = kv.head_dim;
+  const int group = num_q_heads / kv.num_kv_heads;
+  std::vector<double> out(q.size(), 0.0);
+  for (size_t s = 0; s < ctx.size(); ++s) {
+    const int n = ctx[s];
+    if (n == 0) continue;
+    for (int kvh = 0; kvh < kv.num_kv_heads; ++kvh) {
+      std::vector<double> scores(static_cast<size_t>(group) * n);
+      for (int t = 0; t < n; ++t) {
+        const float* k = kv.KRow(s, kvh, t);
+        for (int g = 0; g < group; ++g) {
+          const float* qr = q.data() + (s * num_q_heads + kvh * group + g) * d;
+          double dot = 0;
+          for (int i = 0; i < d; ++i) dot += static_cast<double>(qr[i]) * k[i];
+          scores[g * n + t] = dot * scale;
+        }
+      }
+      for (int g = 0; g < group; ++g) {
+        double mx = -INFINITY, sum = 0;
+        for (int t = 0; t < n; ++t) mx = std::max(mx, scores[g * n + t]);
+        for (int t = 0; t < n; ++t) sum += (scores[g * n + t] = std::exp(scores[g * n + t] - mx));
+        for (int t = 0; t < n; ++t) scores[g * n + t] /= sum;
+      }
+      for (int t = 0; t < n; ++t) {
+        const float* v = kv.VRow(s, kvh, t);
+        for (int g = 0; g < group; ++g) {
+          double* o = out.data() + (s * num_q_heads + kvh * group + g) * d;
+          const double p = scores[g * n + t];
+          for (int i = 0; i < d; ++i) o[i] += p * v[i];
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// Edge lengths first (1, 15, 16, 17 around a block boundary, then long), then a ragged random mix;
+// batches above 8 also carry one padding row (context 0).
+std::vector<int32_t> Contexts(int num_seqs, uint32_t seed) {
+  static const int kEdge[] = {1, 15, 16, 17, 255, 1000, 4000};
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int> dist(1, 4000);
+  std::vector<int32_t> ctx(num_seqs);
+  for (int i = 0; i < num_seqs; ++i) ctx[i] = i < 7 ? kEdge[(i + seed) % 7] : dist(gen);
+  if (num_seqs > 8) ctx[num_seqs / 2] = 0;
+  return ctx;
+}
+
+class DecodeHarness {
+ public:
+  DecodeHarness(Heads heads, int head_dim, std::vector<int32_t> ctx, uint32_t seed)
+      : heads_(heads), head_dim_(head_dim), ctx_(std::move(ctx)) {
+    num_seqs_ = static_cast<int>(ctx_.size());
+    kv_ = MakePagedKv(ctx_, heads.kv, kBlockSize, head_dim, seed);
+    // |q| up to 4 makes the softmax peaked enough that a wrong max shift would show.
+    q_ = HashedValues(static_cast<size_t>(num_seqs_) * heads.q * head_dim, seed + 7, 4.f);
+    scale_ = 1.f / std::sqrt(static_cast<float>(head_dim));
+    ref_ = Reference(q_, kv_, ctx_, heads.q, scale_);
+
+    dq_ = std::make_unique<GuardedBuffer<__nv_bfloat16>>(q_.size());
+    dk_ = std::make_unique<GuardedBuffer<__nv_bfloat16>>(kv_.k.size());
+    dv_ = std::make_unique<GuardedBuffer<__nv_bfloat16>>(kv_.v.size());
+    dtables_ = std::make_unique<GuardedBuffer<int32_t>>(kv_.tables.size());
+    dctx_ = std::make_unique<GuardedBuffer<int32_t>>(ctx_.size());
+    dout_ = std::make_unique<GuardedBuffer<__nv_bfloat16>>(q_.size());
+    ws_bytes_ = DecodeAttentionWorkspaceBytes(num_seqs_, heads.q, head_dim, kMaxSplits);
+    dws_ = std::make_unique<GuardedBuffer<uint8_t>>(ws_bytes_);
+    dq_->Upload(ToBf16(q_));
+    dk_->Upload(ToBf16(kv_.k));
+    dv_->Upload(ToBf16(kv_.v));
+    dtables_->Upload(kv_.tables);
+    dctx_->Upload(ctx_);
+    EXPECT_TRUE(ResetDecodeAttentionWorkspace(dws_->get(), ws_bytes_, nullptr).ok());
+  }
+
+  DecodeAttentionParams Params(const ModeConfig& m) const {
+    DecodeAttentionParams p;
+    p.q = dq_->get();
+    p.k_cache = dk_->get();
+    p.v_cache = dv_->get();
+    p.block_tables = dtables_->get();
+    p.context_lens = dctx_->get();
+    p.out = dout_->get();
+    p.workspace = dws_->get();
+    p.workspace_bytes = ws_bytes_;
+    p.num_seqs = num_seqs_;
+    p.num_q_heads = heads_.q;
+    p.num_kv_heads = heads_.kv;
+    p.head_dim = head_dim_;
+    p.block_size = kBlockSize;
+    p.num_blocks = kv_.num_blocks;
+    p.max_blocks_per_seq = kv_.max_blocks_per_seq;
+    p.scale = scale_;
+    p.mode = m.mode;
+    p.max_splits = kMaxSplits;
+    p.num_splits = m.num_splits;
+    p.chunk_tokens = m.chunk_tokens;
+    p.persistent_ctas = m.ctas;
+    p.tiles_per_claim = m.claim;
+    return p;
+  }
+
+  // Poisons the output and every workspace byte except the counters, so a split that is read but
+  // was not written this launch, or a counter that was not reset, shows up as NaN.
+  void Poison(cudaStream_t stream) const {
+    cudaMemsetAsync(dout_->get(), 0xFF, q_.size() * sizeof(__nv_bfloat16), stream);
+    cudaMemsetAsync(dws_->get() + kDecodeAttentionCounterBytes, 0xFF,
+                    ws_bytes_ - kDecodeAttentionCounterBytes, stream);
+  }
+
+  std::vector<float> Output() const { return FromBf16(dout_->Download()); }
+
+  void ExpectCountersReset() const {
+    uint32_t c[2] = {1, 1};
+    ASSERT_EQ(cudaMemcpy(c, dws_->get(), sizeof(c), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(c[0], 0u) << "work counter not reset";
+    EXPECT_EQ(c[1], 0u) << "done counter not reset";
+  }
+
+  void ExpectGuards() const {
+    EXPECT_TRUE(dout_->GuardsIntact()) << "out";
+    EXPECT_TRUE(dws_->GuardsIntact()) << "workspace";
+    EXPECT_TRUE(dq_->GuardsIntact()) << "q";
+  }
+
+  void RunAndCheck(const ModeConfig& m) const {
+    SCOPED_TRACE(m.Name());
+    Poison(nullptr);
+    ASSERT_TRUE(LaunchDecodeAttention(Params(m), nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(RowsClose(Output(), ref_, head_dim_, kTol));
+    ExpectGuards();
+    if (m.mode == DecodeAttentionMode::kWorkQueue) ExpectCountersReset();
+  }
+
+  const std::vector<double>& ref() const { return ref_; }
+  int head_dim() const { return head_dim_; }
+  int max_context() const { return *std::max_element(ctx_.begin(), ctx_.end()); }
+  int num_seqs() const { return num_seqs_; }
+  Heads heads() const { return heads_; }
+
+ private:
+  Heads heads_;
+  int head_dim_;
+  std::vector<int32_t> ctx_;
+  int num_seqs_ = 0;
+  PagedKv kv_;
+  std::vector<float> q_;
+  float scale_ = 0;
+  std::vector<double> ref_;
+  size_t ws_bytes_ = 0;
+  std::unique_ptr<GuardedBuffer<__nv_bfloat16>> dq_, dk_, dv_, dout_;
+  std::unique_ptr<GuardedBuffer<int32_t>> dtables_, dctx_;
+  std::unique_ptr<GuardedBuffer<uint8_t>> dws_;
+};
+
+std::vector<ModeConfig> AllModes(const DecodeHarness& h) {
+  const int sms = NumSms();
+  SplitChoiceInputs in;
+  in.num_seqs = h.num_seqs();
+  in.num_q_heads = h.heads().q;
+  in.num_kv_heads = h.heads().kv;
+  in.max_context_len = h.max_context();
+  in.num_sms = sms;
+  in.max_splits = kMaxSplits;
+  const WorkQueueConfig wq = ChooseWorkQueueConfig(in, kBlockSize);
+  using M = DecodeAttentionMode;
+  return {
+      {M::kStaticSplit, 1},
+      {M::kStaticSplit, 3},
+      {M::kStaticSplit, 16},  // more splits than blocks for the short sequences
+      {M::kStaticSplit, kMaxSplits},
+      {M::kStaticSplit, ChooseNumSplits(in)},
+      // Tiny chunks force the "more tiles than max_splits" widening; few CTAs force many claims.
+      {M::kWorkQueue, 1, 16, 7, 4},
+      {M::kWorkQueue, 1, 256, 4 * sms, 1},
+      {M::kWorkQueue, 1, wq.chunk_tokens, wq.persistent_ctas, wq.tiles_per_claim},
+  };
+}
+
+struct GridParam {
+  Heads heads;
+  int head_dim;
+};
+
+class DecodeAttentionGridTest : public ::testing::TestWithParam<GridParam> {};
+
+TEST_P(DecodeAttentionGridTest, MatchesReferenceInEveryMode) {
+  const GridParam gp = GetParam();
+  uint32_t seed = 11 * gp.head_dim + gp.heads.q;
+  for (int num_seqs : {1, 3, 8, 33}) {
+    SCOPED_TRACE(absl::StrCat("num_seqs=", num_seqs));
+    ++seed;
+    const DecodeHarness h(gp.heads, gp.head_dim, Contexts(num_seqs, seed), seed);
+    for (const ModeConfig& m : AllModes(h)) h.RunAndCheck(m);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DecodeAttentionGridTest,
+    ::testing::Values(GridParam{{4, 4}, 16}, GridParam{{8, 2}, 16}, GridParam{{32, 8}, 16},
+                      GridParam{{4, 4}, 64}, GridParam{{8, 2}, 64}, GridParam{{32, 8}, 64},
+                      GridParam{{4, 4}, 128}, GridParam{{8, 2}, 128}, GridParam{{32, 8}, 128},
+                      // group sizes 2, 8 and 16 (16 = two head chunks per kv head)
+                      GridParam{{4, 2}, 128}, GridParam{{16, 2}, 64}, GridParam{{32, 2}, 128}),
+    [](const ::testing::TestParamInfo<GridParam>& info) {
+      return absl::StrCat("Hq", info.param.heads.q, "_Hkv", info.param.heads.kv, "_D",
+                          info.param.head_dim);
+    });
+
+TEST(DecodeAttentionTest, EachEdgeLengthAlone) {
+  for (int n : {1, 15, 16, 17, 255, 1000, 4000}) {
+    SCOPED_TRACE(absl::StrCat("context=", n));
+    const DecodeHarness h({32, 8}, 128, {n}, 1000 + n);
+    for (const ModeConfig& m : AllModes(h)) h.RunAndCheck(m);
+  }
+}
+
+// Captures the work-queue launch once and replays it: each replay must reproduce the first one
+// bit for bit, which only works if the last CTA reset the work counter inside the graph.
+TEST(DecodeAttentionTest, WorkQueueGraphReplaysAreIdentical) {
+  const DecodeHarness h({32, 8}, 128, Contexts(33, 5), 5);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const ModeConfig m{DecodeAttentionMode::kWorkQueue, 1, 128, 2 * NumSms(), 4};
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const absl::Status st = LaunchDecodeAttention(h.Params(m), stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(st.ok()) << st;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  std::vector<float> first;
+  for (int replay = 0; replay < 3; ++replay) {
+    SCOPED_TRACE(absl::StrCat("replay ", replay));
+    h.Poison(stream);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<float> out = h.Output();
+    EXPECT_TRUE(RowsClose(out, h.ref(), h.head_dim(), kTol));
+    h.ExpectCountersReset();
+    if (replay == 0) {
+      first = out;
+    } else {
+      EXPECT_EQ(std::memcmp(first.data(), out.data(), out.size() * sizeof(float)), 0);
+    }
+  }
+  h.ExpectGuards();
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// The graph cache changes num_splits (a grid dimension and a kernel argument) with
+// cudaGraphExecUpdate when the context regime changes; the updated exec must compute the same.
+TEST(DecodeAttentionTest, ExecUpdateChangesSplitCount) {
+  const DecodeHarness h({8, 2}, 64, Contexts(8, 9), 9);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  auto capture = [&](const ModeConfig& m, cudaGraph_t* g) {
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const absl::Status st = LaunchDecodeAttention(h.Params(m), stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, g), cudaSuccess);
+    ASSERT_TRUE(st.ok()) << st;
+  };
+  for (auto mode : {DecodeAttentionMode::kStaticSplit, DecodeAttentionMode::kWorkQueue}) {
+    const ModeConfig before{mode, 2, 64, NumSms(), 1};
+    const ModeConfig after{mode, 7, 256, 3 * NumSms(), 2};
+    SCOPED_TRACE(after.Name());
+    cudaGraph_t g1 = nullptr, g2 = nullptr;
+    capture(before, &g1);
+    capture(after, &g2);
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, g1, 0), cudaSuccess);
+    cudaGraphExecUpdateResultInfo info;
+    ASSERT_EQ(cudaGraphExecUpdate(exec, g2, &info), cudaSuccess);
+    EXPECT_EQ(info.result, cudaGraphExecUpdateSuccess);
+    h.Poison(stream);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_TRUE(RowsClose(h.Output(), h.ref(), h.head_dim(), kTol));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(g1);
+    cudaGraphDestroy(g2);
+  }
+  cudaStreamDestroy(stream);
+}
+
+TEST(DecodeAttentionTest, RejectsUnsupportedHeadDimWithoutLaunching) {
+  const DecodeHarness h({8, 2}, 64, {17, 5}, 3);
+  DecodeAttentionParams p = h.Params({DecodeAttentionMode::kStaticSplit, 2});
+  p.head_dim = 96;
+  p.workspace_bytes = DecodeAttentionWorkspaceBytes(p.num_seqs, p.num_q_heads, 96, kMaxSplits);
+  TS_EXPECT_INVALID(LaunchDecodeAttention(p, nullptr), "head_dim");
+  p.head_dim = 64;
+  p.num_kv_heads = 3;
+  TS_EXPECT_INVALID(LaunchDecodeAttention(p, nullptr), "num_q_heads");
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace ts::kernels::testing
