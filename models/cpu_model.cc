@@ -155,7 +155,7 @@ absl::StatusOr<std::unique_ptr<CpuModel>> CpuModel::Load(const std::filesystem::
   std::unique_ptr<CpuModel> model(new CpuModel());
   Impl& m = *model->impl_;
   m.config = config;
-  m.pool = std::make_unique<ThreadPool>(options.num_threads);
+  m.pool = std::make_unique<ThreadPool>(options.num_threads, options.min_parallel_work);
   const int64_t hidden = config.hidden_size, inter = config.intermediate_size;
   const int64_t vocab = config.vocab_size;
 
@@ -283,7 +283,7 @@ void CpuModel::Impl::Prepare(std::span<const SeqChunk> chunks) {
 
 void CpuModel::Impl::NormRows(const float* in, int64_t rows, const float* w, float* dst) {
   const int64_t hidden = config.hidden_size;
-  pool->ParallelFor(rows, GrainFor(hidden), [&](int64_t b, int64_t e) {
+  pool->ParallelFor(rows, pool->Grain(hidden), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       cpu::RmsNorm(in + r * hidden, w, hidden, config.rms_norm_eps, dst + r * hidden);
     }
@@ -309,7 +309,7 @@ void CpuModel::Impl::Attention(int l, CpuKvPool& kv) {
   const int kv_heads = config.num_kv_heads, group = heads / kv_heads;
   const int64_t ld = qkv_dim();
   const int32_t bs = kv.block_size();
-  pool->ParallelFor(T, GrainFor(ld), [&](int64_t b, int64_t e) {
+  pool->ParallelFor(T, pool->Grain(ld), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       float* row = &qkv[t * ld];
       const float* c = &rope_cos[t * half];
@@ -327,7 +327,7 @@ void CpuModel::Impl::Attention(int l, CpuKvPool& kv) {
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   int32_t max_ctx = 0;
   for (const TokenInfo& ti : tokens) max_ctx = std::max(max_ctx, ti.pos + 1);
-  pool->ParallelFor(T * heads, GrainFor(2 * int64_t{max_ctx} * hd), [&](int64_t b, int64_t e) {
+  pool->ParallelFor(T * heads, pool->Grain(2 * int64_t{max_ctx} * hd), [&](int64_t b, int64_t e) {
     std::vector<float> scores;
     for (int64_t task = b; task < e; ++task) {
       const int64_t t = task / heads;
@@ -367,7 +367,7 @@ void CpuModel::Impl::RunLayer(int l, CpuKvPool& kv) {
   AddOut(T);
   NormRows(x.data(), T, w.mlp_norm.data(), h.data());
   Gemm(h.data(), T, hidden, w.wgu, 2 * inter, gu.data());
-  pool->ParallelFor(T, GrainFor(4 * inter), [&](int64_t b, int64_t e) {
+  pool->ParallelFor(T, pool->Grain(4 * inter), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       cpu::SiluMul(&gu[t * 2 * inter], &gu[t * 2 * inter + inter], inter, &act[t * inter]);
     }

@@ -57,6 +57,9 @@ enum class LogitsMode { kLastPerChunk, kAll };
 
 struct CpuModelOptions {
   int num_threads = 0;  // 0 = hardware concurrency; counts the calling thread
+  // Multiply-adds a thread must get before a region is split; 0 = ThreadPool's default (32K).
+  // 1 splits every region, so tests exercise the threaded paths on tiny models.
+  int64_t min_parallel_work = 0;
 };
 
 class CpuModel {

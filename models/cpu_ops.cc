@@ -101,7 +101,7 @@ TS_HOT_CLONES void GemmRows(const GemmArgs& a, int64_t n_begin, int64_t n_end) {
 
 void Gemm(ThreadPool& pool, const GemmArgs& a) {
   if (a.rows == 0 || a.n == 0) return;
-  pool.ParallelFor(a.n, GrainFor(a.rows * a.k, kTileRows),
+  pool.ParallelFor(a.n, pool.Grain(a.rows * a.k, kTileRows),
                    [&a](int64_t b, int64_t e) { GemmRows(a, b, e); });
 }
 

@@ -4,7 +4,8 @@
 
 namespace ts {
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads, int64_t min_work)
+    : min_work_(min_work > 0 ? min_work : kDefaultMinWork) {
   if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
   num_threads = std::max(num_threads, 1);
   bounds_.assign(num_threads + 1, 0);

@@ -12,24 +12,28 @@
 
 namespace ts {
 
-// Items per range so that each range carries at least ~32K multiply-adds: waking a parked thread
-// costs microseconds, more than a tiny model's whole GEMM, so small jobs run inline.
-// The result is a multiple of `multiple`.
-inline int64_t GrainFor(int64_t work_per_item, int64_t multiple = 1) {
-  constexpr int64_t kMinWork = int64_t{1} << 15;
-  const int64_t items = (kMinWork + work_per_item - 1) / (work_per_item > 0 ? work_per_item : 1);
-  return (items + multiple - 1) / multiple * multiple;
-}
-
 class ThreadPool {
  public:
+  // Waking a parked thread costs microseconds, more than a tiny model's whole GEMM, so a range
+  // should carry at least this many multiply-adds (see Grain).
+  static constexpr int64_t kDefaultMinWork = int64_t{1} << 15;
+
   // num_threads counts the calling thread: 1 runs everything inline. 0 = hardware concurrency.
-  explicit ThreadPool(int num_threads);
+  // min_work <= 0 means kDefaultMinWork; 1 splits every job (tests use it to exercise threading).
+  explicit ThreadPool(int num_threads, int64_t min_work = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  // Items per range so that each range carries at least min_work units when one item costs
+  // `work_per_item`; a multiple of `multiple`. Pass it as ParallelFor's grain.
+  int64_t Grain(int64_t work_per_item, int64_t multiple = 1) const {
+    const int64_t per = work_per_item > 0 ? work_per_item : 1;
+    const int64_t items = (min_work_ + per - 1) / per;
+    return (items + multiple - 1) / multiple * multiple;
+  }
 
   // Splits [0, n) into at most num_threads() contiguous ranges whose boundaries are multiples of
   // `grain` (except the end) and runs fn(begin, end) on each, the caller taking the first range.
@@ -39,6 +43,7 @@ class ThreadPool {
  private:
   void WorkerLoop(int index);
 
+  int64_t min_work_;
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable work_cv_;

@@ -1,6 +1,7 @@
 #include "models/cpu_model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -12,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "models/checkpoint.h"
+#include "models/thread_pool.h"
 #include "nlohmann/json.hpp"
 #include "tests/common/test_paths.h"
 
@@ -99,7 +101,12 @@ class CpuModelFixtureTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     dir_ = ::ts::testing::FixtureDir() / GetParam();
-    auto model = CpuModel::Load(dir_);
+    // Every parallel region split over 3 threads (uneven on purpose), so the tiny fixtures exercise
+    // the threaded GEMM, norm and attention paths.
+    CpuModelOptions options;
+    options.num_threads = 3;
+    options.min_parallel_work = 1;
+    auto model = CpuModel::Load(dir_, options);
     ASSERT_TRUE(model.ok()) << model.status();
     model_ = std::move(*model);
     vocab_ = model_->config().vocab_size;
@@ -181,7 +188,7 @@ TEST_P(CpuModelFixtureTest, MixedBatchEqualsPerPromptRuns) {
   }
 
   // Together, in one shared pool with interleaved shuffled tables; a single-thread model must
-  // give the same bits too.
+  // give the same bits as the split-everything one too.
   CpuModelOptions one_thread;
   one_thread.num_threads = 1;
   auto single = CpuModel::Load(dir_, one_thread);
@@ -319,6 +326,38 @@ TEST_F(CpuModelValidationTest, ValidChunkAfterRejectionStillWorks) {
   const std::vector<int32_t> good = {1, 5, 9};
   ASSERT_TRUE(Forward({good, 0, table}, kv).ok());
   for (float v : logits_) ASSERT_TRUE(std::isfinite(v));
+}
+
+TEST(ThreadPoolTest, EveryIndexRunsExactlyOnceOnGrainBoundaries) {
+  for (int threads : {1, 2, 3, 5}) {
+    ThreadPool pool(threads, /*min_work=*/1);
+    for (int64_t n : {1, 3, 4, 17, 64, 1001}) {
+      for (int64_t grain : {1, 4, 7}) {
+        std::vector<int> hits(n, 0);
+        std::vector<std::pair<int64_t, int64_t>> ranges(threads + 1, {-1, -1});
+        std::atomic<int> calls{0};
+        pool.ParallelFor(n, grain, [&](int64_t b, int64_t e) {
+          ranges[calls.fetch_add(1)] = {b, e};
+          for (int64_t i = b; i < e; ++i) ++hits[i];
+        });
+        EXPECT_LE(calls.load(), threads);
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i], 1) << threads << " " << n << " " << i;
+        for (int c = 0; c < calls.load(); ++c) {
+          EXPECT_EQ(ranges[c].first % grain, 0) << "range start off the grain";
+          EXPECT_TRUE(ranges[c].second % grain == 0 || ranges[c].second == n);
+        }
+      }
+    }
+  }
+}
+
+TEST(ThreadPoolTest, GrainKeepsSmallJobsInline) {
+  ThreadPool pool(2);
+  EXPECT_EQ(pool.Grain(ThreadPool::kDefaultMinWork), 1);
+  EXPECT_EQ(pool.Grain(64, 4), ThreadPool::kDefaultMinWork / 64);
+  EXPECT_EQ(pool.Grain(ThreadPool::kDefaultMinWork / 3, 4), 4);
+  ThreadPool eager(2, 1);
+  EXPECT_EQ(eager.Grain(1000), 1);
 }
 
 TEST(CpuModelLoadTest, MissingDirectoryIsAnError) {
