@@ -478,11 +478,38 @@ absl::Status ResetDecodeAttentionWorkspace(void* workspace, size_t workspace_byt
   return absl::OkStatus();
 }
 
+absl::StatusOr<int32_t> DecodeAttentionCtasPerSm(int32_t head_dim, int32_t num_q_heads,
+                                                 int32_t num_kv_heads) {
+  if (num_kv_heads < 1 || num_q_heads < 1 || num_q_heads % num_kv_heads != 0)
+    return absl::InvalidArgumentError(
+        "DecodeAttentionCtasPerSm: num_q_heads must be a positive "
+        "multiple of num_kv_heads");
+  const int gmax = GroupTile(num_q_heads / num_kv_heads);
+  int blocks = 0;
+  TS_RETURN_IF_ERROR(attention_internal::DispatchHeadDim(
+      head_dim, "DecodeAttentionCtasPerSm head_dim", [&](auto d) -> absl::Status {
+        constexpr int D = decltype(d)::value;
+        const void* fn = gmax == 1   ? reinterpret_cast<const void*>(DecodeAttentionKernel<D, 1>)
+                         : gmax == 4 ? reinterpret_cast<const void*>(DecodeAttentionKernel<D, 4>)
+                                     : reinterpret_cast<const void*>(DecodeAttentionKernel<D, 8>);
+        TS_CUDA_RETURN_IF_ERROR(
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, kThreads, 0));
+        return absl::OkStatus();
+      }));
+  return std::max(blocks, 1);
+}
+
+namespace {
+int32_t CtasPerSm(const SplitChoiceInputs& in) {
+  return in.ctas_per_sm > 0 ? in.ctas_per_sm : 3;
+}
+}  // namespace
+
 int32_t ChooseNumSplits(const SplitChoiceInputs& in) {
   const int group = in.num_kv_heads > 0 ? std::max(1, in.num_q_heads / in.num_kv_heads) : 1;
   const int64_t tiles_per_split = static_cast<int64_t>(std::max(in.num_seqs, 1)) *
                                   std::max(in.num_kv_heads, 1) * ((group + 7) / 8);
-  const int64_t want_tiles = static_cast<int64_t>(std::max(in.num_sms, 1)) * 4;
+  const int64_t want_tiles = static_cast<int64_t>(std::max(in.num_sms, 1)) * CtasPerSm(in) * 2;
   int64_t splits = (want_tiles + tiles_per_split - 1) / tiles_per_split;
   splits = std::min<int64_t>(splits, (std::max(in.max_context_len, 1) + 127) / 128);
   return static_cast<int32_t>(std::clamp<int64_t>(splits, 1, std::max(in.max_splits, 1)));
@@ -490,7 +517,7 @@ int32_t ChooseNumSplits(const SplitChoiceInputs& in) {
 
 WorkQueueConfig ChooseWorkQueueConfig(const SplitChoiceInputs& in, int32_t block_size) {
   WorkQueueConfig c;
-  c.persistent_ctas = std::max(in.num_sms, 1) * 4;
+  c.persistent_ctas = std::max(in.num_sms, 1) * CtasPerSm(in);
   const int group = in.num_kv_heads > 0 ? std::max(1, in.num_q_heads / in.num_kv_heads) : 1;
   // Aim for ~8 tiles per CTA assuming half the batch's maximum as the mean context.
   const int64_t tokens = static_cast<int64_t>(std::max(in.num_seqs, 1)) *

@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace ts::kernels {
 
@@ -64,7 +65,7 @@ struct DecodeAttentionParams {
   // kWorkQueue: tokens per work tile (rounded up to a block multiple); a sequence whose context
   // needs more than max_splits tiles gets proportionally larger tiles. See ChooseWorkQueueConfig.
   int32_t chunk_tokens = 256;
-  int32_t persistent_ctas = 0;  // kWorkQueue: grid size, e.g. 4 x #SMs
+  int32_t persistent_ctas = 0;  // kWorkQueue: grid size, normally #SMs x resident CTAs per SM
   int32_t tiles_per_claim = 1;  // kWorkQueue: tiles taken per atomicAdd
 };
 
@@ -89,9 +90,15 @@ struct SplitChoiceInputs {
   int32_t max_context_len = 0;  // longest context in the batch (or the regime's upper bound)
   int32_t num_sms = 0;          // cudaDevAttrMultiProcessorCount
   int32_t max_splits = 0;       // workspace capacity
+  int32_t ctas_per_sm = 0;      // resident decode CTAs per SM (DecodeAttentionCtasPerSm); 0 = 3
 };
 
-// Static-split count: enough tiles to fill the GPU a few times over, but never splits shorter than
+// How many decode-attention CTAs fit on one SM for this shape (cudaOccupancy on the kernel instance
+// the launcher would pick). Host-only query; call it once at startup, not during capture.
+absl::StatusOr<int32_t> DecodeAttentionCtasPerSm(int32_t head_dim, int32_t num_q_heads,
+                                                 int32_t num_kv_heads);
+
+// Static-split count: enough tiles for two waves of resident CTAs, but never splits shorter than
 // about 128 tokens (the merge would cost more than it saves). Result in [1, max_splits].
 int32_t ChooseNumSplits(const SplitChoiceInputs& in);
 
@@ -101,8 +108,8 @@ struct WorkQueueConfig {
   int32_t tiles_per_claim;
 };
 
-// Work-queue settings for a batch regime: chunk size so that each CTA gets several tiles (bounded
-// tail), grid = 4 CTAs per SM.
+// Work-queue settings for a batch regime: grid = resident CTAs (num_sms x ctas_per_sm), chunk size
+// so that each CTA gets about 8 tiles (the tail is then bounded by one small tile).
 WorkQueueConfig ChooseWorkQueueConfig(const SplitChoiceInputs& in, int32_t block_size);
 
 // Validates `p` (InvalidArgument naming the field), then enqueues the split kernel and the combine

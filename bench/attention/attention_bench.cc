@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/decode_attention.cuh"
 #include "kernels/prefill_attention.cuh"
@@ -248,6 +249,11 @@ void RunDecode(const Options& o, const char* name, std::vector<int32_t> ctx, int
   in.max_context_len = *std::max_element(b.ctx.begin(), b.ctx.end());
   in.num_sms = sms;
   in.max_splits = o.max_splits;
+  const absl::StatusOr<int32_t> per_sm =
+      kernels::DecodeAttentionCtasPerSm(o.head_dim, o.q_heads, o.kv_heads);
+  CheckOk(per_sm.status(), "DecodeAttentionCtasPerSm");
+  in.ctas_per_sm = *per_sm;
+  std::printf("%-8s decode kernel: %d CTAs per SM\n", name, *per_sm);
   const int chosen = kernels::ChooseNumSplits(in);
   const kernels::WorkQueueConfig wq = kernels::ChooseWorkQueueConfig(in, o.block_size);
 

@@ -173,7 +173,9 @@ TEST(DecodeHeuristicsTest, SplitChoicesStayInRange) {
   EXPECT_EQ(ChooseNumSplits(in), 1);  // 2048 tiles already fill the GPU
   in.num_seqs = 32;
   const WorkQueueConfig wq = ChooseWorkQueueConfig(in, 16);
-  EXPECT_EQ(wq.persistent_ctas, 4 * 132);
+  EXPECT_EQ(wq.persistent_ctas, 3 * 132);  // ctas_per_sm 0 means 3
+  in.ctas_per_sm = 2;
+  EXPECT_EQ(ChooseWorkQueueConfig(in, 16).persistent_ctas, 2 * 132);
   EXPECT_EQ(wq.chunk_tokens % 16, 0);
   EXPECT_GE(wq.chunk_tokens, 64);
   EXPECT_LE(wq.chunk_tokens, 512);

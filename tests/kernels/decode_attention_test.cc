@@ -219,6 +219,10 @@ std::vector<ModeConfig> AllModes(const DecodeHarness& h) {
   in.max_context_len = h.max_context();
   in.num_sms = sms;
   in.max_splits = kMaxSplits;
+  const absl::StatusOr<int32_t> per_sm =
+      DecodeAttentionCtasPerSm(h.head_dim(), h.heads().q, h.heads().kv);
+  EXPECT_TRUE(per_sm.ok()) << per_sm.status();
+  in.ctas_per_sm = per_sm.ok() ? *per_sm : 0;
   const WorkQueueConfig wq = ChooseWorkQueueConfig(in, kBlockSize);
   using M = DecodeAttentionMode;
   return {
