@@ -19,6 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/status.h"
 #include "engine/cpu_backend.h"
 #include "engine/engine.h"
 #include "models/config.h"
