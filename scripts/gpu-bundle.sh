@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds the GPU tests and benchmarks on this (GPU-less) machine and collects them, with their
+# non-system shared libraries (found with ldd), into .bundle/ for the device machine, which has the
+# CUDA toolkit but no gRPC, abseil or GoogleTest. tests/gpu/run-bundle.sh runs them there.
+#   TARGETS="..." overrides the list; BUILD_DIR defaults to build-bundle.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH=/usr/local/cuda/bin:$PATH
+BUILD_DIR=${BUILD_DIR:-build-bundle}
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+if [ -z "${TARGETS:-}" ]; then
+  # Every gpu-labelled test plus the benchmarks (ctest knows the labels once built targets exist).
+  TARGETS=$(ninja -C "$BUILD_DIR" -t targets all | sed -n 's/^\([A-Za-z0-9_-]*\): phony$/\1/p' |
+            grep -E '^(kernels_|graphs_|engine_cuda|tailserve-(bench|attn-bench|graph-bench)$|tailserve$)' || true)
+fi
+echo "gpu-bundle: building $(echo $TARGETS | wc -w) targets"
+cmake --build "$BUILD_DIR" -j "${JOBS:-2}" --target $TARGETS
+rm -rf .bundle && mkdir -p .bundle/bin .bundle/lib
+for t in $TARGETS; do
+  f=$(find "$BUILD_DIR" -type f -name "$t" -perm -u+x | head -1)
+  [ -n "$f" ] && cp "$f" .bundle/bin/
+done
+# Libraries the device lacks: everything ldd resolves except glibc/libstdc++ and the CUDA driver.
+for b in .bundle/bin/*; do
+  ldd "$b" | awk '/=> \// {print $3}'
+done | sort -u | grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*|libcuda)\.so' |
+  while read -r lib; do cp -L "$lib" .bundle/lib/; done
+# Which tests are gpu-labelled, so the device runs exactly those.
+(cd "$BUILD_DIR" && ctest -N -L gpu | sed -n 's/^ *Test *#[0-9]*: //p') > .bundle/gpu-tests.txt
+du -sh .bundle
