@@ -38,7 +38,7 @@ __global__ void RmsNormKernel(RmsNormParams p) {
     if (v >= vecs) continue;
     r[i] = LoadBf16x8Coherent(p.residual + base + v * 8);
     if (p.x != nullptr) {
-      const Bf16x8 x = LoadBf16x8(p.x + base + v * 8);
+      const Bf16x8 x = LoadBf16x8Coherent(p.x + base + v * 8);  // x may alias out
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         r[i].h[j] = __float2bfloat16_rn(__bfloat162float(r[i].h[j]) + __bfloat162float(x.h[j]));

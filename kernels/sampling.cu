@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) SamplingKernel(SamplingKernelPara
   const int32_t slot = p.row_slots[row];
   const bool slot_ok = slot >= 0 && slot < p.num_slots;
   if (!slot_ok && threadIdx.x == 0 && p.error_flag != nullptr) *p.error_flag = 1;
-  SamplingRow prm;  // default: greedy-free T=1 sampling is never used for a bad slot, see below
+  SamplingRow prm;  // a bad slot with params_by_slot has no params: it samples greedily
   if (!p.params_by_slot) {
     prm = p.params[row];
   } else if (slot_ok) {

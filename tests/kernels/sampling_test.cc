@@ -1,0 +1,591 @@
+// LaunchSampling against the CPU reference sampler (models/sampling.h):
+//  - greedy is exact (bf16-derived logits, so ties at the max are common; NaN/inf rows);
+//  - seeded draws land where an fp64 evaluation of the pipeline puts u * S (DrawDistance); the
+//    reference's token may differ only where its sequential fp32 sums cannot resolve the draw
+//    (flat distributions over 128K tokens: its rounding there is the size of one weight), and
+//    then it must be within 1e-3 * S of it too; small vocabularies agree token for token;
+//  - a row's token does not depend on the other rows of the launch, nor on the run;
+//  - over many seeds, token frequencies on a small vocab match the probabilities after
+//    top-k/top-p/min-p (computed here in fp64) within 4.5 sigma, and filtered-out tokens never
+//    appear;
+//  - penalties move the result exactly as the reference's do; update_counts counts the draw.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/philox.h"
+#include "kernels/sampling.cuh"
+#include "models/sampling.h"
+#include "tests/kernels/kernel_test_util.h"
+
+namespace ts::kernels {
+namespace {
+
+using testing::GuardedBuffer;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct RowCase {
+  std::vector<float> logits;  // [vocab]
+  ts::SamplingParams params;
+  std::vector<int32_t> prompt, output;
+  uint64_t position = 0;
+};
+
+// N(0, sigma) logits; rounded to bf16 when `bf16` (as an lm_head writing bf16 would), which makes
+// exact ties common.
+std::vector<float> RandomLogits(int vocab, uint32_t seed, float sigma, bool bf16) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, sigma);
+  std::vector<float> l(vocab);
+  for (float& x : l) x = bf16 ? testing::RoundBf16(d(gen)) : d(gen);
+  return l;
+}
+
+// Prompt and output histories; the output draws from a small set so counts exceed 1.
+void RandomHistory(RowCase& c, int vocab, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int32_t> any(0, vocab - 1), len(0, 40);
+  c.prompt.resize(len(gen));
+  for (auto& t : c.prompt) t = any(gen);
+  std::vector<int32_t> pool(8);
+  for (auto& t : pool) t = any(gen);
+  c.output.resize(len(gen));
+  for (auto& t : c.output) t = pool[gen() % pool.size()];
+}
+
+int32_t CpuToken(const RowCase& c) {
+  std::vector<float> l = c.logits;
+  ts::ApplyPenalties(l, c.params, c.prompt, c.output);
+  return ts::SampleFromLogits(l, c.params, c.position);
+}
+
+struct GpuResult {
+  std::vector<int32_t> tokens;
+  std::vector<uint16_t> counts;  // [num_slots, vocab] after the launch
+  int32_t flag = 0;
+};
+
+struct RunOptions {
+  std::vector<int32_t> slots;  // [rows]; empty = a shuffled permutation of rows
+  int num_slots = 0;           // 0 = rows
+  bool params_by_slot = false;
+  bool update_counts = false;
+};
+
+// One launch over `rows`. Slots not used by any row get random histories, so a kernel reading
+// the wrong slot gets different penalties.
+GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {}) {
+  const int n = static_cast<int>(rows.size());
+  if (o.num_slots == 0) o.num_slots = n;
+  if (o.slots.empty()) {
+    o.slots.resize(n);
+    std::iota(o.slots.begin(), o.slots.end(), 0);
+    std::shuffle(o.slots.begin(), o.slots.end(), std::mt19937(n * 31 + vocab));
+  }
+  const int words = (vocab + 31) / 32;
+  std::vector<float> logits(size_t(n) * vocab);
+  std::vector<SamplingRow> params(o.params_by_slot ? o.num_slots : n);
+  std::vector<uint16_t> counts(size_t(o.num_slots) * vocab);
+  std::vector<uint32_t> mask(size_t(o.num_slots) * words);
+  std::mt19937 junk(12345);
+  for (auto& c : counts) c = junk() % 3;
+  for (auto& m : mask) m = junk();
+  std::vector<char> reset(o.num_slots, 0);
+  for (int r = 0; r < n; ++r) {
+    const RowCase& c = rows[r];
+    std::copy(c.logits.begin(), c.logits.end(), logits.begin() + size_t(r) * vocab);
+    const int s = o.slots[r];
+    if (s < 0 || s >= o.num_slots) continue;
+    params[o.params_by_slot ? s : r] = MakeSamplingRow(c.params, c.position);
+    if (!reset[s]) {  // rows may share a slot when they only read it
+      reset[s] = 1;
+      std::fill_n(counts.begin() + size_t(s) * vocab, vocab, 0);
+      std::fill_n(mask.begin() + size_t(s) * words, words, 0u);
+      for (int32_t t : c.output) ++counts[size_t(s) * vocab + t];
+      for (int32_t t : c.prompt) mask[size_t(s) * words + t / 32] |= 1u << (t % 32);
+    }
+  }
+  GuardedBuffer<float> d_logits(logits.size());
+  GuardedBuffer<SamplingRow> d_params(params.size());
+  GuardedBuffer<int32_t> d_slots(n), d_tokens(n), d_flag(1);
+  GuardedBuffer<uint16_t> d_counts(counts.size());
+  GuardedBuffer<uint32_t> d_mask(mask.size());
+  d_logits.Upload(logits);
+  d_params.Upload(params);
+  d_slots.Upload(o.slots);
+  d_counts.Upload(counts);
+  d_mask.Upload(mask);
+  d_flag.Upload({0});
+  SamplingKernelParams p;
+  p.logits = d_logits.get();
+  p.params = d_params.get();
+  p.row_slots = d_slots.get();
+  p.output_counts = d_counts.get();
+  p.prompt_mask = d_mask.get();
+  p.tokens = d_tokens.get();
+  p.error_flag = d_flag.get();
+  p.rows = n;
+  p.vocab = vocab;
+  p.num_slots = o.num_slots;
+  p.params_by_slot = o.params_by_slot;
+  p.update_counts = o.update_counts;
+  GpuResult res;
+  const absl::Status st = LaunchSampling(p, nullptr);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  res.tokens = d_tokens.Download();
+  res.counts = d_counts.Download();
+  res.flag = d_flag.Download()[0];
+  for (int32_t t : res.tokens) EXPECT_TRUE(t >= 0 && t < vocab) << "token " << t;
+  EXPECT_TRUE(d_tokens.GuardsIntact());
+  EXPECT_TRUE(d_counts.GuardsIntact());
+  EXPECT_TRUE(d_logits.GuardsIntact());
+  return res;
+}
+
+ts::SamplingParams Params(float t, int k, float p, float min_p, uint64_t seed) {
+  ts::SamplingParams s;
+  s.temperature = t;
+  s.top_k = k;
+  s.top_p = p;
+  s.min_p = min_p;
+  s.seed = seed;
+  return s;
+}
+
+void AddPenalties(ts::SamplingParams& s) {
+  s.repetition_penalty = 1.3f;
+  s.presence_penalty = 0.5f;
+  s.frequency_penalty = 0.25f;
+}
+
+// The pipeline of models/sampling.h with fp32 scores (as both implementations form them) and
+// fp64 weights and sums: the kept ranks and their running sums.
+struct Exact {
+  std::vector<int> order;   // rank -> id, by (score desc, id asc)
+  std::vector<int> rank;    // id -> rank
+  std::vector<double> w;    // [top-k ranks] exp(s_r - s_0)
+  std::vector<double> cum;  // [kept] running sums of w
+  double total = 0;         // sum of the kept w
+};
+
+Exact ComputeExact(const RowCase& c) {
+  std::vector<float> l = c.logits;
+  ts::ApplyPenalties(l, c.params, c.prompt, c.output);
+  const int vocab = static_cast<int>(l.size());
+  std::vector<float> s(vocab);
+  for (int i = 0; i < vocab; ++i) {
+    const float x = l[i] / c.params.temperature;
+    s[i] = std::isnan(x) ? -kInf : std::min(x, std::numeric_limits<float>::max());
+  }
+  Exact e;
+  e.order.resize(vocab);
+  std::iota(e.order.begin(), e.order.end(), 0);
+  std::stable_sort(e.order.begin(), e.order.end(), [&](int a, int b) { return s[a] > s[b]; });
+  e.rank.resize(vocab);
+  for (int r = 0; r < vocab; ++r) e.rank[e.order[r]] = r;
+  const int k = c.params.top_k > 0 && c.params.top_k < vocab ? c.params.top_k : vocab;
+  double w_total = 0;
+  for (int r = 0; r < k; ++r) {
+    e.w.push_back(std::exp(double(s[e.order[r]]) - s[e.order[0]]));
+    w_total += e.w.back();
+  }
+  int kept = k;
+  if (c.params.top_p < 1.0f) {
+    double run = 0;
+    for (int r = 0; r < k; ++r) {
+      run += e.w[r];
+      if (run >= double(c.params.top_p) * w_total) {
+        kept = r + 1;
+        break;
+      }
+    }
+  }
+  if (c.params.min_p > 0.0f) {
+    int m = 1;
+    while (m < kept && e.w[m] >= c.params.min_p) ++m;
+    kept = m;
+  }
+  for (int r = 0; r < kept; ++r) e.cum.push_back(e.total += e.w[r]);
+  return e;
+}
+
+// Probabilities after all filters, [vocab].
+std::vector<double> ExpectedProbs(const RowCase& c) {
+  const Exact e = ComputeExact(c);
+  std::vector<double> prob(e.order.size(), 0.0);
+  for (size_t r = 0; r < e.cum.size(); ++r) prob[e.order[r]] = e.w[r] / e.total;
+  return prob;
+}
+
+// How far `token`'s slice [C_{r-1}, C_r) of the fp64 running sums lies from the draw point
+// u * S, over S: 0 when it contains it. The kernel's draws sit at 0 up to its 2^-32 fixed point.
+double DrawDistance(const RowCase& c, int32_t token) {
+  const Exact e = ComputeExact(c);
+  const double target = double(UniformFromSeed(c.params.seed, c.position)) * e.total;
+  const size_t r = e.rank[token];
+  const double lo = r == 0 ? 0.0 : r <= e.cum.size() ? e.cum[r - 1] : e.total;
+  const double hi = r < e.cum.size() ? e.cum[r] : lo;
+  const double d = target < lo ? lo - target : target >= hi ? target - hi : 0.0;
+  return d / e.total;
+}
+
+// Greedy (and top-k 1) must match the reference exactly; a draw must sit at the draw point, and
+// where the reference disagrees its token must be within its fp32 rounding of the point.
+// Returns whether the reference token differs.
+bool ExpectSameDraw(const RowCase& c, int32_t gpu, const std::string& where) {
+  const int32_t cpu = CpuToken(c);
+  if (c.params.temperature == 0.0f || c.params.top_k == 1) {
+    EXPECT_EQ(gpu, cpu) << where;
+    return false;
+  }
+  EXPECT_LE(DrawDistance(c, gpu), 1e-4) << where << ": gpu token " << gpu;
+  if (gpu == cpu) return false;
+  EXPECT_LE(DrawDistance(c, cpu), 1e-3) << where << ": cpu token " << cpu << " gpu " << gpu;
+  return true;
+}
+
+TEST(SamplingTest, GreedyMatchesCpuExactly) {
+  for (int vocab : {1, 7, 1000, 32000, 128256}) {
+    for (int n : {1, 3, 17, 64}) {
+      SCOPED_TRACE(::testing::Message() << "vocab=" << vocab << " rows=" << n);
+      std::vector<RowCase> rows(n);
+      for (int r = 0; r < n; ++r) {
+        RowCase& c = rows[r];
+        c.logits = RandomLogits(vocab, vocab + r, 3.0f, /*bf16=*/true);
+        c.params = Params(0.0f, 0, 1.0f, 0.0f, r);
+        c.position = 100 + r;
+        RandomHistory(c, vocab, r * 7 + vocab);
+        if (r % 2 == 1) AddPenalties(c.params);
+        if (r % 4 == 2 && vocab > 4) {  // a tie at the max: the lowest id wins
+          const float mx = *std::max_element(c.logits.begin(), c.logits.end());
+          c.logits[vocab - 1] = c.logits[vocab / 2] = c.logits[vocab / 3] = mx + 1.0f;
+        }
+        if (r % 8 == 3 && vocab > 4) {  // NaN never wins; +inf does
+          c.logits[0] = std::nanf("");
+          c.logits[vocab - 2] = kInf;
+        }
+        if (r % 16 == 5) std::fill(c.logits.begin(), c.logits.end(), -kInf);  // token 0
+      }
+      const auto gpu = RunGpu(rows, vocab);
+      for (int r = 0; r < n; ++r) EXPECT_EQ(gpu.tokens[r], CpuToken(rows[r])) << "row " << r;
+    }
+  }
+}
+
+TEST(SamplingTest, SeededDrawsAgreeWithCpu) {
+  int total = 0, mismatches = 0;
+  for (int vocab : {7, 1000, 32000, 128256}) {
+    for (bool bf16 : {false, true}) {
+      std::vector<RowCase> rows(64);
+      std::mt19937 gen(vocab + bf16);
+      for (int r = 0; r < 64; ++r) {
+        RowCase& c = rows[r];
+        c.logits = RandomLogits(vocab, vocab * 3 + r + bf16, 3.0f, bf16);
+        const float temps[] = {0.3f, 0.7f, 1.0f, 1.5f};
+        const int ks[] = {0, 0, 1, 5, 50, vocab / 2};
+        const float ps[] = {1.0f, 1.0f, 0.9f, 0.5f};
+        const float min_ps[] = {0.0f, 0.0f, 0.05f};
+        c.params = Params(temps[gen() % 4], ks[gen() % 6], ps[gen() % 4], min_ps[gen() % 3],
+                          gen() | (uint64_t(gen()) << 32));
+        c.position = gen() % 100000;
+        RandomHistory(c, vocab, r + vocab);
+        if (r % 3 == 0) AddPenalties(c.params);
+      }
+      const auto gpu = RunGpu(rows, vocab);
+      for (int r = 0; r < 64; ++r) {
+        ++total;
+        const bool differs =
+            ExpectSameDraw(rows[r], gpu.tokens[r],
+                           "vocab=" + std::to_string(vocab) + " bf16=" + std::to_string(bf16) +
+                               " row " + std::to_string(r));
+        mismatches += differs;
+        if (vocab <= 16) {
+          EXPECT_FALSE(differs) << "small vocab, row " << r;
+        }
+      }
+    }
+  }
+  RecordProperty("cpu_token_differs", mismatches);
+  std::printf("seeded draws: reference token differs in %d of %d (all within its rounding)\n",
+              mismatches, total);
+}
+
+// Eight rows with every feature in play, vocab 128256, bf16 logits.
+std::vector<RowCase> MixedRows(int vocab) {
+  std::vector<RowCase> rows(8);
+  const ts::SamplingParams kinds[] = {
+      Params(0.0f, 0, 1.0f, 0.0f, 1),    Params(1.0f, 50, 1.0f, 0.0f, 2),
+      Params(0.8f, 0, 0.9f, 0.0f, 3),    Params(1.0f, 0, 1.0f, 0.1f, 4),
+      Params(0.7f, 40, 0.95f, 0.05f, 5), Params(1.2f, 0, 1.0f, 0.0f, 6),
+      Params(1.0f, 1000, 0.8f, 0.0f, 7), Params(0.0f, 0, 1.0f, 0.0f, 8)};
+  for (int r = 0; r < 8; ++r) {
+    rows[r].logits = RandomLogits(vocab, 500 + r, 2.5f, true);
+    rows[r].params = kinds[r];
+    if (r >= 5) AddPenalties(rows[r].params);
+    rows[r].position = 1000 * r + 17;
+    RandomHistory(rows[r], vocab, 900 + r);
+  }
+  return rows;
+}
+
+TEST(SamplingTest, RowTokenIsIndependentOfBatchAndRun) {
+  constexpr int kVocab = 128256;
+  const auto rows = MixedRows(kVocab);
+  RunOptions o;
+  o.slots = {5, 2, 7, 0, 3, 6, 1, 4};
+  o.num_slots = 8;
+  const auto batch = RunGpu(rows, kVocab, o);
+  const auto again = RunGpu(rows, kVocab, o);
+  EXPECT_EQ(batch.tokens, again.tokens);
+  for (int r = 0; r < 8; ++r) {
+    RunOptions alone;
+    alone.slots = {r};
+    alone.num_slots = 8;
+    EXPECT_EQ(RunGpu({rows[r]}, kVocab, alone).tokens[0], batch.tokens[r]) << "row " << r;
+    ExpectSameDraw(rows[r], batch.tokens[r], "row " + std::to_string(r));
+  }
+}
+
+TEST(SamplingTest, ParamsBySlotMatchesParamsByRow) {
+  constexpr int kVocab = 32000;
+  const auto rows = MixedRows(kVocab);
+  RunOptions o;
+  o.slots = {9, 2, 7, 0, 3, 11, 1, 4};
+  o.num_slots = 12;
+  const auto by_row = RunGpu(rows, kVocab, o);
+  o.params_by_slot = true;
+  EXPECT_EQ(RunGpu(rows, kVocab, o).tokens, by_row.tokens);
+}
+
+TEST(SamplingTest, EmpiricalDistributionMatchesFilters) {
+  constexpr int kVocab = 16, kDraws = 20000;
+  // Ties at 1.5 (ids 1, 2) and at 0.7 (ids 4, 5, 6) put top-k cuts inside groups of equals.
+  const std::vector<float> logits = {2.0f, 1.5f,  1.5f,  1.0f,  0.7f,  0.7f,  0.7f,  0.3f,
+                                     0.0f, -0.5f, -1.0f, -1.0f, -2.0f, -3.0f, -5.0f, -kInf};
+  struct Config {
+    const char* name;
+    ts::SamplingParams p;
+    bool penalties;
+  };
+  std::vector<Config> configs = {
+      {"plain", Params(1.0f, 0, 1.0f, 0.0f, 0), false},
+      {"top_k=5 (cut at the first of 3 ties)", Params(0.7f, 5, 1.0f, 0.0f, 0), false},
+      {"top_k=6 (cut at the second of 3 ties)", Params(0.7f, 6, 1.0f, 0.0f, 0), false},
+      {"top_k=2 (cut inside a pair)", Params(1.0f, 2, 1.0f, 0.0f, 0), false},
+      {"top_p=0.8", Params(1.0f, 0, 0.8f, 0.0f, 0), false},
+      {"min_p=0.3", Params(1.2f, 0, 1.0f, 0.3f, 0), false},
+      {"all filters", Params(0.9f, 12, 0.95f, 0.05f, 0), false},
+      {"penalties", Params(1.0f, 0, 1.0f, 0.0f, 0), true},
+  };
+  for (const Config& cfg : configs) {
+    SCOPED_TRACE(cfg.name);
+    RowCase base;
+    base.logits = logits;
+    base.params = cfg.p;
+    base.position = 4242;
+    if (cfg.penalties) {
+      AddPenalties(base.params);
+      base.prompt = {0, 9};
+      base.output = {1, 1, 3};
+    }
+    std::vector<RowCase> rows(kDraws, base);
+    for (int i = 0; i < kDraws; ++i) rows[i].params.seed = 1000003ull * i + 7;
+    RunOptions o;
+    o.slots.assign(kDraws, 0);  // all rows read one slot's history
+    o.num_slots = 1;
+    const auto gpu = RunGpu(rows, kVocab, o);
+    const auto prob = ExpectedProbs(base);
+    std::vector<int> hist(kVocab, 0);
+    int agree = 0;
+    for (int i = 0; i < kDraws; ++i) {
+      ++hist[gpu.tokens[i]];
+      agree += gpu.tokens[i] == CpuToken(rows[i]);
+    }
+    EXPECT_EQ(agree, kDraws) << "GPU and CPU tokens differ for some seeds";
+    for (int t = 0; t < kVocab; ++t) {
+      const double f = double(hist[t]) / kDraws, p = prob[t];
+      if (p == 0) {
+        EXPECT_EQ(hist[t], 0) << "filtered-out token " << t << " was drawn";
+      } else {
+        EXPECT_NEAR(f, p, 4.5 * std::sqrt(p * (1 - p) / kDraws) + 1e-4) << "token " << t;
+      }
+    }
+  }
+}
+
+TEST(SamplingTest, PenaltiesMoveTheResultLikeTheReference) {
+  constexpr int kVocab = 1000;
+  RowCase c;
+  c.logits = RandomLogits(kVocab, 3, 1.0f, true);
+  const int32_t top =
+      int32_t(std::max_element(c.logits.begin(), c.logits.end()) - c.logits.begin());
+  c.logits[top] = 5.0f;  // clear winner, positive
+  c.params = Params(0.0f, 0, 1.0f, 0.0f, 0);
+  c.position = 10;
+  const int32_t plain = RunGpu({c}, kVocab).tokens[0];
+  ASSERT_EQ(plain, top);
+
+  RowCase rep = c;  // the winner in the prompt, divided by 10
+  rep.prompt = {top, 17};
+  rep.params.repetition_penalty = 10.0f;
+  RowCase freq = c;  // the winner generated 3 times: 5 - (0.5 + 3 * 2) < 0
+  freq.output = {top, top, top, 4};
+  freq.params.presence_penalty = 0.5f;
+  freq.params.frequency_penalty = 2.0f;
+  RowCase neg = c;  // negative logits are multiplied: the penalised one sinks further
+  for (float& l : neg.logits) l = -std::fabs(l) - 0.5f;
+  neg.logits[top] = -0.25f;
+  neg.output = {top};
+  neg.params.repetition_penalty = 4.0f;
+  for (const RowCase& pc : {rep, freq, neg}) {
+    const int32_t gpu = RunGpu({pc}, kVocab).tokens[0];
+    EXPECT_EQ(gpu, CpuToken(pc));
+    EXPECT_NE(gpu, top);
+  }
+  // Sampled: the penalised winner loses its mass in both implementations alike.
+  std::vector<RowCase> rows;
+  for (int i = 0; i < 200; ++i) {
+    RowCase s = freq;
+    s.params.temperature = 0.8f;
+    s.params.seed = i;
+    rows.push_back(s);
+  }
+  RunOptions o;
+  o.slots.assign(rows.size(), 0);
+  o.num_slots = 1;
+  const auto gpu = RunGpu(rows, kVocab, o);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    ExpectSameDraw(rows[i], gpu.tokens[i], "seed " + std::to_string(i));
+    EXPECT_NE(gpu.tokens[i], top);
+  }
+}
+
+TEST(SamplingTest, UpdateCountsIncrementsTheDrawnToken) {
+  constexpr int kVocab = 5000;
+  const auto rows = MixedRows(kVocab);
+  RunOptions o;
+  o.slots = {3, 0, 6, 1, 7, 2, 4, 5};
+  o.num_slots = 8;
+  const auto before = RunGpu(rows, kVocab, o);  // counts unchanged: update_counts off
+  o.update_counts = true;
+  const auto after = RunGpu(rows, kVocab, o);
+  EXPECT_EQ(after.tokens, before.tokens);
+  for (int r = 0; r < 8; ++r) {
+    for (int t = 0; t < kVocab; ++t) {
+      const size_t i = size_t(o.slots[r]) * kVocab + t;
+      ASSERT_EQ(after.counts[i], before.counts[i] + (t == after.tokens[r] ? 1 : 0))
+          << "row " << r << " token " << t;
+    }
+  }
+}
+
+TEST(SamplingTest, BadSlotIsFlaggedNotFatal) {
+  constexpr int kVocab = 300;
+  auto rows = MixedRows(kVocab);
+  rows.resize(2);
+  RunOptions o;
+  o.slots = {1, 9};  // 9 is outside the pool
+  o.num_slots = 2;
+  const auto res = RunGpu(rows, kVocab, o);
+  EXPECT_EQ(res.flag, 1);
+  EXPECT_EQ(res.tokens[0], CpuToken(rows[0]));
+}
+
+TEST(SamplingTest, CapturesInGraph) {
+  constexpr int kVocab = 4096, kRows = 3;
+  const auto rows = MixedRows(kVocab);
+  std::vector<float> logits;
+  std::vector<SamplingRow> params;
+  for (int r = 0; r < kRows; ++r) {
+    logits.insert(logits.end(), rows[r].logits.begin(), rows[r].logits.end());
+    ts::SamplingParams sp = rows[r].params;
+    sp.repetition_penalty = 1.0f, sp.presence_penalty = 0.0f, sp.frequency_penalty = 0.0f;
+    params.push_back(MakeSamplingRow(sp, rows[r].position));
+  }
+  GuardedBuffer<float> d_logits(logits.size());
+  GuardedBuffer<SamplingRow> d_params(kRows);
+  GuardedBuffer<int32_t> d_slots(kRows), d_tokens(kRows);
+  GuardedBuffer<uint16_t> d_counts(size_t(kRows) * kVocab);
+  GuardedBuffer<uint32_t> d_mask(size_t(kRows) * kVocab / 32);
+  d_logits.Upload(logits);
+  d_params.Upload(params);
+  d_slots.Upload({0, 1, 2});
+  d_counts.Upload(std::vector<uint16_t>(d_counts.size(), 0));
+  d_mask.Upload(std::vector<uint32_t>(d_mask.size(), 0));
+  SamplingKernelParams p;
+  p.logits = d_logits.get();
+  p.params = d_params.get();
+  p.row_slots = d_slots.get();
+  p.output_counts = d_counts.get();
+  p.prompt_mask = d_mask.get();
+  p.tokens = d_tokens.get();
+  p.rows = kRows;
+  p.vocab = kVocab;
+  p.num_slots = kRows;
+  cudaStream_t stream;
+  TS_ASSERT_CUDA_OK(cudaStreamCreate(&stream));
+  EXPECT_TRUE(testing::RunInGraph(stream, [&](cudaStream_t s) { return LaunchSampling(p, s); }));
+  cudaStreamDestroy(stream);
+  const auto tokens = d_tokens.Download();
+  for (int r = 0; r < kRows; ++r) {
+    RowCase c = rows[r];
+    c.prompt.clear();
+    c.output.clear();
+    ExpectSameDraw(c, tokens[r], "row " + std::to_string(r));
+  }
+}
+
+TEST(SamplingTest, RejectsBadParams) {
+  GuardedBuffer<float> logits(64);
+  GuardedBuffer<SamplingRow> params(1);
+  GuardedBuffer<int32_t> slots(1), tokens(1);
+  GuardedBuffer<uint16_t> counts(64);
+  GuardedBuffer<uint32_t> mask(2);
+  SamplingKernelParams good;
+  good.logits = logits.get();
+  good.params = params.get();
+  good.row_slots = slots.get();
+  good.output_counts = counts.get();
+  good.prompt_mask = mask.get();
+  good.tokens = tokens.get();
+  good.rows = 1;
+  good.vocab = 64;
+  good.num_slots = 1;
+  SamplingKernelParams p = good;
+  p.vocab = 0;
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.vocab");
+  p = good;
+  p.vocab = kSamplingMaxVocab + 1;
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.vocab");
+  p = good;
+  p.num_slots = 0;
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.num_slots");
+  p = good;
+  p.logits = nullptr;
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.logits");
+  p = good;
+  p.tokens = nullptr;
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.tokens");
+  p = good;
+  p.prompt_mask = nullptr;
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.prompt_mask");
+  p = good;
+  p.rows = -2;
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.rows");
+  TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(tokens.GuardsIntact());
+}
+
+}  // namespace
+}  // namespace ts::kernels

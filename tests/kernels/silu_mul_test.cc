@@ -1,0 +1,83 @@
+// LaunchSiluMul against an fp64 reference over a shape grid. Tolerance: one bf16 rounding of the
+// output, |err| <= 2^-8 |ref| per element (expf and the fp32 products add ~1e-7).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/silu_mul.cuh"
+#include "tests/kernels/kernel_test_util.h"
+
+namespace ts::kernels {
+namespace {
+
+using testing::GuardedBuffer;
+
+std::vector<double> Reference(const std::vector<float>& in, int rows, int inter) {
+  std::vector<double> out(size_t(rows) * inter);
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < inter; ++i) {
+      const double g = in[size_t(r) * 2 * inter + i], u = in[size_t(r) * 2 * inter + inter + i];
+      out[size_t(r) * inter + i] = g / (1.0 + std::exp(-g)) * u;
+    }
+  }
+  return out;
+}
+
+TEST(SiluMulTest, MatchesReferenceOverShapeGrid) {
+  for (int inter : {64, 1000, 2048, 4096, 14336}) {
+    for (int rows : {1, 3, 17, 64}) {
+      SCOPED_TRACE(::testing::Message() << "rows=" << rows << " intermediate=" << inter);
+      // Gates over [-12, 12] reach both of silu's tails and the curve between.
+      const auto in = testing::RandomFloats(size_t(rows) * 2 * inter, -12, 12, rows * 100 + inter);
+      GuardedBuffer<__nv_bfloat16> d_in(in.size()), d_out(size_t(rows) * inter);
+      d_in.Upload(testing::ToBf16(in));
+      const SiluMulParams p{d_in.get(), d_out.get(), rows, inter};
+      TS_ASSERT_OK(LaunchSiluMul(p, nullptr));
+      TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+      const auto got = testing::FromBf16(d_out.Download());
+      const auto ref = Reference(in, rows, inter);
+      EXPECT_LE(testing::RelL2Error(got, ref), 5e-3);
+      EXPECT_LE(testing::MaxScaledError(got, ref, 1e-6), 1.0 / 256);
+      EXPECT_TRUE(d_out.GuardsIntact());
+      EXPECT_TRUE(d_in.GuardsIntact());
+    }
+  }
+}
+
+TEST(SiluMulTest, CapturesInGraph) {
+  constexpr int kRows = 17, kInter = 1000;
+  const auto in = testing::RandomFloats(kRows * 2 * kInter, -6, 6, 99);
+  GuardedBuffer<__nv_bfloat16> d_in(in.size()), d_out(kRows * kInter);
+  d_in.Upload(testing::ToBf16(in));
+  const SiluMulParams p{d_in.get(), d_out.get(), kRows, kInter};
+  cudaStream_t stream;
+  TS_ASSERT_CUDA_OK(cudaStreamCreate(&stream));
+  EXPECT_TRUE(testing::RunInGraph(stream, [&](cudaStream_t s) { return LaunchSiluMul(p, s); }));
+  cudaStreamDestroy(stream);
+  EXPECT_LE(testing::MaxScaledError(testing::FromBf16(d_out.Download()),
+                                    Reference(in, kRows, kInter), 1e-6),
+            1.0 / 256);
+}
+
+TEST(SiluMulTest, RejectsBadParams) {
+  GuardedBuffer<__nv_bfloat16> in(2 * 64), out(64);
+  const SiluMulParams good{in.get(), out.get(), 1, 64};
+  SiluMulParams p = good;
+  p.intermediate = 20;
+  TS_EXPECT_INVALID(LaunchSiluMul(p, nullptr), "silu_mul.intermediate");
+  p = good;
+  p.in = nullptr;
+  TS_EXPECT_INVALID(LaunchSiluMul(p, nullptr), "silu_mul.in");
+  p = good;
+  p.out = out.get() + 2;
+  TS_EXPECT_INVALID(LaunchSiluMul(p, nullptr), "silu_mul.out");
+  p = good;
+  p.rows = -1;
+  TS_EXPECT_INVALID(LaunchSiluMul(p, nullptr), "silu_mul.rows");
+}
+
+}  // namespace
+}  // namespace ts::kernels
