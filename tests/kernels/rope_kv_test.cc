@@ -187,7 +187,7 @@ void RunCase(const Shape& s, bool use_q_out) {
 }
 
 TEST(RopeKvTest, MatchesReferenceOverShapeGrid) {
-  for (int d : {64, 128}) {
+  for (int d : {16, 64, 128}) {
     for (auto [hq, hkv] : {std::pair{4, 2}, std::pair{32, 8}}) {
       for (int rows : {1, 3, 17, 64}) RunCase(Shape{rows, d, hq, hkv}, /*use_q_out=*/false);
     }
