@@ -37,7 +37,7 @@ struct RopeKvParams {
   // [1], optional. A slot outside [-1, num_blocks * block_size) is a bug upstream: its K/V are
   // not written (never out of bounds) and the kernel stores 1 here. Never cleared by the kernel.
   int32_t* error_flag = nullptr;
-  KvLayout layout{};        // head_dim in {64, 128}; gives num_kv_heads for the qkv row too
+  KvLayout layout{};        // head_dim in {16, 64, 128}; gives num_kv_heads for the qkv row too
   int32_t rows = 0;         // >= 0; 0 launches nothing
   int32_t num_q_heads = 0;  // a positive multiple of layout.num_kv_heads
 };
