@@ -27,7 +27,14 @@ class Gate {
  public:
   void Wait() {
     std::unique_lock<std::mutex> lock(mu_);
+    held_ = true;
+    cv_.notify_all();
     cv_.wait(lock, [&] { return open_; });
+  }
+  // Returns once the engine thread is parked in Wait().
+  void WaitUntilHeld() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return held_; });
   }
   void Open() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -39,6 +46,7 @@ class Gate {
   std::mutex mu_;
   std::condition_variable cv_;
   bool open_ = false;
+  bool held_ = false;
 };
 
 GenerateRequest Req(std::vector<int32_t> prompt, int32_t max_new, std::string id = "") {
@@ -201,10 +209,12 @@ TEST(Engine, ShutdownEndsQueuedAndRunningStreamsWithUnavailable) {
   auto a = engine->Submit(Req({1}, 200));
   auto b = engine->Submit(Req({2}, 200));
   ASSERT_TRUE(a.ok() && b.ok());
+  // With the engine thread parked inside a step, the destructor cannot get past joining it, so
+  // this thread may keep calling Submit until Stop shows as UNAVAILABLE. Requests that slip in
+  // before that are aborted like the others.
+  gate->WaitUntilHeld();
   Engine* engine_ptr = engine.get();
   std::thread destroyer([&] { engine.reset(); });
-  // Keep the engine thread held inside its step until Stop has been requested, which we see
-  // as Submit turning UNAVAILABLE. Requests that slip in before that are simply aborted too.
   std::vector<std::shared_ptr<RequestStream>> streams = {*a, *b};
   bool stopped = false;
   for (int i = 0; i < 100000 && !stopped; ++i) {
