@@ -20,10 +20,12 @@ for t in $TARGETS; do
   f=$(find "$BUILD_DIR" -type f -name "$t" -perm -u+x | head -1)
   [ -n "$f" ] && cp "$f" .bundle/bin/
 done
-# Libraries the device lacks: everything ldd resolves except glibc/libstdc++ and the CUDA driver.
+# Libraries the device lacks: everything ldd resolves except glibc/libstdc++, the CUDA driver and
+# the CUDA 13 toolkit libraries (cudart, cuBLAS, NCCL), which the device has in the same version.
 for b in .bundle/bin/*; do
   ldd "$b" | awk '/=> \// {print $3}'
-done | sort -u | grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*|libcuda)\.so' |
+done | sort -u | grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*|libcuda|libcudart|libcublas|libcublasLt|libnccl)\.so' |
+  grep -v '^/usr/local/cuda' |
   while read -r lib; do cp -L "$lib" .bundle/lib/; done
 # Which tests are gpu-labelled, so the device runs exactly those.
 (cd "$BUILD_DIR" && ctest -N -L gpu | sed -n 's/^ *Test *#[0-9]*: //p') > .bundle/gpu-tests.txt
