@@ -1,0 +1,92 @@
+// Decode postprocess: the last kernel of a step (DESIGN §2). Per row it takes the sampled token of
+// the row's slot, applies the stop rule (cancel flag, EOS unless ignore_eos, stop ids from
+// min_new_tokens on, max_new_tokens), updates the slot's output counts for the penalties, appends
+// a (seq, token, flags) record to the slot's ring in host-mapped memory and marks the slot
+// FINISHED when it stops. One thread per row; rows map to distinct slots.
+//
+// The kernel knows slots and stop parameters, not requests: the slot table row (SlotRow) is the
+// device-side contract shared with the step's prepare kernel and the host that publishes slots.
+// Ring records are written as a seqlock, like ts::TokenRing::Push: seq = 0, fence, payload, fence,
+// seq. __threadfence_system() orders the stores for the host reader over PCIe/NVLink.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/sampling.cuh"
+
+namespace ts::kernels {
+
+inline constexpr int32_t kMaxStopIds = 16;  // StopParams::stop_token_ids capacity per slot
+inline constexpr int32_t kMaxEosIds = 8;    // model EOS ids
+
+// Slot states in SlotRow::state. Only ACTIVE rows are decoded or written.
+inline constexpr int32_t kSlotFree = 0;
+inline constexpr int32_t kSlotActive = 1;
+inline constexpr int32_t kSlotFinished = 2;
+
+// Finish reasons as ts::FinishReason numbers them (engine/backend.h; the backend static_asserts
+// that they agree) and the ring flag layout: bit 0 FINISHED, bits 8..15 the reason.
+inline constexpr uint32_t kFinishEos = 1;
+inline constexpr uint32_t kFinishStopToken = 2;
+inline constexpr uint32_t kFinishLength = 3;
+inline constexpr uint32_t kFinishCancelled = 4;
+__host__ __device__ inline uint32_t RingFlagsFor(uint32_t reason) {
+  return reason == 0 ? 0u : (1u | (reason << 8));
+}
+
+// One row of the device slot table. Written whole by the host when it publishes a slot (after
+// the slot's prefill); afterwards only the GPU writes generated, last_token, seq and state.
+struct SlotRow {
+  int32_t state = kSlotFree;
+  int32_t prompt_len = 0;
+  int32_t generated = 0;    // tokens emitted so far (the prefill's first token counts)
+  int32_t last_token = -1;  // the newest emitted token: the next step's input
+  uint32_t seq = 0;         // seq of the newest ring record of this slot
+  int32_t max_new_tokens = 1;
+  int32_t min_new_tokens = 0;
+  int32_t ignore_eos = 0;
+  int32_t num_stop_ids = 0;
+  int32_t stop_ids[kMaxStopIds] = {};
+  int32_t reserved[3] = {};
+  SamplingRow sampling;  // position is filled per step by whoever builds the sampling rows
+};
+static_assert(sizeof(SlotRow) % 16 == 0);
+
+// Same layout as ts::RingEntry (engine/backend.h).
+struct RingRecord {
+  uint32_t seq;
+  int32_t token;
+  uint32_t flags;
+  uint32_t reserved;
+};
+static_assert(sizeof(RingRecord) == 16);
+
+struct PostprocessParams {
+  const int32_t* row_slots = nullptr;  // [rows] slot of each row; -1 = padding row (skipped)
+  const int32_t* tokens = nullptr;     // [rows] sampled token of each row
+  SlotRow* slots = nullptr;            // [num_slots] device slot table
+  // [num_slots] host-mapped; non-zero = the host asked this slot to stop. Read volatile.
+  const int32_t* cancel = nullptr;
+  // [num_slots] host-mapped; set to 1 after the finishing record is in the ring, so the host
+  // learns which slots are done without scanning rings. Optional.
+  int32_t* done = nullptr;
+  RingRecord* rings = nullptr;  // [num_slots][ring_capacity] host-mapped
+  // [count_slots, vocab] occurrences of each token in the slot's output (saturating at 65535),
+  // read by the sampling penalties. The emitted token's count is incremented here.
+  uint16_t* output_counts = nullptr;
+  int32_t eos_ids[kMaxEosIds] = {};  // by value: a few ids, baked into a captured graph
+  int32_t num_eos = 0;               // [0, kMaxEosIds]
+  int32_t rows = 0;                  // >= 0; 0 launches nothing
+  int32_t num_slots = 0;             // > 0
+  int32_t vocab = 0;                 // > 0
+  uint32_t ring_capacity = 0;        // >= 2
+};
+
+// Validates params (InvalidArgument naming the field) and enqueues the kernel on `stream`.
+// Graph-capturable: no allocation, no sync.
+absl::Status LaunchPostprocess(const PostprocessParams& p, cudaStream_t stream);
+
+}  // namespace ts::kernels
