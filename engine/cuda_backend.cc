@@ -1,0 +1,453 @@
+#include "engine/cuda_backend.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "kernels/cuda_check.h"
+#include "kernels/postprocess.cuh"
+#include "models/checkpoint.h"
+#include "models/sampling.h"
+
+namespace ts {
+namespace k = ::ts::kernels;
+
+// The GPU writes ts::RingEntry through kernels::RingRecord and ts::FinishReason through its own
+// constants: both sides must agree bit for bit.
+static_assert(sizeof(RingEntry) == sizeof(k::RingRecord));
+static_assert(offsetof(RingEntry, seq) == offsetof(k::RingRecord, seq));
+static_assert(offsetof(RingEntry, token) == offsetof(k::RingRecord, token));
+static_assert(offsetof(RingEntry, flags) == offsetof(k::RingRecord, flags));
+static_assert(static_cast<uint32_t>(FinishReason::kEos) == k::kFinishEos);
+static_assert(static_cast<uint32_t>(FinishReason::kStopToken) == k::kFinishStopToken);
+static_assert(static_cast<uint32_t>(FinishReason::kLength) == k::kFinishLength);
+static_assert(static_cast<uint32_t>(FinishReason::kCancelled) == k::kFinishCancelled);
+
+namespace {
+
+CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& config) {
+  CudaModelOptions m;
+  m.config = config;
+  m.max_slots = o.max_slots;
+  m.buckets = o.buckets;
+  m.kv_block_size = o.kv_block_size;
+  m.max_context = o.max_context;
+  m.prefill_chunk_tokens = o.prefill_chunk_tokens;
+  m.ring_capacity = o.ring_capacity;
+  m.gpu_memory_fraction = o.gpu_memory_fraction;
+  m.device = o.device;
+  m.print_plan = o.log_progress;
+  return m;
+}
+
+absl::Status ValidateOptions(const CudaBackendOptions& o) {
+  if (o.max_slots < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_slots: must be >= 1, got ", o.max_slots));
+  }
+  TS_RETURN_IF_ERROR(ValidateBuckets(o.buckets));
+  if (o.buckets.back() < o.max_slots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("buckets: largest bucket ", o.buckets.back(), " < max_slots ", o.max_slots));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(const CudaBackendOptions& options) : options_(options) {}
+
+CudaBackend::~CudaBackend() {
+  // Nothing may still run on our stream when the graphs and the arena go away.
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  graphs_.reset();
+  timer_.reset();
+  model_.reset();
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBackendOptions& o) {
+  TS_RETURN_IF_ERROR(ValidateOptions(o));
+  TS_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(o.model_dir));
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(o.model_dir));
+  std::unique_ptr<CudaBackend> b(new CudaBackend(o));
+  TS_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device));
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(ModelOptions(o, config)));
+  TS_RETURN_IF_ERROR(model->UploadWeights(*ckpt, b->stream_));
+  TS_RETURN_IF_ERROR(b->Init(std::move(model)));
+  return b;
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::CreateRandom(
+    const CudaBackendOptions& o, const RandomWeightsSpec& spec) {
+  TS_RETURN_IF_ERROR(ValidateOptions(o));
+  std::unique_ptr<CudaBackend> b(new CudaBackend(o));
+  TS_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device));
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
+                      CudaModel::Create(ModelOptions(o, spec.config)));
+  TS_RETURN_IF_ERROR(model->InitRandomWeights(spec.seed, spec.scale, b->stream_));
+  TS_RETURN_IF_ERROR(b->Init(std::move(model)));
+  return b;
+}
+
+int32_t CudaBackend::RegimeBound(int32_t context) const {
+  int32_t bound = 128;
+  while (bound < context && bound < model_->max_context()) bound *= 2;
+  return std::min(bound, model_->max_context());
+}
+
+absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
+  model_ = std::move(model);
+  const MemoryPlan& plan = model_->plan();
+  info_.model = model_->config();
+  info_.max_slots = options_.max_slots;
+  info_.kv_block_size = plan.shape.kv_block_size;
+  info_.num_kv_blocks = plan.shape.num_kv_blocks;
+  info_.ring_capacity = plan.shape.ring_capacity;
+  info_.name = "cuda";
+  slots_.resize(options_.max_slots);
+  rows_.reserve(options_.max_slots);
+  auto* rings = reinterpret_cast<RingEntry*>(model_->host().rings);
+  for (int32_t i = 0; i < options_.max_slots; ++i) {
+    slots_[i].ring =
+        TokenRing(rings + static_cast<size_t>(i) * info_.ring_capacity, info_.ring_capacity);
+  }
+  TS_ASSIGN_OR_RETURN(timer_, OpTimer::Create(16 * model_->dims().num_layers + 64));
+
+  // One decode graph per bucket. The regime's max_context_len picks each bucket's attention
+  // split count; attention_num_splits (the smallest bucket's count) caps it, so the regime
+  // value that changes is what the exec update carries.
+  const int32_t bound = RegimeBound(1);
+  graphs::GraphCacheOptions g;
+  g.buckets = options_.buckets;
+  g.device = options_.device;
+  g.initial_regime =
+      graphs::Regime{.attention_num_splits = model_->NumSplits(options_.buckets.front(), bound),
+                     .max_context_len = bound};
+  g.log_progress = options_.log_progress;
+  CudaModel* m = model_.get();
+  g.capture = [m](const graphs::CaptureContext& ctx, cudaStream_t s) -> absl::Status {
+    const int32_t splits = std::min(ctx.regime.attention_num_splits,
+                                    m->NumSplits(ctx.bucket, ctx.regime.max_context_len));
+    return m->EnqueueDecodeStep(ctx.bucket, std::max(splits, 1), s);
+  };
+  graphs_ = std::make_unique<graphs::GraphCache>(std::move(g));
+  TS_RETURN_IF_ERROR(graphs_->Build(stream_));
+  if (options_.log_progress) {
+    const graphs::BuildStats& st = graphs_->build_stats();
+    std::fprintf(stderr,
+                 "cuda backend: %d decode graphs, %lld nodes, capture %.1f ms, instantiate %.1f "
+                 "ms, upload %.1f ms, graph memory ~%.1f MiB\n",
+                 graphs_->num_buckets(), static_cast<long long>(st.total_nodes), st.capture_ms,
+                 st.instantiate_ms, st.upload_ms,
+                 static_cast<double>(st.graph_memory_bytes) / (1 << 20));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill
+
+absl::Status CudaBackend::ValidateInit(const SlotInit& in) const {
+  const std::string where = absl::StrCat("prefill slot ", in.slot, ": ");
+  if (in.slot < 0 || in.slot >= info_.max_slots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "slot out of [0, ", info_.max_slots, ")"));
+  }
+  if (slots_[in.slot].state != SlotState::kFree) {
+    return absl::FailedPreconditionError(absl::StrCat(where, "slot is not FREE"));
+  }
+  if (in.prompt.empty()) return absl::InvalidArgumentError(absl::StrCat(where, "empty prompt"));
+  if (in.stop.max_new_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "max_new_tokens < 1"));
+  }
+  const int64_t tokens = static_cast<int64_t>(in.prompt.size()) + in.stop.max_new_tokens;
+  if (tokens > model_->max_context()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "prompt + max_new_tokens = ", tokens,
+                                                   " exceeds max_context ", model_->max_context()));
+  }
+  const int64_t need = (tokens + info_.kv_block_size - 1) / info_.kv_block_size;
+  if (static_cast<int64_t>(in.block_table.size()) < need) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "block_table has ", in.block_table.size(), " blocks, needs ", need));
+  }
+  for (int64_t i = 0; i < need; ++i) {
+    if (in.block_table[i] < 0 || in.block_table[i] >= info_.num_kv_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "block_table[", i,
+                                                     "] = ", in.block_table[i], " outside [0, ",
+                                                     info_.num_kv_blocks, ")"));
+    }
+  }
+  for (size_t i = 0; i < in.prompt.size(); ++i) {
+    if (in.prompt[i] < 0 || in.prompt[i] >= info_.model.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "prompt[", i, "] = ", in.prompt[i], " outside the vocabulary"));
+    }
+  }
+  if (in.stop.stop_token_ids.size() > static_cast<size_t>(k::kMaxStopIds)) {
+    return absl::InvalidArgumentError(absl::StrCat(where, in.stop.stop_token_ids.size(),
+                                                   " stop ids; the CUDA backend holds up to ",
+                                                   k::kMaxStopIds));
+  }
+  return ValidateSamplingParams(in.sampling, info_.model.vocab_size);
+}
+
+// Writes the slot's table row, block table and prompt mask into staging row `index` and
+// enqueues their copies (plus the output-count reset) to the slot's device rows.
+absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index) {
+  const HostLayout& h = model_->host();
+  const DeviceLayout& d = model_->dev();
+  const ArenaShape& s = model_->plan().shape;
+  k::SlotRow& row = h.slot_rows[index];
+  row = k::SlotRow{};
+  row.state = k::kSlotActive;
+  row.prompt_len = static_cast<int32_t>(in.prompt.size());
+  row.generated = 0;
+  row.last_token = -1;
+  row.seq = 0;
+  row.max_new_tokens = in.stop.max_new_tokens;
+  row.min_new_tokens = in.stop.min_new_tokens;
+  row.ignore_eos = in.stop.ignore_eos ? 1 : 0;
+  row.num_stop_ids = static_cast<int32_t>(in.stop.stop_token_ids.size());
+  std::copy(in.stop.stop_token_ids.begin(), in.stop.stop_token_ids.end(), row.stop_ids);
+  row.sampling = k::MakeSamplingRow(in.sampling, 0);
+
+  const size_t mb = s.max_blocks_per_seq;
+  int32_t* table = h.slot_block_tables + index * mb;
+  const size_t copy = std::min(in.block_table.size(), mb);
+  std::copy_n(in.block_table.begin(), copy, table);
+  std::fill(table + copy, table + mb, 0);
+
+  const size_t words = s.mask_words();
+  uint32_t* mask = h.prompt_mask + index * words;
+  std::fill(mask, mask + words, 0u);
+  for (int32_t t : in.prompt) mask[t / 32] |= 1u << (t % 32);
+
+  const size_t slot = static_cast<size_t>(in.slot);
+  TS_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(d.slots + slot, &row, sizeof(k::SlotRow), cudaMemcpyHostToDevice, stream_));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.slot_block_tables + slot * mb, table,
+                                          mb * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.prompt_mask + slot * words, mask,
+                                          words * sizeof(uint32_t), cudaMemcpyHostToDevice,
+                                          stream_));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.output_counts + slot * s.dims.vocab, 0,
+                                          static_cast<size_t>(s.dims.vocab) * sizeof(uint16_t),
+                                          stream_));
+  // The GPU reads these through the mapped alias at the prefill's postprocess and later steps;
+  // the stream has not reached that kernel yet (nothing of this Prefill was enqueued before).
+  std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(0, std::memory_order_relaxed);
+  std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
+  slots_[slot].ring.Reset();
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
+  if (inits.empty()) return absl::OkStatus();
+  if (inits.size() > static_cast<size_t>(info_.max_slots)) {
+    return absl::InvalidArgumentError("prefill: more slots than max_slots");
+  }
+  for (size_t i = 0; i < inits.size(); ++i) {
+    TS_RETURN_IF_ERROR(ValidateInit(inits[i]));
+    for (size_t j = 0; j < i; ++j) {
+      if (inits[j].slot == inits[i].slot) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("prefill slot ", inits[i].slot, ": listed twice"));
+      }
+    }
+  }
+  std::vector<PrefillSeq> seqs;
+  std::vector<int32_t> slot_ids;
+  std::vector<k::SamplingRow> params;
+  for (size_t i = 0; i < inits.size(); ++i) {
+    const SlotInit& in = inits[i];
+    TS_RETURN_IF_ERROR(StageSlot(in, static_cast<int32_t>(i)));
+    seqs.push_back(PrefillSeq{in.prompt, in.block_table});
+    slot_ids.push_back(in.slot);
+    params.push_back(k::MakeSamplingRow(in.sampling, in.prompt.size()));
+  }
+  TS_RETURN_IF_ERROR(model_->EnqueuePrefill(seqs, stream_));
+  TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(slot_ids, params, stream_));
+  // Host-driven mode: the engine drains the first tokens right after Prefill returns, so wait
+  // for this stream (the only one we use) to finish the prefill.
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  TS_RETURN_IF_ERROR(CheckErrorFlag("prefill"));
+  for (const SlotInit& in : inits) {
+    Slot& s = slots_[in.slot];
+    s.state = SlotState::kActive;
+    s.prompt_len = static_cast<int32_t>(in.prompt.size());
+    s.generated = 1;
+  }
+  AfterStep({});
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode
+
+absl::StatusOr<int32_t> CudaBackend::StageRows() {
+  rows_.clear();
+  for (SlotId i = 0; i < info_.max_slots; ++i) {
+    if (slots_[i].state == SlotState::kActive) rows_.push_back(i);
+  }
+  const int32_t n = static_cast<int32_t>(rows_.size());
+  if (n == 0) return -1;
+  TS_ASSIGN_OR_RETURN(const int32_t index, graphs_->BucketIndexFor(n));
+  const int32_t bucket = options_.buckets[index];
+  int32_t* staging = model_->host().row_slots;
+  std::copy(rows_.begin(), rows_.end(), staging);
+  std::fill(staging + n, staging + bucket, -1);
+  return index;
+}
+
+absl::Status CudaBackend::MaybeUpdateRegime() {
+  const int32_t bound = RegimeBound(max_active_context());
+  const int32_t current = graphs_->regime().max_context_len;
+  // Grow at once (too few splits starve the GPU on long contexts); shrink only by two levels,
+  // so a batch hovering at a boundary does not update every step.
+  if (bound <= current && bound * 4 > current) return absl::OkStatus();
+  const graphs::Regime regime{
+      .attention_num_splits = model_->NumSplits(options_.buckets.front(), bound),
+      .max_context_len = bound};
+  return graphs_->UpdateRegime(regime, stream_);
+}
+
+absl::Status CudaBackend::Run(RunMode mode) {
+  do {
+    TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
+    if (index < 0) {
+      last_ = StepReport{};
+      return absl::OkStatus();
+    }
+    const int32_t bucket = options_.buckets[index];
+    TS_RETURN_IF_ERROR(MaybeUpdateRegime());
+    TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(model_->dev().decode_head.row_slots,
+                                            model_->host().row_slots, bucket * sizeof(int32_t),
+                                            cudaMemcpyHostToDevice, stream_));
+    TS_RETURN_IF_ERROR(graphs_->Launch(index, stream_));
+    // Host-driven mode: one synchronisation per step, on our stream, so that every ring record
+    // and done flag of the step is visible before the engine drains and picks the next batch.
+    // This is the baseline the device-resident loop (no host call between steps) is measured
+    // against, and the fallback.
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    TS_RETURN_IF_ERROR(CheckErrorFlag("decode step"));
+    AfterStep(rows_);
+    last_ = StepReport{.active = static_cast<int32_t>(rows_.size()), .bucket = bucket};
+  } while (mode == RunMode::kUntilIdle);
+  return absl::OkStatus();
+}
+
+void CudaBackend::AfterStep(const std::vector<SlotId>& rows) {
+  for (SlotId id : rows) ++slots_[id].generated;
+  int32_t* done = model_->host().done;  // [max_slots] host-mapped, written by postprocess
+  for (SlotId i = 0; i < info_.max_slots; ++i) {
+    Slot& s = slots_[i];
+    if (s.state != SlotState::kActive) continue;
+    if (std::atomic_ref<int32_t>(done[i]).load(std::memory_order_acquire) != 0) {
+      s.state = SlotState::kFinished;
+    }
+  }
+}
+
+absl::Status CudaBackend::CheckErrorFlag(const char* where) const {
+  const int32_t flag =
+      std::atomic_ref<int32_t>(model_->host().error_flag[0]).load(std::memory_order_acquire);
+  if (flag == 0) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(where,
+                   ": a kernel flagged an out-of-range token id, KV slot or sampling slot (a bug "
+                   "upstream of the GPU; the backend is no longer trusted)"));
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, float>>> CudaBackend::ProfileStep() {
+  TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
+  if (index < 0) return absl::FailedPreconditionError("ProfileStep: no active slot");
+  const int32_t bucket = options_.buckets[index];
+  const int32_t splits = model_->NumSplits(bucket, RegimeBound(max_active_context()));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(model_->dev().decode_head.row_slots,
+                                          model_->host().row_slots, bucket * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice, stream_));
+  timer_->Reset();
+  TS_RETURN_IF_ERROR(model_->EnqueueDecodeStep(bucket, splits, stream_, timer_.get()));
+  // Profiling is host-driven like Run: wait for the step so the events can be read.
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  TS_RETURN_IF_ERROR(CheckErrorFlag("profiled decode step"));
+  AfterStep(rows_);
+  last_ = StepReport{.active = static_cast<int32_t>(rows_.size()), .bucket = bucket};
+  return timer_->Read();
+}
+
+absl::StatusOr<std::vector<float>> CudaBackend::PromptLogits(std::span<const int32_t> tokens) {
+  if (num_active() > 0) return absl::FailedPreconditionError("PromptLogits: slots are active");
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= info_.model.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PromptLogits: token[", i, "] = ", tokens[i], " outside the vocabulary"));
+    }
+  }
+  const int64_t need =
+      (static_cast<int64_t>(tokens.size()) + info_.kv_block_size - 1) / info_.kv_block_size;
+  if (need > info_.num_kv_blocks) return absl::InvalidArgumentError("PromptLogits: too long");
+  std::vector<int32_t> table(need);
+  for (int32_t i = 0; i < need; ++i) table[i] = i;
+  TS_ASSIGN_OR_RETURN(std::vector<float> logits, model_->PromptLogits(tokens, table, stream_));
+  TS_RETURN_IF_ERROR(CheckErrorFlag("prompt logits"));
+  return logits;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Slots
+
+void CudaBackend::Cancel(SlotId slot) {
+  TS_CHECK_GE(slot, 0);
+  TS_CHECK_LT(slot, info_.max_slots);
+  // Read by the postprocess kernel of the next step through the mapped alias. A FREE or
+  // FINISHED slot ignores it; Prefill clears it for the next request.
+  std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(1, std::memory_order_release);
+}
+
+const TokenRing& CudaBackend::Ring(SlotId slot) const {
+  TS_CHECK_GE(slot, 0);
+  TS_CHECK_LT(slot, info_.max_slots);
+  return slots_[slot].ring;
+}
+
+void CudaBackend::Release(SlotId slot) {
+  TS_CHECK_GE(slot, 0);
+  TS_CHECK_LT(slot, info_.max_slots);
+  // The device row is left as the GPU last wrote it: a slot that is not ACTIVE on the host is
+  // never put in a row list, so the GPU does not touch it until the next Prefill rewrites it.
+  Slot& s = slots_[slot];
+  s.state = SlotState::kFree;
+  s.prompt_len = 0;
+  s.generated = 0;
+  std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(0, std::memory_order_relaxed);
+  std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
+  s.ring.Reset();
+}
+
+int32_t CudaBackend::num_active() const {
+  return static_cast<int32_t>(std::count_if(
+      slots_.begin(), slots_.end(), [](const Slot& s) { return s.state == SlotState::kActive; }));
+}
+
+int32_t CudaBackend::max_active_context() const {
+  int32_t best = 0;
+  for (const Slot& s : slots_) {
+    if (s.state == SlotState::kActive) best = std::max(best, s.prompt_len + s.generated);
+  }
+  return best;
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOptions& options) {
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> backend, CudaBackend::Create(options));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace ts

@@ -1,0 +1,115 @@
+// The CUDA backend: engine/backend.h over a CudaModel, in host-driven mode (DESIGN §2): each
+// Run(kOneStep) writes the bucket's row list, launches that bucket's captured decode graph from
+// the GraphCache and synchronises once. Slot and ring semantics are the CPU backend's
+// (engine/cpu_backend.h): the first token is sampled by Prefill at position prompt_len, each step
+// samples at prompt_len + generated, and the postprocess kernel applies the stop rule
+// (CheckStop) and the cancel flag on the GPU, writing (seq, token, flags) records into per-slot
+// rings in host-mapped memory.
+//
+// Attention splits follow the context-length regime: when the longest active context crosses a
+// regime boundary, the backend calls GraphCache::UpdateRegime (exec update in place, never a
+// re-instantiation).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine/backend.h"
+#include "engine/cuda_model.h"
+#include "graphs/graph_cache.h"
+
+namespace ts {
+
+struct CudaBackendOptions {
+  std::filesystem::path model_dir;
+  int32_t max_slots = 64;
+  int32_t kv_block_size = 16;
+  double gpu_memory_fraction = 0.9;
+  // Sorted ascending; the largest must be >= max_slots. One captured graph per bucket.
+  std::vector<int32_t> buckets = {1, 2, 4, 8, 16, 24, 32, 48, 64};
+  int32_t max_context = 0;  // tokens per sequence; 0 = the model's max_position_embeddings
+  int device = 0;
+  int32_t prefill_chunk_tokens = 2048;
+  uint32_t ring_capacity = 1024;
+  bool log_progress = true;  // memory budget and graph capture progress on stderr
+};
+
+// Weights generated on the device instead of read from model_dir (benchmarks).
+struct RandomWeightsSpec {
+  ModelConfig config;
+  uint64_t seed = 1;
+  float scale = 0.035f;  // linear weights U(-scale, scale): std 0.02 as HF initialises
+};
+
+class CudaBackend : public Backend {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const CudaBackendOptions& options);
+  // options.model_dir is ignored.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> CreateRandom(
+      const CudaBackendOptions& options, const RandomWeightsSpec& spec);
+  ~CudaBackend() override;
+
+  const BackendInfo& info() const override { return info_; }
+  absl::Status Prefill(std::span<const SlotInit> slots) override;
+  absl::Status Run(RunMode mode) override;
+  void Cancel(SlotId slot) override;
+  const TokenRing& Ring(SlotId slot) const override;
+  void Release(SlotId slot) override;
+  StepReport last_step() const override { return last_; }
+
+  // For benchmarks and tests.
+  CudaModel& model() { return *model_; }
+  cudaStream_t stream() const { return stream_; }
+  const graphs::GraphCache& graph_cache() const { return *graphs_; }
+  int32_t num_active() const;
+  // The longest context (prompt + generated) among ACTIVE slots after the last step.
+  int32_t max_active_context() const;
+  // One decode step like Run(kOneStep), but host-launched op by op, each op timed with events.
+  // Returns (op, milliseconds) in launch order.
+  absl::StatusOr<std::vector<std::pair<std::string, float>>> ProfileStep();
+  // Teacher-forced logits [tokens.size(), vocab] of one prompt (tests); needs no active slot.
+  absl::StatusOr<std::vector<float>> PromptLogits(std::span<const int32_t> tokens);
+
+ private:
+  enum class SlotState : uint8_t { kFree, kActive, kFinished };
+  struct Slot {
+    SlotState state = SlotState::kFree;
+    int32_t prompt_len = 0;
+    int32_t generated = 0;  // host mirror of the device count, for the regime choice
+    TokenRing ring;
+  };
+
+  explicit CudaBackend(const CudaBackendOptions& options);
+  absl::Status Init(std::unique_ptr<CudaModel> model);
+  absl::Status ValidateInit(const SlotInit& init) const;
+  absl::Status StageSlot(const SlotInit& init, int32_t index);
+  // Active slots in ascending order; fills the row-list staging and returns the bucket index.
+  absl::StatusOr<int32_t> StageRows();
+  absl::Status MaybeUpdateRegime();
+  absl::Status CheckErrorFlag(const char* where) const;
+  void AfterStep(const std::vector<SlotId>& rows);
+  // The regime upper bound for a context: 128 * 2^k, capped at max_context.
+  int32_t RegimeBound(int32_t context) const;
+
+  CudaBackendOptions options_;
+  BackendInfo info_;
+  std::unique_ptr<CudaModel> model_;
+  std::unique_ptr<graphs::GraphCache> graphs_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<Slot> slots_;   // [max_slots]
+  std::vector<SlotId> rows_;  // [active] this step's row list, reused (no per-step allocation)
+  std::unique_ptr<OpTimer> timer_;
+  StepReport last_;
+};
+
+// Loads options.model_dir and builds the backend.
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOptions& options);
+
+}  // namespace ts

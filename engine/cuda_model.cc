@@ -1,0 +1,594 @@
+#include "engine/cuda_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "engine/backend.h"
+#include "kernels/cuda_check.h"
+#include "kernels/decode_attention.cuh"
+#include "kernels/embedding.cuh"
+#include "kernels/postprocess.cuh"
+#include "kernels/prefill_attention.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "kernels/rope_kv.cuh"
+#include "kernels/sampling.cuh"
+#include "kernels/silu_mul.cuh"
+#include "models/llama_weights.h"
+
+namespace ts {
+
+using bf16 = __nv_bfloat16;
+namespace k = ::ts::kernels;
+namespace ci = ::ts::cuda_model_internal;
+
+// ---------------------------------------------------------------------------------------------
+// OpTimer
+
+absl::StatusOr<std::unique_ptr<OpTimer>> OpTimer::Create(int32_t max_ops) {
+  std::unique_ptr<OpTimer> t(new OpTimer());
+  t->events_.resize(2 * static_cast<size_t>(max_ops), nullptr);
+  t->names_.resize(max_ops);
+  for (cudaEvent_t& e : t->events_) TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  return t;
+}
+
+OpTimer::~OpTimer() {
+  for (cudaEvent_t e : events_) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+}
+
+absl::Status OpTimer::Begin(const char* op, cudaStream_t stream) {
+  if (2 * static_cast<size_t>(used_) + 1 >= events_.size()) {
+    return absl::ResourceExhaustedError("OpTimer: more ops than max_ops");
+  }
+  names_[used_] = op;
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[2 * used_], stream));
+  return absl::OkStatus();
+}
+
+absl::Status OpTimer::End(cudaStream_t stream) {
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[2 * used_ + 1], stream));
+  ++used_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, float>>> OpTimer::Read() const {
+  std::vector<std::pair<std::string, float>> out;
+  for (int32_t i = 0; i < used_; ++i) {
+    float ms = 0;
+    TS_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[2 * i], events_[2 * i + 1]));
+    out.emplace_back(names_[i], ms);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Setup
+
+namespace {
+
+// Prefill GEMMs run on row counts padded to 16, 32, 64, ... up to the chunk size, so a handful
+// of cuBLASLt plans covers every prompt batch.
+std::vector<int32_t> PrefillSizes(int32_t chunk) {
+  std::vector<int32_t> sizes;
+  for (int32_t m = 16; m < chunk; m *= 2) sizes.push_back(m);
+  sizes.push_back(chunk);
+  return sizes;
+}
+
+std::vector<uint16_t> ToBf16(const TensorView& t) {
+  std::vector<uint16_t> out(static_cast<size_t>(t.numel()));
+  switch (t.dtype) {
+    case DType::kBF16:
+      std::memcpy(out.data(), t.data, out.size() * 2);
+      break;
+    case DType::kF16:
+      for (size_t i = 0; i < out.size(); ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, t.data + 2 * i, 2);
+        out[i] = F32ToBf16(F16ToF32(bits));
+      }
+      break;
+    case DType::kF32:
+      for (size_t i = 0; i < out.size(); ++i) {
+        float f;
+        std::memcpy(&f, t.data + 4 * i, 4);
+        out[i] = F32ToBf16(f);
+      }
+      break;
+  }
+  return out;
+}
+
+// Copies tensor `t` ([rows, cols] row-major) into `dst` whose rows are `dst_pitch` elements.
+absl::Status UploadMatrix(const TensorView& t, bf16* dst, int64_t dst_pitch) {
+  const std::vector<uint16_t> host = ToBf16(t);
+  const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+  const int64_t cols = t.shape.size() < 2 ? t.numel() / std::max<int64_t>(rows, 1) : t.shape[1];
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(dst, dst_pitch * sizeof(bf16), host.data(),
+                                       cols * sizeof(uint16_t), cols * sizeof(uint16_t), rows,
+                                       cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+absl::Status UploadVector(const TensorView& t, bf16* dst) {
+  const std::vector<uint16_t> host = ToBf16(t);
+  TS_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(dst, host.data(), host.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOptions& o) {
+  TS_RETURN_IF_ERROR(ValidateBuckets(o.buckets));
+  if (o.config.eos_token_ids.size() > static_cast<size_t>(k::kMaxEosIds)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config eos_token_ids: ", o.config.eos_token_ids.size(),
+                     " ids, the CUDA backend supports up to ", k::kMaxEosIds));
+  }
+  std::unique_ptr<CudaModel> m(new CudaModel());
+  m->config_ = o.config;
+  m->buckets_ = o.buckets;
+  m->device_ = o.device;
+  m->max_context_ = o.max_context > 0 ? o.max_context : o.config.max_position_embeddings;
+  if (o.config.max_position_embeddings > 0 && m->max_context_ > o.config.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("max_context: ", m->max_context_,
+                                                   " exceeds max_position_embeddings ",
+                                                   o.config.max_position_embeddings));
+  }
+  TS_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device));
+  TS_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&m->num_sms_, cudaDevAttrMultiProcessorCount, o.device));
+  size_t free_bytes = 0, total_bytes = 0;
+  TS_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+
+  TS_ASSIGN_OR_RETURN(ModelDims dims, MakeModelDims(o.config));
+  // Attention partials: each bucket's split count at the longest context is its capacity.
+  size_t attention_ws = 0;
+  for (int32_t b : o.buckets) {
+    const int32_t splits =
+        k::ChooseNumSplits(k::SplitChoiceInputs{.num_seqs = b,
+                                                .num_q_heads = dims.num_heads,
+                                                .num_kv_heads = dims.num_kv_heads,
+                                                .max_context_len = m->max_context_,
+                                                .num_sms = m->num_sms_,
+                                                .max_splits = 256});
+    m->max_splits_.push_back(splits);
+    attention_ws = std::max(
+        attention_ws, k::DecodeAttentionWorkspaceBytes(b, dims.num_heads, dims.head_dim, splits));
+  }
+  const k::GemmOptions gemm_options;
+  TS_ASSIGN_OR_RETURN(
+      m->plan_, PlanMemory(MemoryPlanOptions{.model = o.config,
+                                             .max_slots = o.max_slots,
+                                             .buckets = o.buckets,
+                                             .kv_block_size = o.kv_block_size,
+                                             .max_context = m->max_context_,
+                                             .prefill_chunk_tokens = o.prefill_chunk_tokens,
+                                             .ring_capacity = o.ring_capacity,
+                                             .gpu_memory_fraction = o.gpu_memory_fraction,
+                                             .total_device_bytes = total_bytes,
+                                             .gemm_workspace_bytes = gemm_options.workspace_bytes,
+                                             .attention_workspace_bytes = attention_ws,
+                                             .graph_reserve_bytes = o.graph_reserve_bytes}));
+  if (o.print_plan) std::fprintf(stderr, "%s", m->plan_.Summary().c_str());
+  m->prefill_sizes_ = PrefillSizes(o.prefill_chunk_tokens);
+
+  // The one device allocation of the arena; zeroed so no kernel ever reads uninitialised bytes.
+  if (cudaError_t e = cudaMalloc(&m->arena_, m->plan_.arena_bytes); e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of the ", m->plan_.arena_bytes,
+                                                     "-byte arena failed (", cudaGetErrorString(e),
+                                                     "); ", free_bytes, " bytes were free"));
+  }
+  TS_CUDA_RETURN_IF_ERROR(cudaMemset(m->arena_, 0, m->plan_.arena_bytes));
+  TS_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&m->host_block_, m->plan_.host_bytes,
+                                        cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(m->host_block_, 0, m->plan_.host_bytes);
+  void* host_alias = nullptr;
+  TS_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&host_alias, m->host_block_, 0));
+  m->dev_ = CarveArena(m->plan_.shape, m->arena_);
+  m->host_ = CarveHost(m->plan_.shape, m->host_block_);
+  m->host_dev_ = CarveHost(m->plan_.shape, host_alias);
+
+  TS_ASSIGN_OR_RETURN(m->decode_gemm_, k::Gemm::Create(gemm_options));
+  TS_ASSIGN_OR_RETURN(m->prefill_gemm_, k::Gemm::Create(gemm_options));
+  TS_RETURN_IF_ERROR(m->PlanGemms());
+  TS_RETURN_IF_ERROR(k::ResetDecodeAttentionWorkspace(m->dev_.attention_workspace,
+                                                      m->plan_.attention_workspace_bytes, nullptr));
+  TS_ASSIGN_OR_RETURN(std::vector<float> inv_freq, k::ComputeInvFreq(o.config));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpy(m->dev_.inv_freq, inv_freq.data(),
+                                     inv_freq.size() * sizeof(float), cudaMemcpyHostToDevice));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&m->staging_free_, cudaEventDisableTiming));
+  TS_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return m;
+}
+
+CudaModel::~CudaModel() {
+  // Whoever launched work on this model has synchronised before destroying it (CudaBackend
+  // does); the frees below would wait for the device anyway.
+  decode_gemm_.reset();
+  prefill_gemm_.reset();
+  if (staging_free_ != nullptr) cudaEventDestroy(staging_free_);
+  if (arena_ != nullptr) cudaFree(arena_);
+  if (host_block_ != nullptr) cudaFreeHost(host_block_);
+}
+
+absl::Status CudaModel::PlanGemms() {
+  const ModelDims& d = dims();
+  auto plan_layers = [&](k::Gemm& g, int32_t m) -> absl::Status {
+    TS_RETURN_IF_ERROR(g.Plan({m, d.qkv_dim(), d.hidden}));
+    TS_RETURN_IF_ERROR(g.Plan({m, d.hidden, d.q_dim()}));
+    TS_RETURN_IF_ERROR(g.Plan({m, 2 * d.intermediate_padded, d.hidden}));
+    TS_RETURN_IF_ERROR(g.Plan({m, d.hidden, d.intermediate_padded}));
+    return absl::OkStatus();
+  };
+  for (int32_t b : buckets_) {
+    TS_RETURN_IF_ERROR(plan_layers(*decode_gemm_, b));
+    TS_RETURN_IF_ERROR(decode_gemm_->Plan({b, d.vocab_padded, d.hidden}));
+    TS_RETURN_IF_ERROR(prefill_gemm_->Plan({b, d.vocab_padded, d.hidden}));
+  }
+  for (int32_t m : prefill_sizes_) TS_RETURN_IF_ERROR(plan_layers(*prefill_gemm_, m));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::UploadWeights(const Checkpoint& ckpt, cudaStream_t stream) {
+  TS_ASSIGN_OR_RETURN(LlamaTensors t, BindLlamaTensors(ckpt, config_));
+  const ModelDims& d = dims();
+  const int64_t h = d.hidden;
+  TS_RETURN_IF_ERROR(UploadMatrix(*t.embed, dev_.embed, h));
+  if (d.separate_lm_head()) TS_RETURN_IF_ERROR(UploadMatrix(*t.lm_head, dev_.lm_head, h));
+  TS_RETURN_IF_ERROR(UploadVector(*t.final_norm, dev_.final_norm));
+  for (int32_t l = 0; l < d.num_layers; ++l) {
+    const LlamaLayerTensors& src = t.layers[l];
+    const LayerBuffers& dst = dev_.layers[l];
+    TS_RETURN_IF_ERROR(UploadVector(*src.attn_norm, dst.attn_norm));
+    TS_RETURN_IF_ERROR(UploadVector(*src.mlp_norm, dst.mlp_norm));
+    // Fused [q; k; v] rows: one GEMM produces a row laid out as rope_kv expects.
+    TS_RETURN_IF_ERROR(UploadMatrix(*src.q_proj, dst.qkv, h));
+    TS_RETURN_IF_ERROR(UploadMatrix(*src.k_proj, dst.qkv + static_cast<int64_t>(d.q_dim()) * h, h));
+    TS_RETURN_IF_ERROR(
+        UploadMatrix(*src.v_proj, dst.qkv + static_cast<int64_t>(d.q_dim() + d.kv_dim()) * h, h));
+    TS_RETURN_IF_ERROR(UploadMatrix(*src.o_proj, dst.o, d.q_dim()));
+    // Fused [gate; up] rows, each block intermediate_padded rows (padding rows stay zero).
+    TS_RETURN_IF_ERROR(UploadMatrix(*src.gate_proj, dst.gate_up, h));
+    TS_RETURN_IF_ERROR(UploadMatrix(
+        *src.up_proj, dst.gate_up + static_cast<int64_t>(d.intermediate_padded) * h, h));
+    TS_RETURN_IF_ERROR(UploadMatrix(*src.down_proj, dst.down, d.intermediate_padded));
+  }
+  (void)stream;  // uploads are synchronous cudaMemcpy: startup only
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::InitRandomWeights(uint64_t seed, float scale, cudaStream_t stream) {
+  const ModelDims& d = dims();
+  const size_t h = d.hidden;
+  uint64_t tensor = 0;
+  auto fill = [&](bf16* p, size_t n, float lo, float hi) {
+    return ci::LaunchFillUniform(p, n, seed * 0x9E3779B97F4A7C15ull + (++tensor) * 0x10000000000ull,
+                                 lo, hi, stream);
+  };
+  auto matrix = [&](bf16* p, size_t rows, size_t cols) {
+    return fill(p, rows * cols, -scale, scale);
+  };
+  TS_RETURN_IF_ERROR(matrix(dev_.embed, d.vocab, h));
+  if (d.separate_lm_head()) TS_RETURN_IF_ERROR(matrix(dev_.lm_head, d.vocab, h));
+  TS_RETURN_IF_ERROR(fill(dev_.final_norm, h, 0.5f, 1.5f));
+  const size_t ip = d.intermediate_padded;
+  for (const LayerBuffers& l : dev_.layers) {
+    TS_RETURN_IF_ERROR(fill(l.attn_norm, h, 0.5f, 1.5f));
+    TS_RETURN_IF_ERROR(fill(l.mlp_norm, h, 0.5f, 1.5f));
+    TS_RETURN_IF_ERROR(matrix(l.qkv, d.qkv_dim(), h));
+    TS_RETURN_IF_ERROR(matrix(l.o, h, d.q_dim()));
+    TS_RETURN_IF_ERROR(matrix(l.gate_up, d.intermediate, h));
+    TS_RETURN_IF_ERROR(matrix(l.gate_up + ip * h, d.intermediate, h));
+    TS_RETURN_IF_ERROR(matrix(l.down, h, ip));
+    if (ip != static_cast<size_t>(d.intermediate)) {
+      // Padded input columns of down must stay zero (they meet silu(0) * 0 = 0 anyway).
+      TS_CUDA_RETURN_IF_ERROR(cudaMemset2DAsync(l.down + d.intermediate, ip * sizeof(bf16), 0,
+                                                (ip - d.intermediate) * sizeof(bf16), h, stream));
+    }
+  }
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));  // startup only
+  return absl::OkStatus();
+}
+
+size_t CudaModel::step_weight_bytes() const {
+  const ModelDims& d = dims();
+  const size_t h = d.hidden;
+  const size_t per_layer = 2 * h + static_cast<size_t>(d.qkv_dim()) * h + h * d.q_dim() +
+                           3 * h * static_cast<size_t>(d.intermediate_padded);
+  return (per_layer * d.num_layers + h + static_cast<size_t>(d.vocab_padded) * h) * sizeof(bf16);
+}
+
+int32_t CudaModel::NumSplits(int32_t bucket, int32_t max_context_len) const {
+  const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), bucket);
+  TS_CHECK(it != buckets_.end() && *it == bucket);
+  return k::ChooseNumSplits(
+      k::SplitChoiceInputs{.num_seqs = bucket,
+                           .num_q_heads = dims().num_heads,
+                           .num_kv_heads = dims().num_kv_heads,
+                           .max_context_len = std::min(max_context_len, max_context_),
+                           .num_sms = num_sms_,
+                           .max_splits = max_splits_[it - buckets_.begin()]});
+}
+
+int32_t CudaModel::PrefillRowsFor(int32_t tokens) const {
+  const auto it = std::lower_bound(prefill_sizes_.begin(), prefill_sizes_.end(), tokens);
+  TS_CHECK(it != prefill_sizes_.end());
+  return *it;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The forward pass
+
+namespace {
+
+// Brackets one op with the timer's events when profiling.
+template <typename Fn>
+absl::Status TimedOp(OpTimer* timer, const char* name, cudaStream_t stream, Fn&& fn) {
+  if (timer != nullptr) TS_RETURN_IF_ERROR(timer->Begin(name, stream));
+  TS_RETURN_IF_ERROR(fn());
+  if (timer != nullptr) TS_RETURN_IF_ERROR(timer->End(stream));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& at,
+                                      const k::Gemm& gemm, cudaStream_t stream,
+                                      OpTimer* timer) const {
+  const ModelDims& d = dims();
+  const ArenaShape& s = plan_.shape;
+  const float eps = config_.rms_norm_eps;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
+  for (const LayerBuffers& layer : dev_.layers) {
+    TS_RETURN_IF_ERROR(TimedOp(timer, "attn_norm", stream, [&] {
+      return k::LaunchRmsNorm({.x = nullptr,
+                               .residual = f.h,
+                               .weight = layer.attn_norm,
+                               .out = f.xn,
+                               .rows = rows,
+                               .hidden = d.hidden,
+                               .eps = eps},
+                              stream);
+    }));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "qkv_gemm", stream, [&] {
+      return gemm.Launch(
+          {.a = f.xn, .w = layer.qkv, .c = f.qkv, .m = rows, .n = d.qkv_dim(), .k = d.hidden},
+          stream);
+    }));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "rope_kv", stream, [&] {
+      k::RopeKvParams p;
+      p.qkv = f.qkv;
+      p.q_out = f.q;
+      p.positions = f.positions;
+      p.slot_mapping = f.slot_mapping;
+      p.inv_freq = dev_.inv_freq;
+      p.k_cache = layer.k_cache;
+      p.v_cache = layer.v_cache;
+      p.error_flag = host_dev_.error_flag;
+      p.layout = k::KvLayout{s.num_kv_blocks, d.num_kv_heads, s.kv_block_size, d.head_dim};
+      p.rows = rows;
+      p.num_q_heads = d.num_heads;
+      return k::LaunchRopeKv(p, stream);
+    }));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "attention", stream, [&] {
+      if (at.decode) {
+        k::DecodeAttentionParams p;
+        p.q = f.q;
+        p.k_cache = layer.k_cache;
+        p.v_cache = layer.v_cache;
+        p.block_tables = at.block_tables;
+        p.context_lens = at.context_lens;
+        p.out = f.attn;
+        p.workspace = dev_.attention_workspace;
+        p.workspace_bytes = plan_.attention_workspace_bytes;
+        p.num_seqs = rows;
+        p.num_q_heads = d.num_heads;
+        p.num_kv_heads = d.num_kv_heads;
+        p.head_dim = d.head_dim;
+        p.block_size = s.kv_block_size;
+        p.num_blocks = s.num_kv_blocks;
+        p.max_blocks_per_seq = s.max_blocks_per_seq;
+        p.scale = scale;
+        p.mode = k::DecodeAttentionMode::kStaticSplit;
+        p.max_splits = at.max_splits;
+        p.num_splits = at.num_splits;
+        return k::LaunchDecodeAttention(p, stream);
+      }
+      k::PrefillAttentionParams p;
+      p.q = f.q;
+      p.k_cache = layer.k_cache;
+      p.v_cache = layer.v_cache;
+      p.block_tables = at.block_tables;
+      p.cu_seqlens = at.cu_seqlens;
+      p.start_pos = at.start_pos;
+      p.out = f.attn;
+      p.num_seqs = at.num_seqs;
+      p.total_tokens = at.total_tokens;
+      p.max_q_len = at.max_q_len;
+      p.num_q_heads = d.num_heads;
+      p.num_kv_heads = d.num_kv_heads;
+      p.head_dim = d.head_dim;
+      p.block_size = s.kv_block_size;
+      p.num_blocks = s.num_kv_blocks;
+      p.max_blocks_per_seq = s.max_blocks_per_seq;
+      p.scale = scale;
+      return k::LaunchPrefillAttention(p, stream);
+    }));
+    // o_proj and down_proj accumulate into the residual stream (beta = 1): one fp32 sum, one
+    // bf16 rounding, and no separate residual-add pass.
+    TS_RETURN_IF_ERROR(TimedOp(timer, "o_gemm", stream, [&] {
+      return gemm.Launch({.a = f.attn,
+                          .w = layer.o,
+                          .c = f.h,
+                          .m = rows,
+                          .n = d.hidden,
+                          .k = d.q_dim(),
+                          .accumulate = true},
+                         stream);
+    }));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "mlp_norm", stream, [&] {
+      return k::LaunchRmsNorm({.x = nullptr,
+                               .residual = f.h,
+                               .weight = layer.mlp_norm,
+                               .out = f.xn,
+                               .rows = rows,
+                               .hidden = d.hidden,
+                               .eps = eps},
+                              stream);
+    }));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "gate_up_gemm", stream, [&] {
+      return gemm.Launch({.a = f.xn,
+                          .w = layer.gate_up,
+                          .c = f.gate_up,
+                          .m = rows,
+                          .n = 2 * d.intermediate_padded,
+                          .k = d.hidden},
+                         stream);
+    }));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "silu_mul", stream, [&] {
+      return k::LaunchSiluMul(
+          {.in = f.gate_up, .out = f.act, .rows = rows, .intermediate = d.intermediate_padded},
+          stream);
+    }));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "down_gemm", stream, [&] {
+      return gemm.Launch({.a = f.act,
+                          .w = layer.down,
+                          .c = f.h,
+                          .m = rows,
+                          .n = d.hidden,
+                          .k = d.intermediate_padded,
+                          .accumulate = true},
+                         stream);
+    }));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, int32_t rows,
+                                      int32_t padded_rows, const k::Gemm& gemm, cudaStream_t stream,
+                                      OpTimer* timer) const {
+  const ModelDims& d = dims();
+  TS_RETURN_IF_ERROR(TimedOp(timer, "final_norm", stream, [&] {
+    return k::LaunchRmsNorm({.x = nullptr,
+                             .residual = hidden_in,
+                             .weight = dev_.final_norm,
+                             .out = head.normed,
+                             .rows = padded_rows,
+                             .hidden = d.hidden,
+                             .eps = config_.rms_norm_eps},
+                            stream);
+  }));
+  TS_RETURN_IF_ERROR(TimedOp(timer, "lm_head_gemm", stream, [&] {
+    return gemm.Launch({.a = head.normed,
+                        .w = dev_.lm_head,
+                        .c = head.logits,
+                        .m = padded_rows,
+                        .n = d.vocab_padded,
+                        .k = d.hidden},
+                       stream);
+  }));
+  return TimedOp(timer, "logits_f32", stream, [&] {
+    return ci::LaunchLogitsToF32(head.logits, d.vocab_padded, head.logits_f32, rows, d.vocab,
+                                 stream);
+  });
+}
+
+absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows,
+                                             cudaStream_t stream, OpTimer* timer) const {
+  const ModelDims& d = dims();
+  const ArenaShape& s = plan_.shape;
+  TS_RETURN_IF_ERROR(TimedOp(timer, "sampling", stream, [&] {
+    k::SamplingKernelParams p;
+    p.logits = head.logits_f32;
+    p.params = head.params;
+    p.row_slots = head.sample_slots;
+    p.output_counts = dev_.output_counts;
+    p.prompt_mask = dev_.prompt_mask;
+    p.tokens = head.sampled;
+    p.error_flag = host_dev_.error_flag;
+    p.rows = rows;
+    p.vocab = d.vocab;
+    p.num_slots = s.count_rows();
+    p.params_by_slot = false;
+    p.update_counts = false;  // postprocess counts only tokens it emits
+    return k::LaunchSampling(p, stream);
+  }));
+  return TimedOp(timer, "postprocess", stream, [&] {
+    k::PostprocessParams p;
+    p.row_slots = head.row_slots;
+    p.tokens = head.sampled;
+    p.slots = dev_.slots;
+    p.cancel = host_dev_.cancel;
+    p.done = host_dev_.done;
+    p.rings = host_dev_.rings;
+    p.output_counts = dev_.output_counts;
+    p.num_eos = static_cast<int32_t>(config_.eos_token_ids.size());
+    for (int32_t i = 0; i < p.num_eos; ++i) p.eos_ids[i] = config_.eos_token_ids[i];
+    p.rows = rows;
+    p.num_slots = s.max_slots;
+    p.vocab = d.vocab;
+    p.ring_capacity = s.ring_capacity;
+    return k::LaunchPostprocess(p, stream);
+  });
+}
+
+absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
+                                          OpTimer* timer) const {
+  const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), bucket);
+  if (it == buckets_.end() || *it != bucket) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("decode step: bucket ", bucket, " is not one of the planned buckets"));
+  }
+  const ArenaShape& s = plan_.shape;
+  const ForwardBuffers& f = dev_.decode;
+  const HeadBuffers& head = dev_.decode_head;
+  TS_RETURN_IF_ERROR(TimedOp(timer, "prepare", stream, [&] {
+    ci::PrepareDecodeParams p;
+    p.row_slots = head.row_slots;
+    p.slots = dev_.slots;
+    p.slot_block_tables = dev_.slot_block_tables;
+    p.tokens = f.tokens;
+    p.positions = f.positions;
+    p.slot_mapping = f.slot_mapping;
+    p.context_lens = dev_.decode_context_lens;
+    p.block_tables = dev_.decode_block_tables;
+    p.sampling = head.params;
+    p.sample_slots = head.sample_slots;
+    p.rows = bucket;
+    p.num_slots = s.max_slots;
+    p.max_blocks = s.max_blocks_per_seq;
+    p.block_size = s.kv_block_size;
+    return ci::LaunchPrepareDecode(p, stream);
+  }));
+  TS_RETURN_IF_ERROR(TimedOp(timer, "embedding", stream, [&] {
+    return k::LaunchEmbedding({.tokens = f.tokens,
+                               .table = dev_.embed,
+                               .out = f.h,
+                               .error_flag = host_dev_.error_flag,
+                               .rows = bucket,
+                               .hidden = dims().hidden,
+                               .vocab = dims().vocab},
+                              stream);
+  }));
+  Attention at;
+  at.decode = true;
+  at.num_splits = num_splits;
+  at.max_splits = max_splits_[it - buckets_.begin()];
+  at.context_lens = dev_.decode_context_lens;
+  at.block_tables = dev_.decode_block_tables;
+  TS_RETURN_IF_ERROR(EnqueueLayers(f, bucket, at, *decode_gemm_, stream, timer));
+  TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, bucket, *decode_gemm_, stream, timer));
+  return EnqueueSampleAndPost(head, bucket, stream, timer);
+}
+
+}  // namespace ts

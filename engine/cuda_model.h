@@ -1,0 +1,209 @@
+// CudaModel: a Llama model resident on one GPU (bf16 weights, paged KV pool, activations, slot
+// table and sampling state in one arena; rings in pinned host-mapped memory, see memory_plan.h)
+// and the enqueue of its work on a stream:
+//   - EnqueueDecodeStep: one decode step for a bucket, graph-capturable:
+//       prepare (gather step inputs from the slot table for the bucket's rows) -> embed ->
+//       L x (rmsnorm, qkv GEMM, rope + KV write, decode attention + combine, o GEMM += residual,
+//       rmsnorm, gate_up GEMM, silu * up, down GEMM += residual) -> norm -> lm_head -> fp32
+//       logits -> sampling -> postprocess (ring append + stop checks + counts).
+//   - EnqueuePrefill + EnqueuePrefillSample: the same layers over a packed, chunked prompt
+//     batch with causal prefill attention (host-launched, not a graph), then the first token of
+//     every prompt through the same sampling and postprocess kernels.
+// The slot table rows are written by the caller (CudaBackend) before the prefill's postprocess.
+//
+// Row list contract: decode row r of a bucket holds slot row_slots[r] (device buffer
+// dev().decode_head.row_slots, written by the caller before the step), or -1 for a padding row.
+// A padding row (or a row whose slot is not ACTIVE) writes no KV, attends to nothing, samples
+// from the scratch sampling row and writes no ring record.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/memory_plan.h"
+#include "kernels/gemm.cuh"
+#include "models/checkpoint.h"
+#include "models/config.h"
+
+namespace ts {
+
+struct CudaModelOptions {
+  ModelConfig config;
+  int32_t max_slots = 64;
+  std::vector<int32_t> buckets;  // ascending, buckets.back() >= max_slots
+  int32_t kv_block_size = 16;
+  int32_t max_context = 0;  // 0 = config.max_position_embeddings
+  int32_t prefill_chunk_tokens = 2048;
+  uint32_t ring_capacity = 1024;
+  double gpu_memory_fraction = 0.9;
+  size_t graph_reserve_bytes = size_t{256} << 20;
+  int device = 0;
+  bool print_plan = true;  // the budget on stderr at startup
+};
+
+// Times each op of a step separately with CUDA events (the --profile mode of tailserve-bench).
+// Events are created up front; Begin/End only record them.
+class OpTimer {
+ public:
+  static absl::StatusOr<std::unique_ptr<OpTimer>> Create(int32_t max_ops);
+  ~OpTimer();
+  void Reset() { used_ = 0; }
+  absl::Status Begin(const char* op, cudaStream_t stream);
+  absl::Status End(cudaStream_t stream);
+  // After the stream is synchronised: (op name, milliseconds) in enqueue order.
+  absl::StatusOr<std::vector<std::pair<std::string, float>>> Read() const;
+
+ private:
+  OpTimer() = default;
+  std::vector<cudaEvent_t> events_;  // [2 * max_ops]
+  std::vector<std::string> names_;   // [max_ops]
+  int32_t used_ = 0;
+};
+
+// One sequence of a prefill batch.
+struct PrefillSeq {
+  std::span<const int32_t> tokens;       // [n] prompt tokens, n >= 1
+  std::span<const int32_t> block_table;  // [>= ceil(n / block_size)] KV block ids
+};
+
+class CudaModel {
+ public:
+  // Plans memory (prints the budget), allocates the arena, the pinned host block and the two
+  // cuBLASLt Gemms, and plans every GEMM shape it will launch. Weights are not loaded yet.
+  static absl::StatusOr<std::unique_ptr<CudaModel>> Create(const CudaModelOptions& options);
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  // Copies a checkpoint's weights (bf16; f16/f32 converted on upload), fusing q/k/v and gate/up.
+  absl::Status UploadWeights(const Checkpoint& ckpt, cudaStream_t stream);
+  // Random weights generated on the device (benchmarks): linear weights U(-scale, scale) around
+  // a per-tensor seed, norm weights U(0.5, 1.5). Same seed, same weights.
+  absl::Status InitRandomWeights(uint64_t seed, float scale, cudaStream_t stream);
+
+  const ModelConfig& config() const { return config_; }
+  const ModelDims& dims() const { return plan_.shape.dims; }
+  const MemoryPlan& plan() const { return plan_; }
+  const DeviceLayout& dev() const { return dev_; }
+  const HostLayout& host() const { return host_; }          // CPU addresses
+  const HostLayout& host_dev() const { return host_dev_; }  // device aliases of the same block
+  const std::vector<int32_t>& buckets() const { return buckets_; }
+  int32_t max_context() const { return max_context_; }
+  int32_t num_sms() const { return num_sms_; }
+  // Bytes of weights one decode step reads (every matrix once, the embedding rows excluded).
+  size_t step_weight_bytes() const;
+
+  // Attention split count for `bucket` rows when the longest context is `max_context_len`.
+  int32_t NumSplits(int32_t bucket, int32_t max_context_len) const;
+
+  // One decode step over `bucket` rows (a planned bucket). Graph-capturable. With a timer, each
+  // op is bracketed by events (never while capturing).
+  absl::Status EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
+                                 OpTimer* timer = nullptr) const;
+
+  // Runs the layers over every prompt (chunks of at most prefill_chunk_tokens tokens), writing
+  // their KV and leaving sequence i's last hidden row in dev().prefill_head.hidden row i.
+  // seqs.size() <= max_slots. Synchronises `stream` between chunks only to reuse the staging.
+  absl::Status EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStream_t stream);
+  // Samples the first token of the rows left by EnqueuePrefill. slots[i] is sequence i's slot
+  // (its slot table row, counts and mask already written); params[i].position = prompt length.
+  absl::Status EnqueuePrefillSample(std::span<const int32_t> slots,
+                                    std::span<const kernels::SamplingRow> params,
+                                    cudaStream_t stream);
+  // Teacher-forced fp32 logits [tokens.size(), vocab] of one prompt (tests). Writes KV through
+  // block_table; synchronises `stream`.
+  absl::StatusOr<std::vector<float>> PromptLogits(std::span<const int32_t> tokens,
+                                                  std::span<const int32_t> block_table,
+                                                  cudaStream_t stream);
+
+ private:
+  CudaModel() = default;
+  absl::Status PlanGemms();
+  // Which attention a forward runs, and its inputs.
+  struct Attention {
+    bool decode = true;
+    // decode
+    int32_t num_splits = 1;
+    int32_t max_splits = 1;
+    const int32_t* context_lens = nullptr;  // [rows]
+    const int32_t* block_tables = nullptr;  // [rows or num_seqs, max_blocks_per_seq]
+    // prefill
+    const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1]
+    const int32_t* start_pos = nullptr;   // [num_seqs]
+    int32_t num_seqs = 0;
+    int32_t total_tokens = 0;
+    int32_t max_q_len = 0;
+  };
+  // The layers of one forward over `f` (decode or prefill buffers).
+  absl::Status EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& attn,
+                             const kernels::Gemm& gemm, cudaStream_t stream, OpTimer* timer) const;
+  // norm -> lm_head -> fp32 logits over head rows [0, padded_rows).
+  absl::Status EnqueueLogits(__nv_bfloat16* hidden_in, const HeadBuffers& head, int32_t rows,
+                             int32_t padded_rows, const kernels::Gemm& gemm, cudaStream_t stream,
+                             OpTimer* timer) const;
+  absl::Status EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows, cudaStream_t stream,
+                                    OpTimer* timer) const;
+  // The planned prefill GEMM row count for `tokens` rows (>= tokens).
+  int32_t PrefillRowsFor(int32_t tokens) const;
+
+  ModelConfig config_;
+  MemoryPlan plan_;
+  std::vector<int32_t> buckets_;
+  std::vector<int32_t> prefill_sizes_;  // planned prefill GEMM row counts, ascending
+  std::vector<int32_t> max_splits_;     // [buckets] attention workspace capacity per bucket
+  int32_t max_context_ = 0;
+  int32_t num_sms_ = 0;
+  int32_t device_ = 0;
+  void* arena_ = nullptr;       // [plan_.arena_bytes] device
+  void* host_block_ = nullptr;  // [plan_.host_bytes] pinned, mapped
+  DeviceLayout dev_;
+  HostLayout host_;
+  HostLayout host_dev_;
+  std::unique_ptr<kernels::Gemm> decode_gemm_;   // captured into the decode graphs
+  std::unique_ptr<kernels::Gemm> prefill_gemm_;  // host-launched prefill (its own workspace)
+  cudaEvent_t staging_free_ = nullptr;           // recorded after a chunk's staging copies
+};
+
+// ---- Small ops of the step that know slots (engine/cuda_model.cu). ----
+namespace cuda_model_internal {
+
+struct PrepareDecodeParams {
+  const int32_t* row_slots = nullptr;          // [rows] slot or -1
+  const kernels::SlotRow* slots = nullptr;     // [num_slots]
+  const int32_t* slot_block_tables = nullptr;  // [num_slots, max_blocks]
+  int32_t* tokens = nullptr;                   // [rows] last token of the slot
+  int32_t* positions = nullptr;                // [rows] its position
+  int32_t* slot_mapping = nullptr;             // [rows] KV write slot, -1 for padding
+  int32_t* context_lens = nullptr;             // [rows] position + 1, 0 for padding
+  int32_t* block_tables = nullptr;             // [rows, max_blocks] gathered block table rows
+  kernels::SamplingRow* sampling = nullptr;    // [rows] slot params, position = pos + 1
+  int32_t* sample_slots = nullptr;             // [rows] slot, or num_slots (scratch) for padding
+  int32_t rows = 0;
+  int32_t num_slots = 0;
+  int32_t max_blocks = 0;
+  int32_t block_size = 0;
+};
+absl::Status LaunchPrepareDecode(const PrepareDecodeParams& p, cudaStream_t stream);
+
+// out[r, :vocab] = float(in[r, :vocab]) for rows r < rows; in has row stride in_stride.
+absl::Status LaunchLogitsToF32(const __nv_bfloat16* in, int32_t in_stride, float* out, int32_t rows,
+                               int32_t vocab, cudaStream_t stream);
+
+// dst[dst_rows[i]] = src[src_rows[i]] for i < n (rows of `width` bf16, width % 8 == 0).
+absl::Status LaunchGatherRows(const __nv_bfloat16* src, const int32_t* src_rows, __nv_bfloat16* dst,
+                              const int32_t* dst_rows, int32_t n, int32_t width,
+                              cudaStream_t stream);
+
+// p[i] = lo + (hi - lo) * u(seed, i) for i < n, u uniform in [0, 1).
+absl::Status LaunchFillUniform(__nv_bfloat16* p, size_t n, uint64_t seed, float lo, float hi,
+                               cudaStream_t stream);
+
+}  // namespace cuda_model_internal
+}  // namespace ts

@@ -1,0 +1,200 @@
+// CudaModel's prefill: prompts packed into chunks of at most prefill_chunk_tokens rows, run
+// through the same layers as a decode step with causal prefill attention (host-launched, not a
+// graph), then the first token of each prompt through the decode step's sampling and
+// postprocess kernels.
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "engine/backend.h"
+#include "engine/cuda_model.h"
+#include "kernels/cuda_check.h"
+#include "kernels/embedding.cuh"
+
+namespace ts {
+
+namespace k = ::ts::kernels;
+namespace ci = ::ts::cuda_model_internal;
+
+absl::Status CudaModel::EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStream_t stream) {
+  const ArenaShape& s = plan_.shape;
+  const int32_t n = static_cast<int32_t>(seqs.size());
+  if (n > s.max_slots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill: ", n, " sequences exceed max_slots ", s.max_slots));
+  }
+  const int32_t chunk_cap = s.prefill_rows;
+  const int32_t bs = s.kv_block_size;
+  const int32_t mb = s.max_blocks_per_seq;
+  struct Piece {
+    int32_t seq, start, len;
+  };
+  std::vector<Piece> pieces;
+  int32_t rows_used = 0;
+
+  auto flush = [&]() -> absl::Status {
+    if (pieces.empty()) return absl::OkStatus();
+    // The staging is reused per chunk: wait until the previous chunk's copies have read it.
+    TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(staging_free_));
+    const HostLayout& h = host_;
+    int32_t row = 0, gathers = 0, max_q = 0;
+    for (size_t j = 0; j < pieces.size(); ++j) {
+      const Piece& p = pieces[j];
+      const PrefillSeq& sq = seqs[p.seq];
+      h.cu_seqlens[j] = row;
+      h.start_pos[j] = p.start;
+      const size_t copy = std::min<size_t>(sq.block_table.size(), mb);
+      int32_t* table = h.block_tables + j * mb;
+      std::copy_n(sq.block_table.begin(), copy, table);
+      std::fill(table + copy, table + mb, 0);
+      for (int32_t t = 0; t < p.len; ++t, ++row) {
+        const int32_t pos = p.start + t;
+        h.tokens[row] = sq.tokens[pos];
+        h.positions[row] = pos;
+        h.slot_mapping[row] = table[pos / bs] * bs + pos % bs;
+      }
+      max_q = std::max(max_q, p.len);
+      if (p.start + p.len == static_cast<int32_t>(sq.tokens.size())) {
+        h.gather_src[gathers] = row - 1;
+        h.gather_dst[gathers] = p.seq;
+        ++gathers;
+      }
+    }
+    const int32_t num_pieces = static_cast<int32_t>(pieces.size());
+    h.cu_seqlens[num_pieces] = row;
+    const int32_t padded = PrefillRowsFor(row);
+    for (int32_t r = row; r < padded; ++r) {
+      h.tokens[r] = 0;
+      h.positions[r] = 0;
+      h.slot_mapping[r] = -1;  // padding rows write no KV
+    }
+    const DeviceLayout& dv = dev_;
+    auto h2d = [&](void* dst, const void* src, size_t bytes) {
+      return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream);
+    };
+    const size_t ib = sizeof(int32_t);
+    TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.tokens, h.tokens, padded * ib));
+    TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.positions, h.positions, padded * ib));
+    TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.slot_mapping, h.slot_mapping, padded * ib));
+    TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill_cu_seqlens, h.cu_seqlens, (num_pieces + 1) * ib));
+    TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill_start_pos, h.start_pos, num_pieces * ib));
+    TS_CUDA_RETURN_IF_ERROR(
+        h2d(dv.prefill_block_tables, h.block_tables, static_cast<size_t>(num_pieces) * mb * ib));
+    TS_CUDA_RETURN_IF_ERROR(h2d(dv.gather_src, h.gather_src, gathers * ib));
+    TS_CUDA_RETURN_IF_ERROR(h2d(dv.gather_dst, h.gather_dst, gathers * ib));
+    TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
+
+    const ForwardBuffers& f = dv.prefill;
+    TS_RETURN_IF_ERROR(k::LaunchEmbedding({.tokens = f.tokens,
+                                           .table = dv.embed,
+                                           .out = f.h,
+                                           .error_flag = host_dev_.error_flag,
+                                           .rows = padded,
+                                           .hidden = dims().hidden,
+                                           .vocab = dims().vocab},
+                                          stream));
+    Attention at;
+    at.decode = false;
+    at.block_tables = dv.prefill_block_tables;
+    at.cu_seqlens = dv.prefill_cu_seqlens;
+    at.start_pos = dv.prefill_start_pos;
+    at.num_seqs = num_pieces;
+    at.total_tokens = row;
+    at.max_q_len = max_q;
+    TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
+    TS_RETURN_IF_ERROR(ci::LaunchGatherRows(f.h, dv.gather_src, dv.prefill_head.hidden,
+                                            dv.gather_dst, gathers, dims().hidden, stream));
+    pieces.clear();
+    rows_used = 0;
+    return absl::OkStatus();
+  };
+
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t len = static_cast<int32_t>(seqs[i].tokens.size());
+    if (len < 1) return absl::InvalidArgumentError(absl::StrCat("prefill seq ", i, ": empty"));
+    const int64_t need = (static_cast<int64_t>(len) + bs - 1) / bs;
+    if (static_cast<int64_t>(seqs[i].block_table.size()) < need || len > max_context_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefill seq ", i, ": ", len, " tokens need ", need, " blocks (max_context ",
+                       max_context_, "), block_table has ", seqs[i].block_table.size()));
+    }
+    for (int32_t start = 0; start < len;) {
+      const int32_t take = std::min(len - start, chunk_cap - rows_used);
+      pieces.push_back(Piece{i, start, take});
+      rows_used += take;
+      start += take;
+      if (rows_used == chunk_cap) TS_RETURN_IF_ERROR(flush());
+    }
+  }
+  return flush();
+}
+
+absl::Status CudaModel::EnqueuePrefillSample(std::span<const int32_t> slots,
+                                             std::span<const k::SamplingRow> params,
+                                             cudaStream_t stream) {
+  const int32_t n = static_cast<int32_t>(slots.size());
+  if (n == 0) return absl::OkStatus();
+  TS_CHECK_EQ(slots.size(), params.size());
+  TS_CHECK_LE(n, plan_.shape.max_slots);
+  TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(staging_free_));
+  const HostLayout& h = host_;
+  for (int32_t i = 0; i < n; ++i) {
+    h.sample_params[i] = params[i];
+    h.sample_slots[i] = slots[i];
+    h.head_row_slots[i] = slots[i];
+  }
+  const HeadBuffers& head = dev_.prefill_head;
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(head.params, h.sample_params, n * sizeof(k::SamplingRow),
+                                          cudaMemcpyHostToDevice, stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(head.sample_slots, h.sample_slots, n * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice, stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(head.row_slots, h.head_row_slots, n * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice, stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
+  const int32_t padded = PickBucket(buckets_, n);
+  TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, n, padded, *prefill_gemm_, stream, nullptr));
+  return EnqueueSampleAndPost(head, n, stream, nullptr);
+}
+
+absl::StatusOr<std::vector<float>> CudaModel::PromptLogits(std::span<const int32_t> tokens,
+                                                           std::span<const int32_t> block_table,
+                                                           cudaStream_t stream) {
+  const int32_t n = static_cast<int32_t>(tokens.size());
+  if (n < 1 || n > plan_.shape.prefill_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("PromptLogits: ", n,
+                                                   " tokens; must be in [1, prefill rows ",
+                                                   plan_.shape.prefill_rows, "]"));
+  }
+  const PrefillSeq seq{tokens, block_table};
+  TS_RETURN_IF_ERROR(EnqueuePrefill(std::span<const PrefillSeq>(&seq, 1), stream));
+  const ModelDims& d = dims();
+  const HeadBuffers& head = dev_.prefill_head;
+  std::vector<float> out(static_cast<size_t>(n) * d.vocab);
+  for (int32_t first = 0; first < n; first += head.rows) {
+    const int32_t m = std::min(head.rows, n - first);
+    TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(staging_free_));
+    for (int32_t i = 0; i < m; ++i) {
+      host_.gather_src[i] = first + i;
+      host_.gather_dst[i] = i;
+    }
+    TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev_.gather_src, host_.gather_src, m * sizeof(int32_t),
+                                            cudaMemcpyHostToDevice, stream));
+    TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev_.gather_dst, host_.gather_dst, m * sizeof(int32_t),
+                                            cudaMemcpyHostToDevice, stream));
+    TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
+    TS_RETURN_IF_ERROR(ci::LaunchGatherRows(dev_.prefill.h, dev_.gather_src, head.hidden,
+                                            dev_.gather_dst, m, d.hidden, stream));
+    TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, m, PickBucket(buckets_, m), *prefill_gemm_,
+                                     stream, nullptr));
+    TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        out.data() + static_cast<size_t>(first) * d.vocab, head.logits_f32,
+        static_cast<size_t>(m) * d.vocab * sizeof(float), cudaMemcpyDeviceToHost, stream));
+    // Pageable destination: wait before the next group overwrites the device logits (and so
+    // the caller can read `out`).
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  }
+  return out;
+}
+
+}  // namespace ts

@@ -1,0 +1,208 @@
+// The CUDA backend's memory plan (DESIGN §3): everything the GPU needs is sized here once, at
+// startup, and then allocated as ONE device arena (weights, KV pool, activations, slot table,
+// sampling state, attention scratch) plus one pinned host-mapped block (token rings, cancel flags,
+// staging). The cuBLASLt workspaces (allocated by each kernels::Gemm) and the graphs are counted
+// in the budget but allocated by their owners. Nothing is allocated during capture or a step.
+//
+// The KV pool gets what is left of gpu_memory_fraction * total device memory after everything
+// else; the plan refuses (FailedPrecondition) when that cannot hold one max_context sequence.
+//
+// One function (the carve in memory_plan.cc) lays out every buffer, both to size the plan and to
+// hand out the pointers, so the budget printed at startup is exactly what is allocated.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/postprocess.cuh"
+#include "kernels/sampling.cuh"
+#include "models/config.h"
+
+namespace ts {
+
+// Model shapes as the GPU stores them. The GEMMs need N and K in multiples of 8, so the
+// intermediate size and the lm_head's rows are zero-padded at upload (exact: silu(0) * 0 = 0 and
+// padded logits are never sampled: they are cut off when logits are widened to fp32).
+struct ModelDims {
+  int32_t hidden = 0;
+  int32_t intermediate = 0;
+  int32_t intermediate_padded = 0;  // multiple of 8
+  int32_t num_layers = 0;
+  int32_t num_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t vocab = 0;
+  int32_t vocab_padded = 0;  // multiple of 8: lm_head rows and bf16 logits columns
+  bool tied = false;
+  int32_t q_dim() const { return num_heads * head_dim; }
+  int32_t kv_dim() const { return num_kv_heads * head_dim; }
+  int32_t qkv_dim() const { return q_dim() + 2 * kv_dim(); }
+  // lm_head needs its own padded copy unless tied and the vocab is already a multiple of 8.
+  bool separate_lm_head() const { return !tied || vocab_padded != vocab; }
+};
+
+// InvalidArgument naming the config field when the GPU kernels cannot run this shape.
+absl::StatusOr<ModelDims> MakeModelDims(const ModelConfig& config);
+
+struct MemoryPlanOptions {
+  ModelConfig model;
+  int32_t max_slots = 0;
+  std::vector<int32_t> buckets;  // ascending; buckets.back() >= max_slots
+  int32_t kv_block_size = 16;
+  int32_t max_context = 0;  // tokens per sequence (prompt + new)
+  int32_t prefill_chunk_tokens = 0;
+  uint32_t ring_capacity = 0;
+  double gpu_memory_fraction = 0.9;
+  size_t total_device_bytes = 0;         // cudaMemGetInfo's total
+  size_t gemm_workspace_bytes = 0;       // per kernels::Gemm; the backend has two
+  size_t attention_workspace_bytes = 0;  // decode attention partials for the largest need
+  size_t graph_reserve_bytes = 0;        // estimate for graph execs, cuBLASLt handles
+};
+
+// Sizes that fix the arena's layout.
+struct ArenaShape {
+  ModelDims dims;
+  int32_t max_slots = 0;
+  int32_t max_bucket = 0;  // decode rows (largest bucket)
+  int32_t prefill_rows = 0;
+  int32_t max_blocks_per_seq = 0;
+  int32_t num_kv_blocks = 0;
+  int32_t kv_block_size = 0;
+  uint32_t ring_capacity = 0;
+  size_t attention_workspace_bytes = 0;
+  int32_t mask_words() const { return (dims.vocab + 31) / 32; }
+  // Sampling state rows: one per slot plus a scratch row that padding rows of a bucket sample
+  // from, so the sampling kernel never sees an out-of-range slot.
+  int32_t count_rows() const { return max_slots + 1; }
+};
+
+struct MemoryPlan {
+  ArenaShape shape;
+  size_t budget_bytes = 0;          // gpu_memory_fraction * total
+  int64_t kv_blocks_in_budget = 0;  // before the cap at max_slots full-length sequences
+  // Device bytes by category (the arena holds all but gemm workspaces and graphs).
+  size_t weight_bytes = 0;
+  size_t kv_bytes = 0;
+  size_t activation_bytes = 0;  // forward buffers, logits, step inputs
+  size_t state_bytes = 0;       // slot table, block tables, sampling counts and prompt masks
+  size_t attention_workspace_bytes = 0;
+  size_t gemm_workspace_bytes = 0;  // both Gemm objects
+  size_t graph_reserve_bytes = 0;
+  size_t arena_bytes = 0;
+  size_t host_bytes = 0;  // pinned host-mapped block
+  int64_t kv_tokens() const {
+    return static_cast<int64_t>(shape.num_kv_blocks) * shape.kv_block_size;
+  }
+  std::string Summary() const;  // the startup budget, several lines
+};
+
+absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& options);
+
+// ---- Pointers into the arena. Shapes in comments; M = rows of that buffer set. ----
+
+struct LayerBuffers {
+  __nv_bfloat16* attn_norm = nullptr;  // [hidden]
+  __nv_bfloat16* mlp_norm = nullptr;   // [hidden]
+  __nv_bfloat16* qkv = nullptr;        // [qkv_dim, hidden]: q rows, k rows, v rows
+  __nv_bfloat16* o = nullptr;          // [hidden, q_dim]
+  __nv_bfloat16* gate_up = nullptr;    // [2 * intermediate_padded, hidden]: gate rows, up rows
+  __nv_bfloat16* down = nullptr;       // [hidden, intermediate_padded]
+  __nv_bfloat16* k_cache = nullptr;    // [num_kv_blocks, num_kv_heads, block_size, head_dim]
+  __nv_bfloat16* v_cache = nullptr;    // [num_kv_blocks, num_kv_heads, block_size, head_dim]
+};
+
+// Activations of one forward pass over up to `rows` tokens.
+struct ForwardBuffers {
+  int32_t rows = 0;
+  __nv_bfloat16* h = nullptr;        // [M, hidden] residual stream
+  __nv_bfloat16* xn = nullptr;       // [M, hidden] normed input of a GEMM
+  __nv_bfloat16* qkv = nullptr;      // [M, qkv_dim]
+  __nv_bfloat16* q = nullptr;        // [M, q_dim] rotated q, contiguous for attention
+  __nv_bfloat16* attn = nullptr;     // [M, q_dim]
+  __nv_bfloat16* gate_up = nullptr;  // [M, 2 * intermediate_padded]
+  __nv_bfloat16* act = nullptr;      // [M, intermediate_padded]
+  int32_t* tokens = nullptr;         // [M]
+  int32_t* positions = nullptr;      // [M]
+  int32_t* slot_mapping = nullptr;   // [M] block * block_size + offset; -1 = no KV write
+};
+
+// lm_head -> fp32 logits -> sampling -> postprocess for up to `rows` rows.
+struct HeadBuffers {
+  int32_t rows = 0;
+  __nv_bfloat16* hidden = nullptr;         // [M, hidden] gathered last-token rows (prefill)
+  __nv_bfloat16* normed = nullptr;         // [M, hidden] final norm output
+  __nv_bfloat16* logits = nullptr;         // [M, vocab_padded]
+  float* logits_f32 = nullptr;             // [M, vocab]
+  kernels::SamplingRow* params = nullptr;  // [M]
+  int32_t* sample_slots = nullptr;         // [M] slot per row; padding -> scratch row max_slots
+  int32_t* row_slots = nullptr;            // [M] slot per row; -1 = padding (postprocess)
+  int32_t* sampled = nullptr;              // [M]
+};
+
+struct DeviceLayout {
+  __nv_bfloat16* embed = nullptr;       // [vocab, hidden]
+  __nv_bfloat16* lm_head = nullptr;     // [vocab_padded, hidden]; == embed when shared
+  __nv_bfloat16* final_norm = nullptr;  // [hidden]
+  float* inv_freq = nullptr;            // [head_dim / 2]
+  std::vector<LayerBuffers> layers;     // [num_layers]
+
+  ForwardBuffers decode;  // rows = max_bucket
+  HeadBuffers decode_head;
+  int32_t* decode_context_lens = nullptr;  // [max_bucket]
+  int32_t* decode_block_tables = nullptr;  // [max_bucket, max_blocks_per_seq]
+
+  ForwardBuffers prefill;                   // rows = prefill_rows
+  HeadBuffers prefill_head;                 // rows = max_bucket
+  int32_t* prefill_cu_seqlens = nullptr;    // [max_slots + 1]
+  int32_t* prefill_start_pos = nullptr;     // [max_slots]
+  int32_t* prefill_block_tables = nullptr;  // [max_slots, max_blocks_per_seq]
+  int32_t* gather_src = nullptr;            // [max_bucket] rows of prefill.h
+  int32_t* gather_dst = nullptr;            // [max_bucket] rows of prefill_head.hidden
+
+  kernels::SlotRow* slots = nullptr;     // [max_slots]
+  int32_t* slot_block_tables = nullptr;  // [max_slots, max_blocks_per_seq]
+  uint16_t* output_counts = nullptr;     // [max_slots + 1, vocab]
+  uint32_t* prompt_mask = nullptr;       // [max_slots + 1, mask_words]
+  void* attention_workspace = nullptr;   // [attention_workspace_bytes], 256-B aligned
+};
+
+// Pinned host memory, allocated cudaHostAllocMapped | cudaHostAllocPortable: the GPU writes the
+// rings and done flags and reads the cancel flags through their device aliases.
+struct HostLayout {
+  kernels::RingRecord* rings = nullptr;  // [max_slots][ring_capacity]
+  int32_t* cancel = nullptr;             // [max_slots]
+  int32_t* done = nullptr;               // [max_slots]
+  int32_t* error_flag = nullptr;         // [4]; kernels store 1 on an upstream bug
+  int32_t* row_slots = nullptr;          // [max_bucket] decode row list staging
+  // Prefill staging, copied to the device per chunk.
+  int32_t* tokens = nullptr;                      // [prefill_rows]
+  int32_t* positions = nullptr;                   // [prefill_rows]
+  int32_t* slot_mapping = nullptr;                // [prefill_rows]
+  int32_t* cu_seqlens = nullptr;                  // [max_slots + 1]
+  int32_t* start_pos = nullptr;                   // [max_slots]
+  int32_t* block_tables = nullptr;                // [max_slots, max_blocks_per_seq]
+  int32_t* gather_src = nullptr;                  // [max_bucket]
+  int32_t* gather_dst = nullptr;                  // [max_bucket]
+  kernels::SamplingRow* sample_params = nullptr;  // [max_bucket]
+  int32_t* sample_slots = nullptr;                // [max_bucket]
+  int32_t* head_row_slots = nullptr;              // [max_bucket]
+  kernels::SlotRow* slot_rows = nullptr;          // [max_slots] publish staging
+  int32_t* slot_block_tables = nullptr;           // [max_slots, max_blocks_per_seq]
+  uint32_t* prompt_mask = nullptr;                // [max_slots, mask_words]
+};
+
+// Byte sizes of the two blocks for `shape` (also what PlanMemory reports).
+size_t ArenaBytes(const ArenaShape& shape);
+size_t HostBytes(const ArenaShape& shape);
+// Hands out the pointers. `base` must hold ArenaBytes(shape) bytes, 256-byte aligned; `host`
+// HostBytes(shape) bytes. Carve the mapped host block twice: once at its host address (what the
+// CPU touches) and once at cudaHostGetDevicePointer's alias (what kernels are given).
+DeviceLayout CarveArena(const ArenaShape& shape, void* base);
+HostLayout CarveHost(const ArenaShape& shape, void* host);
+
+}  // namespace ts

@@ -1,0 +1,337 @@
+// The CUDA backend on every committed fixture (tests/fixtures/README.md), driven directly through
+// the Backend seam (cuda_test_driver.h):
+//   - greedy streams equal transformers' reference tokens exactly, alone and batched (batched
+//     runs include padding rows of a bucket), and equal the CPU backend's streams;
+//   - teacher-forced logits stay close to transformers' fp32 logits (diagnoses a failing stream);
+//   - stop rules (stop ids, min_new_tokens, EOS, max_new_tokens) cut the stream where CheckStop
+//     says, like the CPU backend;
+//   - seeded sampled streams (with penalties) are reproducible, and identical alone (bucket 1)
+//     and among 7 other requests (bucket 8);
+//   - Cancel finishes a slot at the next step with a finish-only record, the others go on;
+//   - a long request crosses a context regime boundary: the graphs are updated, never
+//     re-instantiated;
+//   - the memory plan refuses a KV budget that cannot hold one max-length sequence.
+#include "engine/cuda_backend.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <string>
+
+#include "engine/cpu_backend.h"
+#include "models/checkpoint.h"
+#include "nlohmann/json.hpp"
+#include "tests/common/test_paths.h"
+#include "tests/engine/cuda_test_driver.h"
+
+namespace ts {
+namespace {
+
+using ::ts::testing::DriverRequest;
+using ::ts::testing::DriverResult;
+using ::ts::testing::ExpectedAlongPath;
+using ::ts::testing::GreedyRequest;
+using ::ts::testing::RunTogether;
+
+constexpr int32_t kMaxContext = 256;  // the fixtures' max_position_embeddings
+
+struct Reference {
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::vector<int32_t>> greedy;  // EOS ignored
+  std::vector<double> margins;
+};
+
+Reference LoadReference(const std::string& variant) {
+  std::ifstream f(::ts::testing::FixtureDir() / variant / "reference.json");
+  EXPECT_TRUE(f.good()) << "missing fixture " << variant;
+  const nlohmann::json j = nlohmann::json::parse(f);
+  Reference r;
+  r.prompts = j.at("prompts").get<std::vector<std::vector<int32_t>>>();
+  r.greedy = j.at("greedy").get<std::vector<std::vector<int32_t>>>();
+  r.margins = j.at("greedy_min_margin").get<std::vector<double>>();
+  return r;
+}
+
+CudaBackendOptions Options(const std::string& variant, int32_t max_slots) {
+  CudaBackendOptions o;
+  o.model_dir = ::ts::testing::FixtureDir() / variant;
+  o.max_slots = max_slots;
+  o.kv_block_size = 16;
+  o.gpu_memory_fraction = 0.5;
+  o.buckets = {1, 2, 4, 8};
+  o.max_context = kMaxContext;
+  o.prefill_chunk_tokens = 64;  // small, so the 23-token prompts plus others span chunks
+  o.ring_capacity = 64;
+  o.log_progress = false;
+  return o;
+}
+
+std::unique_ptr<CudaBackend> MakeCuda(const std::string& variant, int32_t max_slots = 8) {
+  auto b = CudaBackend::Create(Options(variant, max_slots));
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? std::move(*b) : nullptr;
+}
+
+std::unique_ptr<Backend> MakeCpu(const std::string& variant, int32_t max_slots) {
+  CpuBackendOptions o;
+  o.model_dir = ::ts::testing::FixtureDir() / variant;
+  o.max_slots = max_slots;
+  o.kv_block_size = 16;
+  o.buckets = {1, 2, 4, 8};
+  o.num_threads = 2;
+  o.ring_capacity = 64;
+  auto b = CreateCpuBackend(o);
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? std::move(*b) : nullptr;
+}
+
+DriverRequest Sampled(std::vector<int32_t> prompt, int32_t max_new, uint64_t seed) {
+  DriverRequest r;
+  r.prompt = std::move(prompt);
+  r.sampling.temperature = 0.9f;
+  r.sampling.top_k = 40;
+  r.sampling.top_p = 0.95f;
+  r.sampling.repetition_penalty = 1.2f;
+  r.sampling.presence_penalty = 0.3f;
+  r.sampling.frequency_penalty = 0.2f;
+  r.sampling.seed = seed;
+  r.stop.max_new_tokens = max_new;
+  r.stop.ignore_eos = true;
+  return r;
+}
+
+class CudaBackendFixtureTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    ref_ = LoadReference(GetParam());
+    ASSERT_EQ(ref_.prompts.size(), 3u);
+    backend_ = MakeCuda(GetParam());
+    ASSERT_NE(backend_, nullptr);
+  }
+  int32_t NumNew() const { return static_cast<int32_t>(ref_.greedy[0].size()); }
+
+  Reference ref_;
+  std::unique_ptr<CudaBackend> backend_;
+};
+
+TEST_P(CudaBackendFixtureTest, GreedyMatchesTransformersBatchedAndAlone) {
+  std::vector<DriverRequest> reqs;
+  for (const auto& p : ref_.prompts) reqs.push_back(GreedyRequest(p, NumNew()));
+  // 3 requests run in bucket 4: one padding row every step.
+  const std::vector<DriverResult> together = RunTogether(*backend_, reqs, kMaxContext);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(together[i].tokens, ref_.greedy[i])
+        << GetParam() << " prompt " << i << " (reference min margin " << ref_.margins[i] << ")";
+    EXPECT_EQ(together[i].reason, FinishReason::kLength);
+  }
+  EXPECT_EQ(backend_->last_step().bucket, 4);
+  // The same backend again, one request at a time (slot 0 reused: ring and counts reset).
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const std::vector<DriverResult> alone = RunTogether(*backend_, {reqs[i]}, kMaxContext);
+    EXPECT_EQ(alone[0].tokens, ref_.greedy[i]) << GetParam() << " prompt " << i << " alone";
+    EXPECT_EQ(backend_->last_step().bucket, 1);
+  }
+}
+
+TEST_P(CudaBackendFixtureTest, GreedyMatchesCpuBackend) {
+  std::unique_ptr<Backend> cpu = MakeCpu(GetParam(), 8);
+  ASSERT_NE(cpu, nullptr);
+  std::vector<DriverRequest> reqs;
+  for (const auto& p : ref_.prompts) reqs.push_back(GreedyRequest(p, NumNew()));
+  const std::vector<DriverResult> want = RunTogether(*cpu, reqs, kMaxContext);
+  const std::vector<DriverResult> got = RunTogether(*backend_, reqs, kMaxContext);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(got[i].tokens, want[i].tokens) << GetParam() << " prompt " << i;
+    EXPECT_EQ(got[i].reason, want[i].reason);
+    EXPECT_EQ(got[i].records, want[i].records);
+  }
+}
+
+TEST_P(CudaBackendFixtureTest, TeacherForcedLogitsCloseToTransformers) {
+  auto ckpt = Checkpoint::OpenFile(::ts::testing::FixtureDir() / GetParam() /
+                                   "reference_logits.safetensors");
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const int32_t vocab = backend_->info().model.vocab_size;
+  for (size_t i = 0; i < ref_.prompts.size(); ++i) {
+    std::vector<int32_t> seq = ref_.prompts[i];
+    seq.insert(seq.end(), ref_.greedy[i].begin(), ref_.greedy[i].end());
+    auto got = backend_->PromptLogits(seq);
+    ASSERT_TRUE(got.ok()) << got.status();
+    const TensorView* t = (*ckpt)->Find("logits_" + std::to_string(i));
+    ASSERT_NE(t, nullptr);
+    ASSERT_EQ(t->numel(), static_cast<int64_t>(seq.size()) * vocab);
+    std::vector<float> want(t->numel());
+    ConvertToF32(*t, want.data());
+    double max_abs = 0, diff2 = 0, ref2 = 0;
+    int32_t argmax_agree = 0;
+    for (size_t r = 0; r < seq.size(); ++r) {
+      int32_t a = 0, b = 0;
+      for (int32_t v = 0; v < vocab; ++v) {
+        const double g = (*got)[r * vocab + v], w = want[r * vocab + v];
+        ASSERT_TRUE(std::isfinite(g)) << "row " << r << " token " << v;
+        max_abs = std::max(max_abs, std::abs(g - w));
+        diff2 += (g - w) * (g - w);
+        ref2 += w * w;
+        if (g > (*got)[r * vocab + a]) a = v;
+        if (w > want[r * vocab + b]) b = v;
+      }
+      argmax_agree += a == b;
+    }
+    const double rel = std::sqrt(diff2 / ref2);
+    std::printf("%s prompt %zu: max |logit err| %.4f, rel %.2e, argmax agree %d/%zu\n",
+                GetParam().c_str(), i, max_abs, rel, argmax_agree, seq.size());
+    // bf16 weights and activations against fp32 transformers: about 1e-2 relative.
+    EXPECT_LT(rel, 3e-2) << GetParam() << " prompt " << i;
+    // Rows from the last prompt token on follow the greedy path, whose margins are >= 0.05.
+    EXPECT_GE(argmax_agree, static_cast<int32_t>(seq.size()) - 1) << GetParam() << " prompt " << i;
+  }
+}
+
+TEST_P(CudaBackendFixtureTest, StopRulesCutTheGreedyPath) {
+  const std::vector<int32_t>& path = ref_.greedy[2];
+  const std::vector<int32_t>& eos = backend_->info().model.eos_token_ids;
+  std::vector<StopParams> cases;
+  cases.push_back({.stop_token_ids = {path[5]}, .max_new_tokens = NumNew()});
+  cases.push_back(
+      {.stop_token_ids = {path[3], path[1]}, .max_new_tokens = NumNew(), .min_new_tokens = 8});
+  cases.push_back({.stop_token_ids = {}, .max_new_tokens = 10});
+  cases.push_back({.stop_token_ids = {}, .max_new_tokens = NumNew(), .ignore_eos = false});
+  cases.push_back({.stop_token_ids = {path[0]}, .max_new_tokens = 1});
+  std::vector<DriverRequest> reqs;
+  for (const StopParams& stop : cases) {
+    DriverRequest r = GreedyRequest(ref_.prompts[2], 1);
+    r.stop = stop;
+    reqs.push_back(r);
+  }
+  const std::vector<DriverResult> got = RunTogether(*backend_, reqs, kMaxContext);
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const DriverResult want = ExpectedAlongPath(path, cases[c], eos);
+    EXPECT_EQ(got[c].tokens, want.tokens) << GetParam() << " case " << c;
+    EXPECT_EQ(got[c].reason, want.reason)
+        << GetParam() << " case " << c << ": " << FinishReasonName(got[c].reason) << " vs "
+        << FinishReasonName(want.reason);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaBackendFixtureTest,
+                         ::testing::Values("tiny-mha-tied", "tiny-gqa-untied", "tiny-llama3-rope",
+                                           "tiny-oldstyle-sharded"),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           for (char& c : s) c = c == '-' ? '_' : c;
+                           return s;
+                         });
+
+TEST(CudaBackendTest, SeededSamplingReproducibleAloneAndAmongOthers) {
+  const Reference ref = LoadReference("tiny-gqa-untied");
+  auto backend = MakeCuda("tiny-gqa-untied");
+  ASSERT_NE(backend, nullptr);
+  const DriverRequest probe = Sampled(ref.prompts[1], 40, 1234);
+  const std::vector<int32_t> alone1 = RunTogether(*backend, {probe}, kMaxContext)[0].tokens;
+  const std::vector<int32_t> alone2 = RunTogether(*backend, {probe}, kMaxContext)[0].tokens;
+  ASSERT_EQ(alone1.size(), 40u);
+  EXPECT_EQ(alone1, alone2);
+
+  // Among 7 others with other prompts and seeds, in slot 3 of bucket 8.
+  std::vector<DriverRequest> reqs;
+  for (int i = 0; i < 8; ++i) {
+    if (i == 3) {
+      reqs.push_back(probe);
+      continue;
+    }
+    reqs.push_back(Sampled(ref.prompts[i % 3], 20 + 3 * i, 777 + i));
+  }
+  const std::vector<DriverResult> together = RunTogether(*backend, reqs, kMaxContext);
+  EXPECT_EQ(together[3].tokens, alone1);
+  // The sampler really samples: the same prompt under another seed takes another path.
+  const std::vector<int32_t> other =
+      RunTogether(*backend, {Sampled(ref.prompts[1], 40, 99)}, kMaxContext)[0].tokens;
+  EXPECT_NE(other, alone1);
+  // Greedy is not what we sampled either.
+  const std::vector<int32_t> greedy =
+      RunTogether(*backend, {GreedyRequest(ref.prompts[1], 40)}, kMaxContext)[0].tokens;
+  EXPECT_NE(greedy, alone1);
+}
+
+TEST(CudaBackendTest, CancelFinishesAtTheNextStep) {
+  const Reference ref = LoadReference("tiny-gqa-untied");
+  auto backend = MakeCuda("tiny-gqa-untied");
+  ASSERT_NE(backend, nullptr);
+  const int32_t n = static_cast<int32_t>(ref.greedy[0].size());
+  std::vector<DriverRequest> reqs = {GreedyRequest(ref.prompts[0], n),
+                                     GreedyRequest(ref.prompts[1], n)};
+  // Prefill emits token 0; steps 0..3 emit tokens 1..4; the cancel lands before step 4.
+  const std::vector<DriverResult> got = RunTogether(*backend, reqs, kMaxContext, [&](int32_t step) {
+    if (step == 4) backend->Cancel(0);
+  });
+  EXPECT_EQ(got[0].reason, FinishReason::kCancelled);
+  EXPECT_EQ(got[0].tokens, std::vector<int32_t>(ref.greedy[0].begin(), ref.greedy[0].begin() + 5));
+  EXPECT_EQ(got[0].records, 6);  // 5 tokens + the finish-only record
+  EXPECT_EQ(got[1].reason, FinishReason::kLength);
+  EXPECT_EQ(got[1].tokens, ref.greedy[1]);
+  // Cancelling a FREE slot is harmless, and the next request in it is not cancelled.
+  backend->Cancel(0);
+  const std::vector<DriverResult> again =
+      RunTogether(*backend, {GreedyRequest(ref.prompts[0], n)}, kMaxContext);
+  EXPECT_EQ(again[0].tokens, ref.greedy[0]);
+}
+
+TEST(CudaBackendTest, LongRequestCrossesARegimeWithoutReinstantiating) {
+  const Reference ref = LoadReference("tiny-gqa-untied");
+  auto backend = MakeCuda("tiny-gqa-untied");
+  ASSERT_NE(backend, nullptr);
+  const int64_t inst = backend->graph_cache().instantiation_count();
+  const int32_t first_bound = backend->graph_cache().regime().max_context_len;
+  const int32_t n = kMaxContext - static_cast<int32_t>(ref.prompts[2].size());
+  const std::vector<DriverResult> got =
+      RunTogether(*backend, {GreedyRequest(ref.prompts[2], n)}, kMaxContext);
+  ASSERT_EQ(got[0].tokens.size(), static_cast<size_t>(n));
+  EXPECT_EQ(std::vector<int32_t>(got[0].tokens.begin(), got[0].tokens.begin() + 32), ref.greedy[2]);
+  EXPECT_GT(backend->graph_cache().regime().max_context_len, first_bound);
+  EXPECT_GE(backend->graph_cache().update_count(), 1);
+  EXPECT_EQ(backend->graph_cache().instantiation_count(), inst);
+  // After the regime change the short prompt still decodes exactly.
+  const std::vector<DriverResult> again =
+      RunTogether(*backend, {GreedyRequest(ref.prompts[0], 32)}, kMaxContext);
+  EXPECT_EQ(again[0].tokens, ref.greedy[0]);
+}
+
+TEST(CudaBackendTest, RefusesAKvBudgetBelowOneSequence) {
+  CudaBackendOptions o = Options("tiny-gqa-untied", 8);
+  o.gpu_memory_fraction = 1e-6;  // ~140 KB of an H200: not even the activations fit
+  auto b = CudaBackend::Create(o);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition) << b.status();
+  EXPECT_NE(b.status().message().find("max_context"), std::string::npos) << b.status();
+  EXPECT_NE(b.status().message().find("gpu_memory_fraction"), std::string::npos) << b.status();
+}
+
+TEST(CudaBackendTest, RejectsBadSlotInits) {
+  auto backend = MakeCuda("tiny-gqa-untied");
+  ASSERT_NE(backend, nullptr);
+  const std::vector<int32_t> prompt = {1, 5, 9};
+  const std::vector<int32_t> table = {0};
+  SlotInit in{.slot = 0, .prompt = prompt, .block_table = table, .sampling = {}, .stop = {}};
+  in.stop.max_new_tokens = 4;
+  SlotInit bad = in;
+  bad.slot = 8;
+  EXPECT_EQ(backend->Prefill({&bad, 1}).code(), absl::StatusCode::kInvalidArgument);
+  const std::vector<int32_t> bad_prompt = {1, 100000};
+  bad = in;
+  bad.prompt = bad_prompt;
+  EXPECT_EQ(backend->Prefill({&bad, 1}).code(), absl::StatusCode::kInvalidArgument);
+  const std::vector<int32_t> bad_table = {1 << 30};
+  bad = in;
+  bad.block_table = bad_table;
+  EXPECT_EQ(backend->Prefill({&bad, 1}).code(), absl::StatusCode::kInvalidArgument);
+  bad = in;
+  bad.stop.max_new_tokens = kMaxContext;
+  EXPECT_EQ(backend->Prefill({&bad, 1}).code(), absl::StatusCode::kInvalidArgument);
+  // Nothing was published: the good init still works and the slot decodes.
+  ASSERT_TRUE(backend->Prefill({&in, 1}).ok());
+  EXPECT_EQ(backend->num_active(), 1);
+}
+
+}  // namespace
+}  // namespace ts

@@ -1,0 +1,168 @@
+// The CUDA backend's memory plan, on the host only (no GPU needed): byte counts from the model
+// shape computed independently here, the KV pool from the budget, the refusal when one
+// max-length sequence does not fit, the padding of GEMM dimensions, and a carve whose buffers are
+// aligned, disjoint and inside the arena.
+#include "engine/memory_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace ts {
+namespace {
+
+constexpr size_t kGiB = size_t{1} << 30;
+
+ModelConfig Llama1b() {
+  ModelConfig c;
+  c.hidden_size = 2048;
+  c.intermediate_size = 8192;
+  c.num_layers = 16;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 64;
+  c.vocab_size = 128256;
+  c.max_position_embeddings = 131072;
+  c.tie_word_embeddings = true;
+  return c;
+}
+
+MemoryPlanOptions Options(const ModelConfig& c) {
+  MemoryPlanOptions o;
+  o.model = c;
+  o.max_slots = 64;
+  o.buckets = {1, 8, 64};
+  o.kv_block_size = 16;
+  o.max_context = 8192;
+  o.prefill_chunk_tokens = 2048;
+  o.ring_capacity = 1024;
+  o.gpu_memory_fraction = 0.9;
+  o.total_device_bytes = 80 * kGiB;
+  o.gemm_workspace_bytes = 32 << 20;
+  o.attention_workspace_bytes = 10 << 20;
+  o.graph_reserve_bytes = 256 << 20;
+  return o;
+}
+
+TEST(CudaMemoryPlanTest, WeightsAndKvFollowTheShape) {
+  const ModelConfig c = Llama1b();
+  auto plan = PlanMemory(Options(c));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // Parameters of Llama-3.2-1B (tied): 1,235,814,400.
+  const int64_t h = 2048, layer = 2 * h + (32 + 16) * 64 * h + h * 32 * 64 + 3 * h * 8192;
+  const int64_t params = 128256 * h + h + 16 * layer;
+  EXPECT_EQ(params, 1235814400);
+  // Each buffer is padded to 256 bytes at most (vectors of `hidden` are already multiples).
+  EXPECT_GE(plan->weight_bytes, static_cast<size_t>(2 * params));
+  EXPECT_LT(plan->weight_bytes, static_cast<size_t>(2 * params) + 256 * (3 + 6 * 16));
+  // KV: 16 layers x (K + V) x 8 heads x 64 x bf16 = 32 KiB per token.
+  const size_t per_token = 16 * 2 * 8 * 64 * 2;
+  EXPECT_EQ(plan->kv_bytes, static_cast<size_t>(plan->kv_tokens()) * per_token);
+  EXPECT_EQ(plan->shape.max_blocks_per_seq, 8192 / 16);
+  // 64 slots x 8192 tokens = 16 GiB of KV fits 72 GiB: the pool is capped at what v1 can use.
+  EXPECT_EQ(plan->shape.num_kv_blocks, 64 * 512);
+  EXPECT_GT(plan->kv_blocks_in_budget, plan->shape.num_kv_blocks);
+  // The whole device footprint stays inside the budget.
+  EXPECT_LE(plan->arena_bytes + plan->gemm_workspace_bytes + plan->graph_reserve_bytes,
+            plan->budget_bytes);
+  EXPECT_EQ(plan->arena_bytes, ArenaBytes(plan->shape));
+  EXPECT_FALSE(plan->Summary().empty());
+}
+
+TEST(CudaMemoryPlanTest, KvPoolTakesWhatTheBudgetLeaves) {
+  MemoryPlanOptions o = Options(Llama1b());
+  o.max_context = 131072;  // 64 full-length sequences would need 256 GiB
+  auto plan = PlanMemory(o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->shape.num_kv_blocks, plan->kv_blocks_in_budget);
+  const size_t used = plan->arena_bytes + plan->gemm_workspace_bytes + plan->graph_reserve_bytes;
+  EXPECT_LE(used, plan->budget_bytes);
+  // Less than one more block would fit.
+  const size_t block = 16 * 2 * 8 * 64 * 2 * 16;
+  EXPECT_LT(plan->budget_bytes - used, block + 16 * 2 * 256);
+}
+
+TEST(CudaMemoryPlanTest, RefusesWhenOneSequenceDoesNotFit) {
+  MemoryPlanOptions o = Options(Llama1b());
+  o.total_device_bytes = 4 * kGiB;  // 2.5 GiB of weights leave ~1 GiB: 32K tokens at most
+  o.max_context = 131072;
+  auto plan = PlanMemory(o);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(plan.status().message().find("131072 tokens"), std::string::npos) << plan.status();
+  EXPECT_NE(plan.status().message().find("gpu_memory_fraction"), std::string::npos);
+  // The same device holds a shorter context.
+  o.max_context = 8192;
+  EXPECT_TRUE(PlanMemory(o).ok());
+  // And a budget smaller than the weights is refused the same way, not underflowed.
+  o.gpu_memory_fraction = 0.1;
+  EXPECT_EQ(PlanMemory(o).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(CudaMemoryPlanTest, PadsGemmDimensionsAndChecksTheConfig) {
+  ModelConfig c = Llama1b();
+  c.intermediate_size = 172;
+  c.vocab_size = 311;
+  auto d = MakeModelDims(c);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->intermediate_padded, 176);
+  EXPECT_EQ(d->vocab_padded, 312);
+  EXPECT_TRUE(d->separate_lm_head());  // tied, but the padded copy needs its own rows
+  c.vocab_size = 320;
+  EXPECT_FALSE(MakeModelDims(c)->separate_lm_head());
+  c.tie_word_embeddings = false;
+  EXPECT_TRUE(MakeModelDims(c)->separate_lm_head());
+  c.hidden_size = 100;
+  EXPECT_EQ(MakeModelDims(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c.hidden_size = 2048;
+  c.num_kv_heads = 5;
+  EXPECT_EQ(MakeModelDims(c).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CudaMemoryPlanTest, CarvedBuffersAreAlignedDisjointAndInside) {
+  ModelConfig c = Llama1b();
+  c.num_layers = 2;
+  c.vocab_size = 1001;
+  auto plan = PlanMemory(Options(c));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // A fake base: the carve only computes addresses.
+  char* base = reinterpret_cast<char*>(uintptr_t{1} << 40);
+  const DeviceLayout l = CarveArena(plan->shape, base);
+  const ModelDims& d = plan->shape.dims;
+  const size_t bf = 2;
+  std::vector<std::pair<const void*, size_t>> spans = {
+      {l.embed, size_t(d.vocab) * d.hidden * bf},
+      {l.lm_head, size_t(d.vocab_padded) * d.hidden * bf},
+      {l.decode.h, size_t(plan->shape.max_bucket) * d.hidden * bf},
+      {l.prefill.gate_up, size_t(plan->shape.prefill_rows) * 2 * d.intermediate_padded * bf},
+      {l.decode_head.logits_f32, size_t(plan->shape.max_bucket) * d.vocab * 4},
+      {l.output_counts, size_t(plan->shape.count_rows()) * d.vocab * 2},
+      {l.attention_workspace, plan->attention_workspace_bytes}};
+  for (const LayerBuffers& layer : l.layers) {
+    spans.push_back({layer.qkv, size_t(d.qkv_dim()) * d.hidden * bf});
+    spans.push_back({layer.k_cache, plan->kv_bytes / (2 * d.num_layers)});
+    spans.push_back({layer.v_cache, plan->kv_bytes / (2 * d.num_layers)});
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const char* p = static_cast<const char*>(spans[i].first);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 256, 0u) << i;
+    EXPECT_GE(p, base);
+    EXPECT_LE(p + spans[i].second, base + plan->arena_bytes) << i;
+    if (i + 1 < spans.size()) {
+      EXPECT_LE(p + spans[i].second, static_cast<const char*>(spans[i + 1].first)) << i;
+    }
+  }
+  // Host block: rings first, then flags and staging, all inside HostBytes.
+  char* host = reinterpret_cast<char*>(uintptr_t{1} << 41);
+  const HostLayout h = CarveHost(plan->shape, host);
+  EXPECT_EQ(reinterpret_cast<char*>(h.rings), host);
+  EXPECT_LE(reinterpret_cast<char*>(h.prompt_mask + size_t(64) * plan->shape.mask_words()),
+            host + plan->host_bytes);
+}
+
+}  // namespace
+}  // namespace ts
