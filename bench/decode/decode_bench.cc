@@ -1,0 +1,370 @@
+// tailserve-bench: decode throughput of the CUDA backend's host-driven graph path on random bf16
+// weights in real Llama shapes (the peer baseline in DESIGN §6 uses the same workload: greedy,
+// 128-token prompt, 256 new tokens).
+//
+// Per shape (one CudaBackend, one captured graph per batch size) and per batch: prefill `batch`
+// random prompts, then --new_tokens decode steps through Run(kOneStep). Each step is timed with
+// CUDA events on the backend's stream (row-list copy + graph) and with the host clock (the whole
+// Run: launch, sync, ring bookkeeping); medians are reported. Bytes per step = every weight
+// matrix once + the KV read at the run's mean context; the roof is a device-to-device copy
+// measured in the same run (bytes read + written).
+//
+// --profile: for --profile_shape / --profile_batch, also runs --profile_reps steps host-launched
+// op by op, each op between two events, and prints where a step's time goes.
+//
+// Output: a table on stdout; one JSON object per line in --out (when given).
+// Exit codes: 0 done; 1 a CUDA/backend error or a stream that did not finish as asked; 2 flags.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/status.h"
+#include "engine/cuda_backend.h"
+#include "kernels/cuda_check.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(std::string, shapes, "1b,8b",
+          "comma-separated model shapes: 1b (Llama-3.2-1B), 8b "
+          "(Llama-3.1-8B)");
+ABSL_FLAG(std::string, batches, "1,8,16,32,64,128", "comma-separated batch sizes");
+ABSL_FLAG(int32_t, prompt_len, 128, "prompt tokens per request");
+ABSL_FLAG(int32_t, new_tokens, 256, "decode steps timed per batch (after the prefill's token)");
+ABSL_FLAG(std::string, out, "", "JSON lines output file (optional)");
+ABSL_FLAG(bool, profile, false, "also time each op of a step in isolation");
+ABSL_FLAG(std::string, profile_shape, "1b", "shape for --profile");
+ABSL_FLAG(int32_t, profile_batch, 16, "batch for --profile (must be in --batches)");
+ABSL_FLAG(int32_t, profile_reps, 20, "profiled steps; per-op medians are reported");
+ABSL_FLAG(double, gpu_memory_fraction, 0.9, "memory budget fraction");
+ABSL_FLAG(int32_t, device, 0, "CUDA device ordinal");
+ABSL_FLAG(uint64_t, seed, 1, "weights and prompts seed");
+
+namespace ts::bench {
+namespace {
+
+using nlohmann::json;
+
+ModelConfig Shape(const std::string& name) {
+  ModelConfig c;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.vocab_size = 128256;
+  c.max_position_embeddings = 131072;
+  c.rms_norm_eps = 1e-5f;
+  c.rope_theta = 500000.0f;
+  c.rope_scaling.type = RopeType::kLlama3;
+  c.rope_scaling.low_freq_factor = 1.0f;
+  c.rope_scaling.high_freq_factor = 4.0f;
+  c.rope_scaling.original_max_position_embeddings = 8192;
+  c.dtype = DType::kBF16;
+  c.bos_token_ids = {128000};
+  c.eos_token_ids = {128001, 128008, 128009};
+  if (name == "1b") {
+    c.hidden_size = 2048;
+    c.intermediate_size = 8192;
+    c.num_layers = 16;
+    c.head_dim = 64;
+    c.tie_word_embeddings = true;
+    c.rope_scaling.factor = 32.0f;
+  } else {  // 8b
+    c.hidden_size = 4096;
+    c.intermediate_size = 14336;
+    c.num_layers = 32;
+    c.head_dim = 128;
+    c.tie_word_embeddings = false;
+    c.rope_scaling.factor = 8.0f;
+  }
+  return c;
+}
+
+double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5));
+  return v[i];
+}
+
+absl::StatusOr<std::vector<int32_t>> ParseInts(const std::string& flag, const std::string& s) {
+  std::vector<int32_t> out;
+  for (absl::string_view part : absl::StrSplit(s, ',', absl::SkipEmpty())) {
+    int32_t v = 0;
+    if (!absl::SimpleAtoi(part, &v) || v < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": bad value '", part, "'"));
+    }
+    out.push_back(v);
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": empty"));
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// Device-to-device copy bandwidth, bytes read + written per second: the memory roof.
+absl::StatusOr<double> MeasureCopyBandwidth() {
+  const size_t bytes = size_t{2} << 30;
+  void* a = nullptr;
+  void* b = nullptr;
+  TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&a, bytes));
+  TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&b, bytes));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemset(a, 1, bytes));  // never time on zeros
+  cudaEvent_t e0, e1;
+  TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e0));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e1));
+  std::vector<double> gbps;
+  for (int rep = 0; rep < 12; ++rep) {
+    TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(e0));
+    TS_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(rep % 2 ? a : b, rep % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice));
+    TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1));
+    TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(e1));
+    float ms = 0;
+    TS_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, e0, e1));
+    if (rep >= 2) gbps.push_back(2.0 * bytes / (ms * 1e-3) / 1e9);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  TS_CUDA_RETURN_IF_ERROR(cudaFree(a));
+  TS_CUDA_RETURN_IF_ERROR(cudaFree(b));
+  return Quantile(gbps, 0.5);
+}
+
+struct Settings {
+  std::vector<std::string> shapes;
+  std::vector<int32_t> batches;
+  int32_t prompt_len = 0, new_tokens = 0;
+  double copy_gbps = 0;
+};
+
+// Publishes `batch` random prompts into slots [0, batch) with the KV blocks of slot i at
+// [i * per, (i + 1) * per).
+absl::Status PrefillBatch(CudaBackend& b, const Settings& s, int32_t batch, int32_t max_new,
+                          uint64_t seed) {
+  const BackendInfo& info = b.info();
+  const int32_t tokens = s.prompt_len + max_new;
+  const int32_t per = (tokens + info.kv_block_size - 1) / info.kv_block_size;
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int32_t>> prompts(batch), tables(batch);
+  std::vector<SlotInit> inits;
+  for (int32_t i = 0; i < batch; ++i) {
+    for (int32_t t = 0; t < s.prompt_len; ++t) {
+      prompts[i].push_back(static_cast<int32_t>(rng() % info.model.vocab_size));
+    }
+    for (int32_t k = 0; k < per; ++k) tables[i].push_back(i * per + k);
+    SlotInit in{
+        .slot = i, .prompt = prompts[i], .block_table = tables[i], .sampling = {}, .stop = {}};
+    in.sampling.temperature = 0.0f;  // greedy, as the peer baseline
+    in.stop.max_new_tokens = max_new;
+    in.stop.ignore_eos = true;
+    inits.push_back(in);
+  }
+  return b.Prefill(inits);
+}
+
+// Every slot must hold exactly `records` ring records, the last one FINISHED; then frees them.
+absl::Status CheckAndRelease(CudaBackend& b, int32_t batch, uint32_t records) {
+  for (int32_t i = 0; i < batch; ++i) {
+    uint32_t next = records;  // only the last record is read
+    std::vector<RingEntry> entries;
+    const TokenRing& ring = b.Ring(i);
+    if (ring.LatestSeq() != records) {
+      return absl::InternalError(
+          absl::StrCat("slot ", i, ": ", ring.LatestSeq(), " ring records, expected ", records));
+    }
+    ring.Drain(&next, &entries);
+    if (entries.empty() || (entries.back().flags & kRingFinished) == 0) {
+      return absl::InternalError(absl::StrCat("slot ", i, ": last record is not FINISHED"));
+    }
+    b.Release(i);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream* out) {
+  const ModelConfig config = Shape(shape);
+  // The prefill emits the first token; then new_tokens decode steps, the last one finishing.
+  const int32_t max_new = s.new_tokens + 1;
+  CudaBackendOptions o;
+  o.max_slots = s.batches.back();
+  o.buckets = s.batches;
+  o.kv_block_size = 16;
+  o.max_context = s.prompt_len + max_new;
+  o.gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
+  o.device = absl::GetFlag(FLAGS_device);
+  o.ring_capacity = static_cast<uint32_t>(max_new + 8);
+  std::fprintf(stderr, "== shape %s: building the backend\n", shape.c_str());
+  TS_ASSIGN_OR_RETURN(
+      std::unique_ptr<CudaBackend> b,
+      CudaBackend::CreateRandom(
+          o, RandomWeightsSpec{.config = config, .seed = absl::GetFlag(FLAGS_seed)}));
+  const ModelDims& d = b->model().dims();
+  const size_t weight_bytes = b->model().step_weight_bytes();
+  const size_t kv_per_token =
+      static_cast<size_t>(d.num_layers) * 2 * d.num_kv_heads * d.head_dim * sizeof(uint16_t);
+  cudaEvent_t e0, e1;
+  TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e0));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e1));
+  std::printf("\n%-4s %6s %10s %10s %10s %12s %10s %9s %8s\n", "shape", "batch", "step_ms",
+              "p90_ms", "host_ms", "tokens/s", "GB/step", "GB/s", "of_copy");
+  for (int32_t batch : s.batches) {
+    TS_RETURN_IF_ERROR(PrefillBatch(*b, s, batch, max_new, absl::GetFlag(FLAGS_seed) + batch));
+    std::vector<double> device_ms, host_ms;
+    const int64_t updates0 = b->graph_cache().update_count();
+    for (int32_t step = 0; step < s.new_tokens; ++step) {
+      const auto t0 = std::chrono::steady_clock::now();
+      TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(e0, b->stream()));
+      TS_RETURN_IF_ERROR(b->Run(RunMode::kOneStep));
+      TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1, b->stream()));
+      TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(e1));
+      host_ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      float ms = 0;
+      TS_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, e0, e1));
+      device_ms.push_back(ms);
+      if (b->last_step().active != batch) {
+        return absl::InternalError(absl::StrCat("step ", step, ": ", b->last_step().active,
+                                                " active slots, expected ", batch));
+      }
+    }
+    TS_RETURN_IF_ERROR(CheckAndRelease(*b, batch, static_cast<uint32_t>(max_new)));
+    const double med = Quantile(device_ms, 0.5);
+    const double mean_ctx = s.prompt_len + 1 + s.new_tokens / 2.0;
+    const double bytes = weight_bytes + static_cast<double>(batch) * mean_ctx * kv_per_token;
+    const double gbps = bytes / (med * 1e-3) / 1e9;
+    const json row = {{"shape", shape},
+                      {"batch", batch},
+                      {"prompt_len", s.prompt_len},
+                      {"new_tokens", s.new_tokens},
+                      {"step_ms_median", med},
+                      {"step_ms_p10", Quantile(device_ms, 0.1)},
+                      {"step_ms_p90", Quantile(device_ms, 0.9)},
+                      {"host_step_ms_median", Quantile(host_ms, 0.5)},
+                      {"tokens_per_s", batch / (med * 1e-3)},
+                      {"weight_bytes", weight_bytes},
+                      {"kv_bytes_per_step_mean", batch * mean_ctx * kv_per_token},
+                      {"bytes_per_step", bytes},
+                      {"achieved_gbps", gbps},
+                      {"copy_gbps", s.copy_gbps},
+                      {"fraction_of_copy", gbps / s.copy_gbps},
+                      {"graph_nodes", b->graph_cache().node_count(
+                                          b->graph_cache().BucketIndexFor(batch).value_or(0))},
+                      {"regime_updates", b->graph_cache().update_count() - updates0}};
+    std::printf("%-4s %6d %10.3f %10.3f %10.3f %12.0f %10.3f %9.0f %7.1f%%\n", shape.c_str(), batch,
+                med, Quantile(device_ms, 0.9), Quantile(host_ms, 0.5), batch / (med * 1e-3),
+                bytes / 1e9, gbps, 100 * gbps / s.copy_gbps);
+    std::fflush(stdout);
+    if (out != nullptr) *out << row.dump() << "\n";
+  }
+
+  if (absl::GetFlag(FLAGS_profile) && shape == absl::GetFlag(FLAGS_profile_shape)) {
+    const int32_t batch = absl::GetFlag(FLAGS_profile_batch);
+    // The rings hold new_tokens + 8 records: profiled steps stay within that.
+    const int32_t reps = std::clamp(absl::GetFlag(FLAGS_profile_reps), 1, s.new_tokens);
+    if (std::find(s.batches.begin(), s.batches.end(), batch) == s.batches.end()) {
+      return absl::InvalidArgumentError("--profile_batch must be one of --batches");
+    }
+    TS_RETURN_IF_ERROR(PrefillBatch(*b, s, batch, reps + 1, absl::GetFlag(FLAGS_seed)));
+    std::map<std::string, std::vector<double>> per_op;  // op -> us per step, one per rep
+    std::vector<std::string> order;
+    for (int32_t r = 0; r < reps; ++r) {
+      TS_ASSIGN_OR_RETURN(auto ops, b->ProfileStep());
+      std::map<std::string, double> step;
+      for (const auto& [name, ms] : ops) {
+        if (step.count(name) == 0 && r == 0) order.push_back(name);
+        step[name] += ms * 1e3;
+      }
+      for (const auto& [name, us] : step) per_op[name].push_back(us);
+    }
+    TS_RETURN_IF_ERROR(CheckAndRelease(*b, batch, static_cast<uint32_t>(reps + 1)));
+    double total = 0;
+    for (const auto& name : order) total += Quantile(per_op[name], 0.5);
+    std::printf(
+        "\nprofile %s batch %d (ops launched one by one, each between two events; "
+        "median of %d steps)\n%-14s %10s %7s\n",
+        shape.c_str(), batch, reps, "op", "us/step", "share");
+    json prof = {{"profile", shape}, {"batch", batch}, {"ops", json::array()}};
+    for (const auto& name : order) {
+      const double us = Quantile(per_op[name], 0.5);
+      std::printf("%-14s %10.1f %6.1f%%\n", name.c_str(), us, 100 * us / total);
+      prof["ops"].push_back({{"op", name}, {"us_per_step", us}});
+    }
+    std::printf("%-14s %10.1f\n", "sum", total);
+    prof["sum_us"] = total;
+    if (out != nullptr) *out << prof.dump() << "\n";
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return absl::OkStatus();
+}
+
+int Main() {
+  Settings s;
+  for (absl::string_view part :
+       absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',', absl::SkipEmpty())) {
+    if (part != "1b" && part != "8b") {
+      std::fprintf(stderr, "--shapes: unknown shape '%s' (1b, 8b)\n", std::string(part).c_str());
+      return 2;
+    }
+    s.shapes.emplace_back(part);
+  }
+  auto batches = ParseInts("batches", absl::GetFlag(FLAGS_batches));
+  if (!batches.ok()) {
+    std::fprintf(stderr, "%s\n", batches.status().ToString().c_str());
+    return 2;
+  }
+  s.batches = *batches;
+  s.prompt_len = absl::GetFlag(FLAGS_prompt_len);
+  s.new_tokens = absl::GetFlag(FLAGS_new_tokens);
+  if (s.prompt_len < 1 || s.new_tokens < 1 || s.shapes.empty()) {
+    std::fprintf(stderr, "--prompt_len and --new_tokens must be >= 1, --shapes non-empty\n");
+    return 2;
+  }
+  if (cudaSetDevice(absl::GetFlag(FLAGS_device)) != cudaSuccess) {
+    std::fprintf(stderr, "no usable CUDA device %d\n", absl::GetFlag(FLAGS_device));
+    return 1;
+  }
+  auto bw = MeasureCopyBandwidth();
+  if (!bw.ok()) {
+    std::fprintf(stderr, "copy bandwidth: %s\n", bw.status().ToString().c_str());
+    return 1;
+  }
+  s.copy_gbps = *bw;
+  std::printf("device-to-device copy: %.0f GB/s (read + write)\n", s.copy_gbps);
+  std::unique_ptr<std::ofstream> out;
+  if (!absl::GetFlag(FLAGS_out).empty()) {
+    out = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_out));
+    *out << json{{"copy_gbps", s.copy_gbps}}.dump() << "\n";
+  }
+  for (const std::string& shape : s.shapes) {
+    const absl::Status st = RunShape(shape, s, out.get());
+    if (!st.ok()) {
+      std::fprintf(stderr, "shape %s: %s\n", shape.c_str(), st.ToString().c_str());
+      return 1;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace ts::bench
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "tailserve-bench: decode step time of the CUDA backend on random Llama weights");
+  absl::ParseCommandLine(argc, argv);
+  return ts::bench::Main();
+}
