@@ -69,6 +69,101 @@ absl::StatusOr<std::vector<std::pair<std::string, float>>> OpTimer::Read() const
 }
 
 // ---------------------------------------------------------------------------------------------
+// LogitsGemm
+
+namespace cuda_model_internal {
+
+absl::StatusOr<std::unique_ptr<LogitsGemm>> LogitsGemm::Create(void* workspace,
+                                                               size_t workspace_bytes) {
+  std::unique_ptr<LogitsGemm> g(new LogitsGemm());
+  g->workspace_ = workspace;
+  g->workspace_bytes_ = workspace_bytes;
+  TS_CUDA_RETURN_IF_ERROR(cublasLtCreate(&g->handle_));
+  TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&g->desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_w = CUBLAS_OP_T, trans_a = CUBLAS_OP_N;
+  TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(g->desc_, CUBLASLT_MATMUL_DESC_TRANSA,
+                                                         &trans_w, sizeof(trans_w)));
+  TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(g->desc_, CUBLASLT_MATMUL_DESC_TRANSB,
+                                                         &trans_a, sizeof(trans_a)));
+  return g;
+}
+
+LogitsGemm::~LogitsGemm() {
+  for (auto& [key, plan] : plans_) {
+    cublasLtMatrixLayoutDestroy(plan.w_layout);
+    cublasLtMatrixLayoutDestroy(plan.a_layout);
+    cublasLtMatrixLayoutDestroy(plan.c_layout);
+  }
+  if (desc_ != nullptr) cublasLtMatmulDescDestroy(desc_);
+  if (handle_ != nullptr) cublasLtDestroy(handle_);
+}
+
+absl::Status LogitsGemm::Plan(int32_t m, int32_t n, int32_t k) {
+  if (m < 1 || n < 1 || k < 8 || k % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head gemm: bad shape m=", m, " n=", n, " k=", k));
+  }
+  const std::array<int32_t, 3> key{m, n, k};
+  if (plans_.count(key) != 0) return absl::OkStatus();
+  PlanEntry plan;
+  cublasLtMatmulPreference_t pref = nullptr;
+  absl::Status status = [&]() -> absl::Status {
+    TS_CUDA_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.w_layout, CUDA_R_16BF, k, n, k));
+    TS_CUDA_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.a_layout, CUDA_R_16BF, k, m, k));
+    TS_CUDA_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.c_layout, CUDA_R_32F, n, m, n));
+    TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref));
+    TS_CUDA_RETURN_IF_ERROR(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &workspace_bytes_, sizeof(workspace_bytes_)));
+    // Operands are 256-B aligned buffers with 16-B rows (k % 8 == 0); output rows are n floats.
+    const uint32_t ab_align = 16, c_align = n % 4 == 0 ? 16 : 4;
+    for (auto [attr, v] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, ab_align},
+                           std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ab_align},
+                           std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c_align},
+                           std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c_align}}) {
+      TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v)));
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    TS_CUDA_RETURN_IF_ERROR(
+        cublasLtMatmulAlgoGetHeuristic(handle_, desc_, plan.w_layout, plan.a_layout, plan.c_layout,
+                                       plan.c_layout, pref, 1, &result, &found));
+    if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+      return absl::NotFoundError(absl::StrCat("lm_head gemm: cuBLASLt has no algorithm for m=", m,
+                                              " n=", n, " k=", k, " (bf16 in, fp32 out)"));
+    }
+    plan.algo = result.algo;
+    return absl::OkStatus();
+  }();
+  if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
+  if (!status.ok()) {
+    if (plan.w_layout) cublasLtMatrixLayoutDestroy(plan.w_layout);
+    if (plan.a_layout) cublasLtMatrixLayoutDestroy(plan.a_layout);
+    if (plan.c_layout) cublasLtMatrixLayoutDestroy(plan.c_layout);
+    return status;
+  }
+  plans_.emplace(key, plan);
+  return absl::OkStatus();
+}
+
+absl::Status LogitsGemm::Launch(const bf16* a, const bf16* w, float* out, int32_t m, int32_t n,
+                                int32_t k, cudaStream_t stream) const {
+  const auto it = plans_.find({m, n, k});
+  if (it == plans_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("lm_head gemm: shape m=", m, " n=", n, " k=", k, " was not planned"));
+  }
+  const PlanEntry& plan = it->second;
+  const float alpha = 1.0f, beta = 0.0f;  // host scalars: baked into a captured graph
+  TS_CUDA_RETURN_IF_ERROR(cublasLtMatmul(handle_, desc_, &alpha, w, plan.w_layout, a, plan.a_layout,
+                                         &beta, out, plan.c_layout, out, plan.c_layout, &plan.algo,
+                                         workspace_, workspace_bytes_, stream));
+  return absl::OkStatus();
+}
+
+}  // namespace cuda_model_internal
+
+// ---------------------------------------------------------------------------------------------
 // Setup
 
 namespace {
@@ -200,6 +295,12 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
 
   TS_ASSIGN_OR_RETURN(m->decode_gemm_, k::Gemm::Create(gemm_options));
   TS_ASSIGN_OR_RETURN(m->prefill_gemm_, k::Gemm::Create(gemm_options));
+  TS_ASSIGN_OR_RETURN(m->decode_logits_,
+                      ci::LogitsGemm::Create(m->dev_.decode_logits_workspace,
+                                             m->plan_.shape.logits_workspace_bytes));
+  TS_ASSIGN_OR_RETURN(m->prefill_logits_,
+                      ci::LogitsGemm::Create(m->dev_.prefill_logits_workspace,
+                                             m->plan_.shape.logits_workspace_bytes));
   TS_RETURN_IF_ERROR(m->PlanGemms());
   TS_RETURN_IF_ERROR(k::ResetDecodeAttentionWorkspace(m->dev_.attention_workspace,
                                                       m->plan_.attention_workspace_bytes, nullptr));
@@ -216,6 +317,8 @@ CudaModel::~CudaModel() {
   // does); the frees below would wait for the device anyway.
   decode_gemm_.reset();
   prefill_gemm_.reset();
+  decode_logits_.reset();
+  prefill_logits_.reset();
   if (staging_free_ != nullptr) cudaEventDestroy(staging_free_);
   if (arena_ != nullptr) cudaFree(arena_);
   if (host_block_ != nullptr) cudaFreeHost(host_block_);
@@ -232,8 +335,8 @@ absl::Status CudaModel::PlanGemms() {
   };
   for (int32_t b : buckets_) {
     TS_RETURN_IF_ERROR(plan_layers(*decode_gemm_, b));
-    TS_RETURN_IF_ERROR(decode_gemm_->Plan({b, d.vocab_padded, d.hidden}));
-    TS_RETURN_IF_ERROR(prefill_gemm_->Plan({b, d.vocab_padded, d.hidden}));
+    TS_RETURN_IF_ERROR(decode_logits_->Plan(b, d.vocab, d.hidden));
+    TS_RETURN_IF_ERROR(prefill_logits_->Plan(b, d.vocab, d.hidden));
   }
   for (int32_t m : prefill_sizes_) TS_RETURN_IF_ERROR(plan_layers(*prefill_gemm_, m));
   return absl::OkStatus();
@@ -305,7 +408,7 @@ size_t CudaModel::step_weight_bytes() const {
   const size_t h = d.hidden;
   const size_t per_layer = 2 * h + static_cast<size_t>(d.qkv_dim()) * h + h * d.q_dim() +
                            3 * h * static_cast<size_t>(d.intermediate_padded);
-  return (per_layer * d.num_layers + h + static_cast<size_t>(d.vocab_padded) * h) * sizeof(bf16);
+  return (per_layer * d.num_layers + h + static_cast<size_t>(d.vocab) * h) * sizeof(bf16);
 }
 
 int32_t CudaModel::NumSplits(int32_t bucket, int32_t max_context_len) const {
@@ -474,8 +577,8 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   return absl::OkStatus();
 }
 
-absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, int32_t rows,
-                                      int32_t padded_rows, const k::Gemm& gemm, cudaStream_t stream,
+absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
+                                      const ci::LogitsGemm& gemm, cudaStream_t stream,
                                       OpTimer* timer) const {
   const ModelDims& d = dims();
   TS_RETURN_IF_ERROR(TimedOp(timer, "final_norm", stream, [&] {
@@ -488,18 +591,9 @@ absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, 
                              .eps = config_.rms_norm_eps},
                             stream);
   }));
-  TS_RETURN_IF_ERROR(TimedOp(timer, "lm_head_gemm", stream, [&] {
-    return gemm.Launch({.a = head.normed,
-                        .w = dev_.lm_head,
-                        .c = head.logits,
-                        .m = padded_rows,
-                        .n = d.vocab_padded,
-                        .k = d.hidden},
+  return TimedOp(timer, "lm_head_gemm", stream, [&] {
+    return gemm.Launch(head.normed, dev_.lm_head, head.logits_f32, padded_rows, d.vocab, d.hidden,
                        stream);
-  }));
-  return TimedOp(timer, "logits_f32", stream, [&] {
-    return ci::LaunchLogitsToF32(head.logits, d.vocab_padded, head.logits_f32, rows, d.vocab,
-                                 stream);
   });
 }
 
@@ -587,7 +681,7 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
   at.context_lens = dev_.decode_context_lens;
   at.block_tables = dev_.decode_block_tables;
   TS_RETURN_IF_ERROR(EnqueueLayers(f, bucket, at, *decode_gemm_, stream, timer));
-  TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, bucket, *decode_gemm_, stream, timer));
+  TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, timer));
   return EnqueueSampleAndPost(head, bucket, stream, timer);
 }
 

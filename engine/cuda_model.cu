@@ -1,5 +1,5 @@
-// The step's small ops that know the slot table (prepare), plus logits widening, row gather and
-// the random weight fill. Each is one kernel, graph-capturable, no allocation.
+// The step's small ops that know the slot table (prepare), plus the row gather and the random
+// weight fill. Each is one kernel, graph-capturable, no allocation.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -56,16 +56,6 @@ __global__ void __launch_bounds__(kThreads) PrepareDecodeKernel(PrepareDecodePar
   }
 }
 
-__global__ void LogitsToF32Kernel(const __nv_bfloat16* in, int32_t in_stride, float* out,
-                                  int32_t vocab) {
-  const int32_t row = blockIdx.y;
-  const __nv_bfloat16* src = in + static_cast<int64_t>(row) * in_stride;
-  float* dst = out + static_cast<int64_t>(row) * vocab;
-  for (int32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < vocab; i += gridDim.x * blockDim.x) {
-    dst[i] = __bfloat162float(src[i]);
-  }
-}
-
 __global__ void GatherRowsKernel(const __nv_bfloat16* src, const int32_t* src_rows,
                                  __nv_bfloat16* dst, const int32_t* dst_rows, int32_t width) {
   const int32_t i = blockIdx.x;
@@ -90,16 +80,6 @@ absl::Status LaunchPrepareDecode(const PrepareDecodeParams& p, cudaStream_t stre
   TS_RETURN_IF_ERROR(kernels::RequirePositive("prepare.max_blocks", p.max_blocks));
   TS_RETURN_IF_ERROR(kernels::RequirePositive("prepare.block_size", p.block_size));
   PrepareDecodeKernel<<<p.rows, kThreads, 0, stream>>>(p);
-  TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return absl::OkStatus();
-}
-
-absl::Status LaunchLogitsToF32(const __nv_bfloat16* in, int32_t in_stride, float* out, int32_t rows,
-                               int32_t vocab, cudaStream_t stream) {
-  if (rows <= 0) return absl::OkStatus();
-  const int threads = 256;
-  const int blocks_x = std::min((vocab + threads - 1) / threads, 64);
-  LogitsToF32Kernel<<<dim3(blocks_x, rows), threads, 0, stream>>>(in, in_stride, out, vocab);
   TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

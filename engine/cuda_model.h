@@ -19,7 +19,9 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -33,6 +35,10 @@
 #include "models/config.h"
 
 namespace ts {
+
+namespace cuda_model_internal {
+class LogitsGemm;  // below
+}  // namespace cuda_model_internal
 
 struct CudaModelOptions {
   ModelConfig config;
@@ -144,9 +150,9 @@ class CudaModel {
   // The layers of one forward over `f` (decode or prefill buffers).
   absl::Status EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& attn,
                              const kernels::Gemm& gemm, cudaStream_t stream, OpTimer* timer) const;
-  // norm -> lm_head -> fp32 logits over head rows [0, padded_rows).
-  absl::Status EnqueueLogits(__nv_bfloat16* hidden_in, const HeadBuffers& head, int32_t rows,
-                             int32_t padded_rows, const kernels::Gemm& gemm, cudaStream_t stream,
+  // final norm -> lm_head (fp32 logits) over head rows [0, padded_rows).
+  absl::Status EnqueueLogits(__nv_bfloat16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
+                             const cuda_model_internal::LogitsGemm& gemm, cudaStream_t stream,
                              OpTimer* timer) const;
   absl::Status EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows, cudaStream_t stream,
                                     OpTimer* timer) const;
@@ -168,11 +174,47 @@ class CudaModel {
   HostLayout host_dev_;
   std::unique_ptr<kernels::Gemm> decode_gemm_;   // captured into the decode graphs
   std::unique_ptr<kernels::Gemm> prefill_gemm_;  // host-launched prefill (its own workspace)
-  cudaEvent_t staging_free_ = nullptr;           // recorded after a chunk's staging copies
+  std::unique_ptr<cuda_model_internal::LogitsGemm> decode_logits_;
+  std::unique_ptr<cuda_model_internal::LogitsGemm> prefill_logits_;
+  cudaEvent_t staging_free_ = nullptr;  // recorded after a chunk's staging copies
 };
 
 // ---- Small ops of the step that know slots (engine/cuda_model.cu). ----
 namespace cuda_model_internal {
+
+// The lm_head GEMM with fp32 output, through cuBLASLt: logits[m, n] = a[m, k] w[n, k]^T, bf16
+// operands, fp32 accumulation AND fp32 output, row-major. kernels::Gemm writes bf16 only; bf16
+// logits (spacing 0.03 at |logit| ~ 4) create ties and flip greedy tokens that fp32 keeps apart,
+// and sampling reads fp32 anyway, so this skips a rounding and a widening pass. n (the vocab) may
+// be any size. Plans are made at setup, like kernels::Gemm; launches are graph-capturable.
+class LogitsGemm {
+ public:
+  // `workspace` ([workspace_bytes] device) is owned by the caller; launches through one
+  // LogitsGemm must be ordered (one stream).
+  static absl::StatusOr<std::unique_ptr<LogitsGemm>> Create(void* workspace,
+                                                            size_t workspace_bytes);
+  ~LogitsGemm();
+  LogitsGemm(const LogitsGemm&) = delete;
+  LogitsGemm& operator=(const LogitsGemm&) = delete;
+  absl::Status Plan(int32_t m, int32_t n, int32_t k);
+  // a: [m, k] bf16, w: [n, k] bf16, out: [m, n] fp32; (m, n, k) planned.
+  absl::Status Launch(const __nv_bfloat16* a, const __nv_bfloat16* w, float* out, int32_t m,
+                      int32_t n, int32_t k, cudaStream_t stream) const;
+
+ private:
+  struct PlanEntry {
+    cublasLtMatrixLayout_t w_layout = nullptr;  // W as col-major [k, n], op T
+    cublasLtMatrixLayout_t a_layout = nullptr;  // A as col-major [k, m]
+    cublasLtMatrixLayout_t c_layout = nullptr;  // out as col-major [n, m], fp32
+    cublasLtMatmulAlgo_t algo{};
+  };
+  LogitsGemm() = default;
+  cublasLtHandle_t handle_ = nullptr;
+  cublasLtMatmulDesc_t desc_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::map<std::array<int32_t, 3>, PlanEntry> plans_;
+};
 
 struct PrepareDecodeParams {
   const int32_t* row_slots = nullptr;          // [rows] slot or -1

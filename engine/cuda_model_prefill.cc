@@ -153,7 +153,7 @@ absl::Status CudaModel::EnqueuePrefillSample(std::span<const int32_t> slots,
                                           cudaMemcpyHostToDevice, stream));
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
   const int32_t padded = PickBucket(buckets_, n);
-  TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, n, padded, *prefill_gemm_, stream, nullptr));
+  TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, padded, *prefill_logits_, stream, nullptr));
   return EnqueueSampleAndPost(head, n, stream, nullptr);
 }
 
@@ -185,7 +185,7 @@ absl::StatusOr<std::vector<float>> CudaModel::PromptLogits(std::span<const int32
     TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
     TS_RETURN_IF_ERROR(ci::LaunchGatherRows(dev_.prefill.h, dev_.gather_src, head.hidden,
                                             dev_.gather_dst, m, d.hidden, stream));
-    TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, m, PickBucket(buckets_, m), *prefill_gemm_,
+    TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, PickBucket(buckets_, m), *prefill_logits_,
                                      stream, nullptr));
     TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
         out.data() + static_cast<size_t>(first) * d.vocab, head.logits_f32,

@@ -41,7 +41,7 @@ class Carver {
 };
 
 struct Categories {
-  size_t weights = 0, kv = 0, activations = 0, state = 0, attention = 0;
+  size_t weights = 0, kv = 0, activations = 0, state = 0, attention = 0, logits_workspace = 0;
 };
 
 using bf16 = __nv_bfloat16;
@@ -68,7 +68,6 @@ void CarveHead(const ArenaShape& s, Carver& c, size_t* cat, HeadBuffers* h) {
   h->rows = s.max_bucket;
   h->hidden = c.Take<bf16>(m * d.hidden, cat);
   h->normed = c.Take<bf16>(m * d.hidden, cat);
-  h->logits = c.Take<bf16>(m * d.vocab_padded, cat);
   h->logits_f32 = c.Take<float>(m * d.vocab, cat);
   h->params = c.Take<kernels::SamplingRow>(m, cat);
   h->sample_slots = c.Take<int32_t>(m, cat);
@@ -83,7 +82,7 @@ DeviceLayout Carve(const ArenaShape& s, void* base, Categories* cats, size_t* to
   const size_t hidden = static_cast<size_t>(d.hidden);
   l.embed = c.Take<bf16>(static_cast<size_t>(d.vocab) * hidden, &cats->weights);
   l.lm_head = d.separate_lm_head()
-                  ? c.Take<bf16>(static_cast<size_t>(d.vocab_padded) * hidden, &cats->weights)
+                  ? c.Take<bf16>(static_cast<size_t>(d.vocab) * hidden, &cats->weights)
                   : l.embed;
   l.final_norm = c.Take<bf16>(hidden, &cats->weights);
   l.inv_freq = c.Take<float>(d.head_dim / 2, &cats->weights);
@@ -124,6 +123,8 @@ DeviceLayout Carve(const ArenaShape& s, void* base, Categories* cats, size_t* to
   l.prompt_mask =
       c.Take<uint32_t>(static_cast<size_t>(s.count_rows()) * s.mask_words(), &cats->state);
   l.attention_workspace = c.Take<char>(s.attention_workspace_bytes, &cats->attention);
+  l.decode_logits_workspace = c.Take<char>(s.logits_workspace_bytes, &cats->logits_workspace);
+  l.prefill_logits_workspace = c.Take<char>(s.logits_workspace_bytes, &cats->logits_workspace);
   *total = c.offset();
   return l;
 }
@@ -197,7 +198,6 @@ absl::StatusOr<ModelDims> MakeModelDims(const ModelConfig& c) {
   d.num_kv_heads = c.num_kv_heads;
   d.head_dim = c.head_dim;
   d.vocab = c.vocab_size;
-  d.vocab_padded = RoundUp8(c.vocab_size);
   d.tied = c.tie_word_embeddings;
   return d;
 }
@@ -265,6 +265,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& o) {
   s.kv_block_size = o.kv_block_size;
   s.ring_capacity = o.ring_capacity;
   s.attention_workspace_bytes = o.attention_workspace_bytes;
+  s.logits_workspace_bytes = o.gemm_workspace_bytes;
 
   // Everything but KV first (num_kv_blocks = 0), then the KV pool takes what the budget leaves.
   s.num_kv_blocks = 0;
@@ -306,6 +307,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& o) {
   plan.activation_bytes = final_cats.activations;
   plan.state_bytes = final_cats.state;
   plan.attention_workspace_bytes = final_cats.attention;
+  plan.logits_workspace_bytes = final_cats.logits_workspace;
   plan.arena_bytes = arena;
   plan.host_bytes = HostBytes(s);
   return plan;
@@ -326,9 +328,10 @@ std::string MemoryPlan::Summary() const {
                   shape.max_bucket, ", prefill rows ", shape.prefill_rows, ")\n");
   absl::StrAppend(&out, "  state        ", Bytes(state_bytes), " (slot table, block tables, ",
                   "sampling counts and prompt masks for ", shape.max_slots, " slots)\n");
-  absl::StrAppend(&out, "  workspace    ", Bytes(gemm_workspace_bytes + attention_workspace_bytes),
-                  " (cuBLASLt ", Bytes(gemm_workspace_bytes), ", attention ",
-                  Bytes(attention_workspace_bytes), ")\n");
+  absl::StrAppend(&out, "  workspace    ",
+                  Bytes(gemm_workspace_bytes + logits_workspace_bytes + attention_workspace_bytes),
+                  " (cuBLASLt ", Bytes(gemm_workspace_bytes + logits_workspace_bytes),
+                  ", attention ", Bytes(attention_workspace_bytes), ")\n");
   absl::StrAppend(&out, "  graphs       ", Bytes(graph_reserve_bytes), " reserved\n");
   absl::StrAppend(&out, "  device total ", Bytes(device_total), "; pinned host ", Bytes(host_bytes),
                   " (rings ", shape.max_slots, " x ", shape.ring_capacity, ")\n");

@@ -25,9 +25,10 @@
 
 namespace ts {
 
-// Model shapes as the GPU stores them. The GEMMs need N and K in multiples of 8, so the
-// intermediate size and the lm_head's rows are zero-padded at upload (exact: silu(0) * 0 = 0 and
-// padded logits are never sampled: they are cut off when logits are widened to fp32).
+// Model shapes as the GPU stores them. The layer GEMMs need N and K in multiples of 8, so the
+// intermediate size is zero-padded at upload (exact: the padded gate/up rows give silu(0) * 0 = 0
+// and meet zero columns of down). The lm_head GEMM (fp32 output, its own cuBLASLt plan) takes
+// any vocab size, so lm_head is stored unpadded and shared with the embedding when tied.
 struct ModelDims {
   int32_t hidden = 0;
   int32_t intermediate = 0;
@@ -37,13 +38,11 @@ struct ModelDims {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   int32_t vocab = 0;
-  int32_t vocab_padded = 0;  // multiple of 8: lm_head rows and bf16 logits columns
   bool tied = false;
   int32_t q_dim() const { return num_heads * head_dim; }
   int32_t kv_dim() const { return num_kv_heads * head_dim; }
   int32_t qkv_dim() const { return q_dim() + 2 * kv_dim(); }
-  // lm_head needs its own padded copy unless tied and the vocab is already a multiple of 8.
-  bool separate_lm_head() const { return !tied || vocab_padded != vocab; }
+  bool separate_lm_head() const { return !tied; }
 };
 
 // InvalidArgument naming the config field when the GPU kernels cannot run this shape.
@@ -58,8 +57,10 @@ struct MemoryPlanOptions {
   int32_t prefill_chunk_tokens = 0;
   uint32_t ring_capacity = 0;
   double gpu_memory_fraction = 0.9;
-  size_t total_device_bytes = 0;         // cudaMemGetInfo's total
-  size_t gemm_workspace_bytes = 0;       // per kernels::Gemm; the backend has two
+  size_t total_device_bytes = 0;  // cudaMemGetInfo's total
+  // Per cuBLASLt workspace. The backend has four: layer GEMMs and lm_head, for decode and for
+  // prefill (kernels::Gemm allocates its own; the lm_head ones live in the arena).
+  size_t gemm_workspace_bytes = 0;
   size_t attention_workspace_bytes = 0;  // decode attention partials for the largest need
   size_t graph_reserve_bytes = 0;        // estimate for graph execs, cuBLASLt handles
 };
@@ -75,6 +76,7 @@ struct ArenaShape {
   int32_t kv_block_size = 0;
   uint32_t ring_capacity = 0;
   size_t attention_workspace_bytes = 0;
+  size_t logits_workspace_bytes = 0;  // each of the two lm_head GEMM workspaces
   int32_t mask_words() const { return (dims.vocab + 31) / 32; }
   // Sampling state rows: one per slot plus a scratch row that padding rows of a bucket sample
   // from, so the sampling kernel never sees an out-of-range slot.
@@ -91,7 +93,8 @@ struct MemoryPlan {
   size_t activation_bytes = 0;  // forward buffers, logits, step inputs
   size_t state_bytes = 0;       // slot table, block tables, sampling counts and prompt masks
   size_t attention_workspace_bytes = 0;
-  size_t gemm_workspace_bytes = 0;  // both Gemm objects
+  size_t logits_workspace_bytes = 0;  // both lm_head GEMM workspaces (in the arena)
+  size_t gemm_workspace_bytes = 0;    // the two kernels::Gemm objects (outside the arena)
   size_t graph_reserve_bytes = 0;
   size_t arena_bytes = 0;
   size_t host_bytes = 0;  // pinned host-mapped block
@@ -146,7 +149,7 @@ struct HeadBuffers {
 
 struct DeviceLayout {
   __nv_bfloat16* embed = nullptr;       // [vocab, hidden]
-  __nv_bfloat16* lm_head = nullptr;     // [vocab_padded, hidden]; == embed when shared
+  __nv_bfloat16* lm_head = nullptr;     // [vocab, hidden]; == embed when tied
   __nv_bfloat16* final_norm = nullptr;  // [hidden]
   float* inv_freq = nullptr;            // [head_dim / 2]
   std::vector<LayerBuffers> layers;     // [num_layers]
@@ -164,11 +167,13 @@ struct DeviceLayout {
   int32_t* gather_src = nullptr;            // [max_bucket] rows of prefill.h
   int32_t* gather_dst = nullptr;            // [max_bucket] rows of prefill_head.hidden
 
-  kernels::SlotRow* slots = nullptr;     // [max_slots]
-  int32_t* slot_block_tables = nullptr;  // [max_slots, max_blocks_per_seq]
-  uint16_t* output_counts = nullptr;     // [max_slots + 1, vocab]
-  uint32_t* prompt_mask = nullptr;       // [max_slots + 1, mask_words]
-  void* attention_workspace = nullptr;   // [attention_workspace_bytes], 256-B aligned
+  kernels::SlotRow* slots = nullptr;         // [max_slots]
+  int32_t* slot_block_tables = nullptr;      // [max_slots, max_blocks_per_seq]
+  uint16_t* output_counts = nullptr;         // [max_slots + 1, vocab]
+  uint32_t* prompt_mask = nullptr;           // [max_slots + 1, mask_words]
+  void* attention_workspace = nullptr;       // [attention_workspace_bytes], 256-B aligned
+  void* decode_logits_workspace = nullptr;   // [logits_workspace_bytes] cuBLASLt, lm_head
+  void* prefill_logits_workspace = nullptr;  // [logits_workspace_bytes]
 };
 
 // Pinned host memory, allocated cudaHostAllocMapped | cudaHostAllocPortable: the GPU writes the

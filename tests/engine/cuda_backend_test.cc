@@ -164,7 +164,10 @@ TEST_P(CudaBackendFixtureTest, TeacherForcedLogitsCloseToTransformers) {
     std::vector<float> want(t->numel());
     ConvertToF32(*t, want.data());
     double max_abs = 0, diff2 = 0, ref2 = 0;
-    int32_t argmax_agree = 0;
+    int32_t argmax_agree = 0, path_agree = 0;
+    // Rows [prompt_len - 1, prompt_len + 31) predict the greedy tokens: their top1-top2 margins
+    // are >= 0.05 (README). Other rows' margins are not controlled; they are only reported.
+    const size_t path_begin = ref_.prompts[i].size() - 1, path_end = path_begin + NumNew();
     for (size_t r = 0; r < seq.size(); ++r) {
       int32_t a = 0, b = 0;
       for (int32_t v = 0; v < vocab; ++v) {
@@ -177,14 +180,20 @@ TEST_P(CudaBackendFixtureTest, TeacherForcedLogitsCloseToTransformers) {
         if (w > want[r * vocab + b]) b = v;
       }
       argmax_agree += a == b;
+      if (r >= path_begin && r < path_end) {
+        path_agree += a == b;
+        EXPECT_EQ(a, ref_.greedy[i][r - path_begin])
+            << GetParam() << " prompt " << i << " row " << r;
+      }
     }
     const double rel = std::sqrt(diff2 / ref2);
-    std::printf("%s prompt %zu: max |logit err| %.4f, rel %.2e, argmax agree %d/%zu\n",
-                GetParam().c_str(), i, max_abs, rel, argmax_agree, seq.size());
+    std::printf(
+        "%s prompt %zu: max |logit err| %.4f, rel %.2e, argmax agree %d/%zu (greedy path "
+        "%d/%d)\n",
+        GetParam().c_str(), i, max_abs, rel, argmax_agree, seq.size(), path_agree, NumNew());
     // bf16 weights and activations against fp32 transformers: about 1e-2 relative.
     EXPECT_LT(rel, 3e-2) << GetParam() << " prompt " << i;
-    // Rows from the last prompt token on follow the greedy path, whose margins are >= 0.05.
-    EXPECT_GE(argmax_agree, static_cast<int32_t>(seq.size()) - 1) << GetParam() << " prompt " << i;
+    EXPECT_EQ(path_agree, NumNew()) << GetParam() << " prompt " << i;
   }
 }
 

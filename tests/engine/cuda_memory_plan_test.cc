@@ -58,6 +58,7 @@ TEST(CudaMemoryPlanTest, WeightsAndKvFollowTheShape) {
   // Each buffer is padded to 256 bytes at most (vectors of `hidden` are already multiples).
   EXPECT_GE(plan->weight_bytes, static_cast<size_t>(2 * params));
   EXPECT_LT(plan->weight_bytes, static_cast<size_t>(2 * params) + 256 * (3 + 6 * 16));
+  EXPECT_EQ(plan->shape.dims.separate_lm_head(), false);  // tied: lm_head is the embedding
   // KV: 16 layers x (K + V) x 8 heads x 64 x bf16 = 32 KiB per token.
   const size_t per_token = 16 * 2 * 8 * 64 * 2;
   EXPECT_EQ(plan->kv_bytes, static_cast<size_t>(plan->kv_tokens()) * per_token);
@@ -109,10 +110,8 @@ TEST(CudaMemoryPlanTest, PadsGemmDimensionsAndChecksTheConfig) {
   auto d = MakeModelDims(c);
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(d->intermediate_padded, 176);
-  EXPECT_EQ(d->vocab_padded, 312);
-  EXPECT_TRUE(d->separate_lm_head());  // tied, but the padded copy needs its own rows
-  c.vocab_size = 320;
-  EXPECT_FALSE(MakeModelDims(c)->separate_lm_head());
+  EXPECT_EQ(d->vocab, 311);  // the fp32 lm_head GEMM takes any vocab: no padding
+  EXPECT_FALSE(d->separate_lm_head());
   c.tie_word_embeddings = false;
   EXPECT_TRUE(MakeModelDims(c)->separate_lm_head());
   c.hidden_size = 100;
@@ -126,6 +125,7 @@ TEST(CudaMemoryPlanTest, CarvedBuffersAreAlignedDisjointAndInside) {
   ModelConfig c = Llama1b();
   c.num_layers = 2;
   c.vocab_size = 1001;
+  c.tie_word_embeddings = false;
   auto plan = PlanMemory(Options(c));
   ASSERT_TRUE(plan.ok()) << plan.status();
   // A fake base: the carve only computes addresses.
@@ -135,12 +135,14 @@ TEST(CudaMemoryPlanTest, CarvedBuffersAreAlignedDisjointAndInside) {
   const size_t bf = 2;
   std::vector<std::pair<const void*, size_t>> spans = {
       {l.embed, size_t(d.vocab) * d.hidden * bf},
-      {l.lm_head, size_t(d.vocab_padded) * d.hidden * bf},
+      {l.lm_head, size_t(d.vocab) * d.hidden * bf},
       {l.decode.h, size_t(plan->shape.max_bucket) * d.hidden * bf},
       {l.prefill.gate_up, size_t(plan->shape.prefill_rows) * 2 * d.intermediate_padded * bf},
       {l.decode_head.logits_f32, size_t(plan->shape.max_bucket) * d.vocab * 4},
       {l.output_counts, size_t(plan->shape.count_rows()) * d.vocab * 2},
-      {l.attention_workspace, plan->attention_workspace_bytes}};
+      {l.attention_workspace, plan->attention_workspace_bytes},
+      {l.decode_logits_workspace, plan->shape.logits_workspace_bytes},
+      {l.prefill_logits_workspace, plan->shape.logits_workspace_bytes}};
   for (const LayerBuffers& layer : l.layers) {
     spans.push_back({layer.qkv, size_t(d.qkv_dim()) * d.hidden * bf});
     spans.push_back({layer.k_cache, plan->kv_bytes / (2 * d.num_layers)});
