@@ -191,8 +191,9 @@ TEST_P(CudaBackendFixtureTest, TeacherForcedLogitsCloseToTransformers) {
         "%s prompt %zu: max |logit err| %.4f, rel %.2e, argmax agree %d/%zu (greedy path "
         "%d/%d)\n",
         GetParam().c_str(), i, max_abs, rel, argmax_agree, seq.size(), path_agree, NumNew());
-    // bf16 weights and activations against fp32 transformers: about 1e-2 relative.
-    EXPECT_LT(rel, 3e-2) << GetParam() << " prompt " << i;
+    // bf16 weights and activations against fp32 transformers: a numpy model of our roundings
+    // gives 1.5e-2 to 2.4e-2 on these fixtures; a real bug (rope, a norm, a layer) gives > 0.3.
+    EXPECT_LT(rel, 4e-2) << GetParam() << " prompt " << i;
     EXPECT_EQ(path_agree, NumNew()) << GetParam() << " prompt " << i;
   }
 }
