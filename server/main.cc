@@ -21,6 +21,9 @@
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "engine/cpu_backend.h"
+#if defined(TAILSERVE_WITH_CUDA)
+#include "engine/cuda_backend.h"
+#endif
 #include "engine/engine.h"
 #include "models/config.h"
 #include "server/server.h"
@@ -45,6 +48,9 @@ ABSL_FLAG(int32_t, drain_timeout_s, 30, "On SIGTERM, how long open streams may t
 ABSL_FLAG(int32_t, stream_buffer_tokens, 4096,
           "Unread tokens per stream before a slow reader's request is cancelled.");
 ABSL_FLAG(int32_t, threads, 0, "CPU backend threads; 0 = all hardware threads.");
+ABSL_FLAG(double, gpu_memory_fraction, 0.9,
+          "CUDA backend: fraction of device memory for weights, KV pool, activations and graphs.");
+ABSL_FLAG(int32_t, device, 0, "CUDA backend: device ordinal.");
 ABSL_FLAG(int32_t, stats_interval_s, 60, "Log a one-line stats summary this often; 0 = off.");
 ABSL_FLAG(int32_t, watchdog_s, 30,
           "Report NOT_SERVING while requests wait and no step completed for this long; 0 = off.");
@@ -86,21 +92,9 @@ struct Loaded {
   std::string model_name;
 };
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
-                                                     const std::vector<int32_t>& buckets) {
-  const std::string kind = absl::GetFlag(FLAGS_backend);
-  if (kind == "cuda") {
-    return absl::UnimplementedError(
-        "--backend cuda: this tailserve was built without the CUDA backend; use --backend cpu");
-  }
-  if (kind != "cpu") {
-    return absl::InvalidArgumentError(absl::StrCat("--backend: unknown '", kind, "' (cpu|cuda)"));
-  }
-  const int32_t max_batch = absl::GetFlag(FLAGS_max_batch);
-  const int32_t block = absl::GetFlag(FLAGS_kv_block_size);
-  if (block < 1) return absl::InvalidArgumentError("--kv_block_size: must be >= 1");
-  int32_t context = absl::GetFlag(FLAGS_max_context);
-  if (context <= 0) context = config.max_position_embeddings;
+absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const std::vector<int32_t>& buckets,
+                                                        int32_t context, int32_t block,
+                                                        int32_t max_batch) {
   int32_t blocks = absl::GetFlag(FLAGS_kv_blocks);
   if (blocks <= 0) blocks = max_batch * ((context + block - 1) / block);
   int32_t threads = absl::GetFlag(FLAGS_threads);
@@ -111,7 +105,45 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
                             .kv_block_size = block,
                             .buckets = buckets,
                             .num_threads = threads};
-  TS_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateCpuBackend(options));
+  return CreateCpuBackend(options);
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32_t>& buckets,
+                                                         int32_t context, int32_t block) {
+#if defined(TAILSERVE_WITH_CUDA)
+  // The CUDA backend sizes its KV pool from --gpu_memory_fraction and prints its own budget.
+  CudaBackendOptions options{.model_dir = absl::GetFlag(FLAGS_model_dir),
+                             .max_slots = buckets.back(),
+                             .kv_block_size = block,
+                             .gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction),
+                             .buckets = buckets,
+                             .max_context = context,
+                             .device = absl::GetFlag(FLAGS_device)};
+  return CreateCudaBackend(options);
+#else
+  (void)buckets, (void)context, (void)block;
+  return absl::UnimplementedError(
+      "--backend cuda: this tailserve was built without the CUDA backend; use --backend cpu");
+#endif
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
+                                                     const std::vector<int32_t>& buckets) {
+  const std::string kind = absl::GetFlag(FLAGS_backend);
+  if (kind != "cpu" && kind != "cuda") {
+    return absl::InvalidArgumentError(absl::StrCat("--backend: unknown '", kind, "' (cpu|cuda)"));
+  }
+  const int32_t max_batch = absl::GetFlag(FLAGS_max_batch);
+  const int32_t block = absl::GetFlag(FLAGS_kv_block_size);
+  if (block < 1) return absl::InvalidArgumentError("--kv_block_size: must be >= 1");
+  int32_t context = absl::GetFlag(FLAGS_max_context);
+  if (context <= 0) context = config.max_position_embeddings;
+  std::unique_ptr<Backend> backend;
+  if (kind == "cuda") {
+    TS_ASSIGN_OR_RETURN(backend, MakeCudaBackend(buckets, context, block));
+  } else {
+    TS_ASSIGN_OR_RETURN(backend, MakeCpuBackend(buckets, context, block, max_batch));
+  }
   const int32_t delay_ms = absl::GetFlag(FLAGS_debug_step_delay_ms);
   if (delay_ms > 0) {
     backend =
@@ -161,7 +193,8 @@ absl::StatusOr<Loaded> Load() {
                         .stream_buffer_tokens = absl::GetFlag(FLAGS_stream_buffer_tokens)};
   Loaded out;
   TS_ASSIGN_OR_RETURN(out.engine, Engine::Create(std::move(options), std::move(backend)));
-  PrintBudget(info, out.engine->model_info());
+  // The CUDA backend prints its own, measured budget while it allocates.
+  if (absl::GetFlag(FLAGS_backend) == "cpu") PrintBudget(info, out.engine->model_info());
   out.model_name = absl::GetFlag(FLAGS_model_name);
   if (out.model_name.empty()) {
     out.model_name = std::filesystem::path(dir).lexically_normal().filename().string();

@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_info)) return PrintInfo(*stub);
 
   v1::GenerateRequest req;
-  for (std::string_view part :
+  for (absl::string_view part :
        absl::StrSplit(absl::GetFlag(FLAGS_prompt), ',', absl::SkipEmpty())) {
     int32_t id = 0;
     if (!absl::SimpleAtoi(part, &id)) {

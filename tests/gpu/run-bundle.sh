@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.bundle/lib:${LD_LIBRARY_PATH:-}
-export TS_SOURCE_DIR=$PWD TS_BINARY_DIR=$PWD/.bundle
+export TS_SOURCE_DIR=$PWD TS_BINARY_DIR=$PWD/.bundle TS_TAILSERVE_BIN=$PWD/.bundle/bin/tailserve
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 if [ -n "${TS_LLAMA1B_DIR:-}" ] && [ ! -f "$TS_LLAMA1B_DIR/reference_logits.safetensors" ]; then
   t0=$(date +%s)

@@ -1,0 +1,116 @@
+// GPU end to end: the real `tailserve` binary with --backend=cuda and with --backend=cpu, each a
+// child process on a loopback port, called through a real gRPC client. On every fixture model, the
+// greedy streams of the CUDA server equal the CPU server's and the Hugging Face reference.
+// TS_TAILSERVE_BIN overrides the binary path (the GPU machine runs a carried bundle).
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <signal.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+#include "tailserve/v1/generation.grpc.pb.h"
+#include "tests/common/test_paths.h"
+#include "tests/server/child_process.h"
+
+namespace ts::testing {
+namespace {
+
+namespace pb = ::tailserve::v1;
+using Tokens = std::vector<int32_t>;
+using namespace std::chrono_literals;
+
+std::string Binary() {
+  const char* env = std::getenv("TS_TAILSERVE_BIN");
+  return env != nullptr && *env != '\0' ? std::string(env) : std::string(TS_TAILSERVE_BINARY);
+}
+
+struct Running {
+  std::unique_ptr<ChildProcess> process;
+  std::unique_ptr<pb::Generation::Stub> stub;
+};
+
+// nullptr (with a recorded failure) when the server does not come up.
+std::unique_ptr<Running> Launch(const std::string& backend, const std::string& model) {
+  std::vector<std::string> argv = {Binary(),
+                                   "--port=0",
+                                   absl::StrCat("--backend=", backend),
+                                   absl::StrCat("--model_dir=", (FixtureDir() / model).string()),
+                                   "--max_batch=4",
+                                   "--threads=2",
+                                   "--gpu_memory_fraction=0.2"};
+  auto child = ChildProcess::Start(argv);
+  if (!child.ok()) {
+    ADD_FAILURE() << child.status();
+    return nullptr;
+  }
+  auto r = std::make_unique<Running>();
+  r->process = *std::move(child);
+  auto line = r->process->WaitForLine("tailserve listening on ", 120s);
+  if (!line.ok()) {
+    ADD_FAILURE() << backend << ": " << line.status() << "\n" << r->process->Output();
+    return nullptr;
+  }
+  auto channel =
+      grpc::CreateChannel(line->substr(line->find(" on ") + 4), grpc::InsecureChannelCredentials());
+  r->stub = pb::Generation::NewStub(channel);
+  return r;
+}
+
+Tokens Greedy(pb::Generation::Stub& stub, const Tokens& prompt, int32_t n) {
+  pb::GenerateRequest req;
+  for (int32_t t : prompt) req.mutable_prompt_token_ids()->add_ids(t);
+  req.mutable_sampling()->set_temperature(0.0f);
+  req.mutable_stop()->set_max_new_tokens(n);
+  req.mutable_stop()->set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+  auto reader = stub.Generate(&ctx, req);
+  pb::GenerateResponse msg;
+  Tokens out;
+  while (reader->Read(&msg)) out.insert(out.end(), msg.token_ids().begin(), msg.token_ids().end());
+  const grpc::Status s = reader->Finish();
+  EXPECT_TRUE(s.ok()) << s.error_code() << " " << s.error_message();
+  return out;
+}
+
+class CudaServerE2ETest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaServerE2ETest, GreedyStreamsEqualTheCpuServerAndTransformers) {
+  const std::string model = GetParam();
+  std::ifstream in(FixtureDir() / model / "reference.json");
+  ASSERT_TRUE(in.good()) << model;
+  const nlohmann::json ref = nlohmann::json::parse(in);
+  const auto prompts = ref.at("prompts").get<std::vector<Tokens>>();
+  const auto greedy = ref.at("greedy").get<std::vector<Tokens>>();
+
+  auto cuda = Launch("cuda", model);
+  ASSERT_NE(cuda, nullptr);
+  auto cpu = Launch("cpu", model);
+  ASSERT_NE(cpu, nullptr);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << model << " prompt " << i);
+    const int32_t n = static_cast<int32_t>(greedy[i].size());
+    const Tokens from_cuda = Greedy(*cuda->stub, prompts[i], n);
+    const Tokens from_cpu = Greedy(*cpu->stub, prompts[i], n);
+    EXPECT_EQ(from_cuda, from_cpu);
+    EXPECT_EQ(from_cuda, greedy[i]);
+  }
+  EXPECT_TRUE(cuda->process->Signal(SIGTERM));
+  EXPECT_EQ(cuda->process->WaitExit(60s), std::optional<int>(0)) << cuda->process->Output();
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaServerE2ETest,
+                         ::testing::Values("tiny-mha-tied", "tiny-gqa-untied", "tiny-llama3-rope",
+                                           "tiny-oldstyle-sharded"));
+
+}  // namespace
+}  // namespace ts::testing
