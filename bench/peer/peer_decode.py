@@ -85,8 +85,9 @@ class Model(torch.nn.Module):
         d = self.c["hidden"] // self.c["heads"]
         for layer in self.layers:
             layer.cache = KVCache(batch, max_len, self.c["kv"], d, self.embed.weight.dtype).to(device)
-        t = torch.arange(max_len, dtype=torch.float32)
-        f = torch.outer(t, self.inv_freq)
+        inv_freq = self.inv_freq.to(device)
+        t = torch.arange(max_len, dtype=torch.float32, device=device)
+        f = torch.outer(t, inv_freq)
         emb = torch.cat((f, f), dim=-1)
         self.cos = emb.cos().to(device, self.embed.weight.dtype)
         self.sin = emb.sin().to(device, self.embed.weight.dtype)
