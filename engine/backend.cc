@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
@@ -119,6 +120,37 @@ absl::Status ValidateBuckets(std::span<const int32_t> buckets) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status ValidateSlotInit(const SlotInit& in, const BackendInfo& info) {
+  const std::string where = absl::StrCat("prefill slot ", in.slot, ": ");
+  if (in.slot < 0 || in.slot >= info.max_slots) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "slot out of [0, ", info.max_slots, ")"));
+  }
+  if (in.prompt.empty()) return absl::InvalidArgumentError(absl::StrCat(where, "empty prompt"));
+  if (in.stop.max_new_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "max_new_tokens < 1"));
+  }
+  for (size_t i = 0; i < in.prompt.size(); ++i) {
+    if (in.prompt[i] < 0 || in.prompt[i] >= info.model.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "prompt[", i, "] = ", in.prompt[i], " outside the vocabulary"));
+    }
+  }
+  const int64_t tokens = static_cast<int64_t>(in.prompt.size()) + in.stop.max_new_tokens;
+  const int64_t need = (tokens + info.kv_block_size - 1) / info.kv_block_size;
+  if (static_cast<int64_t>(in.block_table.size()) < need) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "block_table has ", in.block_table.size(), " blocks, needs ", need));
+  }
+  for (int64_t i = 0; i < need; ++i) {
+    if (in.block_table[i] < 0 || in.block_table[i] >= info.num_kv_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "block_table[", i,
+                                                     "] = ", in.block_table[i], " outside [0, ",
+                                                     info.num_kv_blocks, ")"));
+    }
+  }
+  return ValidateSamplingParams(in.sampling, info.model.vocab_size);
 }
 
 }  // namespace ts

@@ -138,4 +138,10 @@ int32_t PickBucket(std::span<const int32_t> buckets, int32_t n);
 // Positive and strictly ascending; the error names the offending index.
 absl::Status ValidateBuckets(std::span<const int32_t> buckets);
 
+// The checks every backend's Prefill makes before touching a slot: slot in range, a non-empty
+// prompt of in-vocabulary ids, max_new_tokens >= 1, a block table covering prompt +
+// max_new_tokens with ids inside the pool, valid sampling parameters. Errors name the slot.
+// Whether the slot is FREE is the backend's own state and its own check.
+absl::Status ValidateSlotInit(const SlotInit& in, const BackendInfo& info);
+
 }  // namespace ts

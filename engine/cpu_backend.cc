@@ -78,25 +78,10 @@ CpuBackend::CpuBackend(std::unique_ptr<CpuModel> model, const CpuBackendOptions&
 CpuBackend::~CpuBackend() = default;
 
 absl::Status CpuBackend::ValidateInit(const SlotInit& in) const {
-  const std::string where = absl::StrCat("prefill slot ", in.slot, ": ");
-  if (in.slot < 0 || in.slot >= info_.max_slots) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, "slot out of [0, ", info_.max_slots, ")"));
-  }
+  TS_RETURN_IF_ERROR(ValidateSlotInit(in, info_));
   if (slots_[in.slot].state != SlotState::kFree) {
-    return absl::FailedPreconditionError(absl::StrCat(where, "slot is not FREE"));
+    return absl::FailedPreconditionError(absl::StrCat("prefill slot ", in.slot, ": not FREE"));
   }
-  if (in.prompt.empty()) return absl::InvalidArgumentError(absl::StrCat(where, "empty prompt"));
-  if (in.stop.max_new_tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(where, "max_new_tokens < 1"));
-  }
-  const int64_t tokens = static_cast<int64_t>(in.prompt.size()) + in.stop.max_new_tokens;
-  const int64_t need = (tokens + info_.kv_block_size - 1) / info_.kv_block_size;
-  if (static_cast<int64_t>(in.block_table.size()) < need) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, "block_table has ", in.block_table.size(), " blocks, needs ", need));
-  }
-  // Token ids and block ids are range-checked again by CpuModel::Forward before anything runs.
   return absl::OkStatus();
 }
 

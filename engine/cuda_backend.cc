@@ -155,47 +155,23 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
 // Prefill
 
 absl::Status CudaBackend::ValidateInit(const SlotInit& in) const {
+  TS_RETURN_IF_ERROR(ValidateSlotInit(in, info_));
   const std::string where = absl::StrCat("prefill slot ", in.slot, ": ");
-  if (in.slot < 0 || in.slot >= info_.max_slots) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, "slot out of [0, ", info_.max_slots, ")"));
-  }
   if (slots_[in.slot].state != SlotState::kFree) {
-    return absl::FailedPreconditionError(absl::StrCat(where, "slot is not FREE"));
-  }
-  if (in.prompt.empty()) return absl::InvalidArgumentError(absl::StrCat(where, "empty prompt"));
-  if (in.stop.max_new_tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(where, "max_new_tokens < 1"));
+    return absl::FailedPreconditionError(absl::StrCat(where, "not FREE"));
   }
   const int64_t tokens = static_cast<int64_t>(in.prompt.size()) + in.stop.max_new_tokens;
   if (tokens > model_->max_context()) {
     return absl::InvalidArgumentError(absl::StrCat(where, "prompt + max_new_tokens = ", tokens,
                                                    " exceeds max_context ", model_->max_context()));
   }
-  const int64_t need = (tokens + info_.kv_block_size - 1) / info_.kv_block_size;
-  if (static_cast<int64_t>(in.block_table.size()) < need) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, "block_table has ", in.block_table.size(), " blocks, needs ", need));
-  }
-  for (int64_t i = 0; i < need; ++i) {
-    if (in.block_table[i] < 0 || in.block_table[i] >= info_.num_kv_blocks) {
-      return absl::InvalidArgumentError(absl::StrCat(where, "block_table[", i,
-                                                     "] = ", in.block_table[i], " outside [0, ",
-                                                     info_.num_kv_blocks, ")"));
-    }
-  }
-  for (size_t i = 0; i < in.prompt.size(); ++i) {
-    if (in.prompt[i] < 0 || in.prompt[i] >= info_.model.vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, "prompt[", i, "] = ", in.prompt[i], " outside the vocabulary"));
-    }
-  }
+  // The device slot row holds a fixed number of stop ids.
   if (in.stop.stop_token_ids.size() > static_cast<size_t>(k::kMaxStopIds)) {
     return absl::InvalidArgumentError(absl::StrCat(where, in.stop.stop_token_ids.size(),
                                                    " stop ids; the CUDA backend holds up to ",
                                                    k::kMaxStopIds));
   }
-  return ValidateSamplingParams(in.sampling, info_.model.vocab_size);
+  return absl::OkStatus();
 }
 
 // Writes the slot's table row, block table and prompt mask into staging row `index` and

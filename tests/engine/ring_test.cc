@@ -187,3 +187,51 @@ TEST(FinishReasonName, NamesEveryReason) {
 
 }  // namespace
 }  // namespace ts
+
+namespace ts {
+namespace {
+
+TEST(ValidateSlotInit, EveryBackendSharedCheckNamesTheProblem) {
+  BackendInfo info;
+  info.model.vocab_size = 100;
+  info.max_slots = 4;
+  info.kv_block_size = 4;
+  info.num_kv_blocks = 8;
+  const std::vector<int32_t> prompt = {5, 6, 7};
+  const std::vector<int32_t> blocks = {3, 1};  // 3 + 5 tokens -> 2 blocks
+  SlotInit in{.slot = 2, .prompt = prompt, .block_table = blocks};
+  in.stop.max_new_tokens = 5;
+  EXPECT_TRUE(ValidateSlotInit(in, info).ok());
+
+  auto expect_error = [&](SlotInit bad, const std::string& what) {
+    const absl::Status s = ValidateSlotInit(bad, info);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(s.message().find(what), std::string::npos) << s.message();
+  };
+  SlotInit bad = in;
+  bad.slot = 4;
+  expect_error(bad, "slot out of [0, 4)");
+  bad = in;
+  bad.prompt = {};
+  expect_error(bad, "empty prompt");
+  bad = in;
+  bad.stop.max_new_tokens = 0;
+  expect_error(bad, "max_new_tokens < 1");
+  const std::vector<int32_t> oov = {5, 100};
+  bad = in;
+  bad.prompt = oov;
+  expect_error(bad, "prompt[1] = 100");
+  bad = in;
+  bad.stop.max_new_tokens = 6;  // 9 tokens need 3 blocks
+  expect_error(bad, "block_table has 2 blocks, needs 3");
+  const std::vector<int32_t> far = {3, 8};
+  bad = in;
+  bad.block_table = far;
+  expect_error(bad, "block_table[1] = 8");
+  bad = in;
+  bad.sampling.top_p = 0.0f;
+  expect_error(bad, "sampling.top_p");
+}
+
+}  // namespace
+}  // namespace ts
