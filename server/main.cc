@@ -119,7 +119,12 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32
                              .buckets = buckets,
                              .max_context = context,
                              .device = absl::GetFlag(FLAGS_device)};
-  return CreateCudaBackend(options);
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateCudaBackend(options);
+  if (!backend.ok()) {
+    return absl::Status(backend.status().code(),
+                        absl::StrCat("--backend cuda: ", backend.status().message()));
+  }
+  return backend;
 #else
   (void)buckets, (void)context, (void)block;
   return absl::UnimplementedError(
