@@ -1,0 +1,273 @@
+// tailserve-gemv-bench: the decode-shaped GEMMs of Llama-3.2-1B and Llama-3.1-8B (qkv, o, gate_up,
+// down, lm_head) at M = 1, 4, 8: kernels/gemv.cuh (plain and with programmatic dependent launch)
+// against kernels/gemm.cuh's cuBLASLt Gemm. Each variant is captured as a graph of `launches`
+// back-to-back launches whose W rotates over enough copies that L2 (read off the device) never
+// holds it; a replay is timed with CUDA events after warm-up and the table shows the median per
+// launch in us and as a fraction of the 4.3 TB/s read roof (W bytes only), plus the rel. L2
+// difference of the GEMV output against cuBLASLt's (a sanity check, ~1e-3 is bf16 rounding).
+//
+//   tailserve-gemv-bench [--model=all|1b|8b] [--iters=30] [--warmup=3] [--launches=20]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/gemm.cuh"
+#include "kernels/gemv.cuh"
+
+namespace ts::bench {
+namespace {
+
+constexpr double kRoofBytesPerUs = 4.3e6;  // 4.3 TB/s (DESIGN §6)
+
+struct Options {
+  std::string model = "all";
+  int iters = 30;
+  int warmup = 3;
+  int launches = 20;
+};
+
+bool ParseInt(const char* arg, const char* name, int* out) {
+  const std::string prefix = absl::StrCat("--", name, "=");
+  if (std::strncmp(arg, prefix.c_str(), prefix.size()) != 0) return false;
+  *out = std::atoi(arg + prefix.size());
+  return true;
+}
+
+bool Parse(int argc, char** argv, Options* o) {
+  for (int i = 1; i < argc; ++i) {
+    const char* a = argv[i];
+    if (std::strncmp(a, "--model=", 8) == 0) {
+      o->model = a + 8;
+    } else if (!(ParseInt(a, "iters", &o->iters) || ParseInt(a, "warmup", &o->warmup) ||
+                 ParseInt(a, "launches", &o->launches))) {
+      std::fprintf(stderr, "unknown flag %s\n", a);
+      return false;
+    }
+  }
+  return (o->model == "all" || o->model == "1b" || o->model == "8b") && o->iters > 0 &&
+         o->launches > 0;
+}
+
+#define BENCH_CUDA(expr)                                                                       \
+  do {                                                                                         \
+    const cudaError_t e_ = (expr);                                                             \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(e_), __FILE__, \
+                   __LINE__);                                                                  \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+void CheckOk(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// Uniform in (-1, 1), |x| >= 1/64: random data (zeros can run faster than real data), made on the
+// device because W copies reach GBs.
+__global__ void FillKernel(__nv_bfloat16* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    float f = static_cast<float>(x >> 40) / static_cast<float>(1 << 23) - 1.f;
+    if (fabsf(f) < 1.f / 64) f = f < 0 ? -1.f / 64 : 1.f / 64;
+    p[i] = __float2bfloat16_rn(f);
+  }
+}
+
+void Fill(__nv_bfloat16* p, size_t n, uint64_t seed) {
+  FillKernel<<<1024, 256>>>(p, n, seed);
+  BENCH_CUDA(cudaGetLastError());
+}
+
+// Captures `launches` calls fn(stream, i) into one graph; median us per launch over `iters`
+// replays, each timed with events.
+double TimePerLaunch(const Options& o, cudaStream_t stream,
+                     const std::function<absl::Status(cudaStream_t, int)>& fn) {
+  cudaGraph_t graph;
+  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  absl::Status st;
+  for (int i = 0; i < o.launches && st.ok(); ++i) st.Update(fn(stream, i));
+  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+  CheckOk(st, "launch under capture");
+  cudaGraphExec_t exec;
+  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < o.warmup; ++i) BENCH_CUDA(cudaGraphLaunch(exec, stream));
+  cudaEvent_t a, b;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  std::vector<double> us;
+  for (int i = 0; i < o.iters; ++i) {
+    BENCH_CUDA(cudaEventRecord(a, stream));
+    BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    BENCH_CUDA(cudaEventRecord(b, stream));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
+    us.push_back(ms * 1000.0 / o.launches);
+  }
+  BENCH_CUDA(cudaEventDestroy(a));
+  BENCH_CUDA(cudaEventDestroy(b));
+  BENCH_CUDA(cudaGraphExecDestroy(exec));
+  BENCH_CUDA(cudaGraphDestroy(graph));
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+std::vector<float> Download(const __nv_bfloat16* d, size_t n) {
+  std::vector<__nv_bfloat16> h(n);
+  BENCH_CUDA(cudaMemcpy(h.data(), d, n * sizeof(h[0]), cudaMemcpyDeviceToHost));
+  std::vector<float> f(n);
+  for (size_t i = 0; i < n; ++i) f[i] = __bfloat162float(h[i]);
+  return f;
+}
+
+double RelL2(const std::vector<float>& got, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;
+    num += double(got[i] - ref[i]) * (got[i] - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+struct Shape {
+  const char* model;
+  const char* layer;
+  int n, k;
+};
+
+struct Device {
+  int num_sms = 0;
+  size_t l2_bytes = 0;
+};
+
+void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm& gemm,
+              cudaStream_t stream) {
+  const size_t w_elems = size_t(s.n) * s.k;
+  const double bytes = 2.0 * w_elems;
+  // Enough copies that the rotation's footprint is >= 3x L2, at least 4, at most one per launch.
+  const int copies = static_cast<int>(
+      std::clamp<double>(std::ceil(3.0 * dev.l2_bytes / bytes), 4.0, std::max(4, o.launches)));
+  __nv_bfloat16 *w = nullptr, *a = nullptr, *c_gemv = nullptr, *c_blas = nullptr;
+  float* ws = nullptr;
+  BENCH_CUDA(cudaMalloc(&w, w_elems * copies * sizeof(__nv_bfloat16)));
+  BENCH_CUDA(cudaMalloc(&a, size_t(kernels::kGemvMaxM) * s.k * sizeof(__nv_bfloat16)));
+  BENCH_CUDA(cudaMalloc(&c_gemv, size_t(kernels::kGemvMaxM) * s.n * sizeof(__nv_bfloat16)));
+  BENCH_CUDA(cudaMalloc(&c_blas, size_t(kernels::kGemvMaxM) * s.n * sizeof(__nv_bfloat16)));
+  const size_t ws_bytes =
+      kernels::GemvWorkspaceBytes(kernels::kGemvMaxM, s.n, kernels::kGemvMaxSplitK);
+  BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
+  Fill(w, w_elems * copies, 1234 + s.n);
+  Fill(a, size_t(kernels::kGemvMaxM) * s.k, 99 + s.k);
+  BENCH_CUDA(cudaDeviceSynchronize());
+
+  for (int m : {1, 4, 8}) {
+    CheckOk(gemm.Plan(kernels::GemmShape{m, s.n, s.k}), "gemm plan");
+    kernels::GemvParams gp;
+    gp.a = a;
+    gp.c = c_gemv;
+    gp.m = m;
+    gp.n = s.n;
+    gp.k = s.k;
+    gp.split_k = kernels::ChooseGemvSplitK(m, s.n, s.k, dev.num_sms);
+    gp.workspace = ws;
+    gp.workspace_bytes = ws_bytes;
+    auto gemv = [&](bool pdl) {
+      return [&, pdl](cudaStream_t st, int i) {
+        kernels::GemvParams p = gp;
+        p.w = w + w_elems * (i % copies);
+        p.pdl = pdl;
+        return kernels::LaunchGemv(p, st);
+      };
+    };
+    const double t_blas = TimePerLaunch(o, stream, [&](cudaStream_t st, int i) {
+      return gemm.Launch(
+          kernels::GemmParams{a, w + w_elems * (i % copies), c_blas, m, s.n, s.k, false}, st);
+    });
+    const double t_gemv = TimePerLaunch(o, stream, gemv(false));
+    const double t_pdl = TimePerLaunch(o, stream, gemv(true));
+
+    // Same inputs once more, outside any graph, for the sanity check.
+    BENCH_CUDA(cudaMemset(c_gemv, 0xFF, size_t(m) * s.n * 2));
+    kernels::GemvParams p = gp;
+    p.w = w;
+    CheckOk(kernels::LaunchGemv(p, stream), "gemv");
+    CheckOk(gemm.Launch(kernels::GemmParams{a, w, c_blas, m, s.n, s.k, false}, stream), "gemm");
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    const double diff = RelL2(Download(c_gemv, size_t(m) * s.n), Download(c_blas, size_t(m) * s.n));
+
+    const double roof = bytes / kRoofBytesPerUs;
+    auto pct = [&](double us) { return 100.0 * roof / us; };
+    std::printf(
+        "%-3s %-8s %6d %6d %2d %8.1f %7.2f | %8.2f %4.0f%% | %8.2f %4.0f%% | %8.2f %4.0f%% |"
+        " %5d %9.1e %3d\n",
+        s.model, s.layer, s.n, s.k, m, bytes / 1e6, roof, t_blas, pct(t_blas), t_gemv, pct(t_gemv),
+        t_pdl, pct(t_pdl), gp.split_k, diff, copies);
+    std::fflush(stdout);
+  }
+  BENCH_CUDA(cudaFree(w));
+  BENCH_CUDA(cudaFree(a));
+  BENCH_CUDA(cudaFree(c_gemv));
+  BENCH_CUDA(cudaFree(c_blas));
+  BENCH_CUDA(cudaFree(ws));
+}
+
+int Main(int argc, char** argv) {
+  Options o;
+  if (!Parse(argc, argv, &o)) {
+    std::fprintf(stderr, "usage: see the header of bench/gemv/gemv_bench.cu\n");
+    return 2;
+  }
+  cudaDeviceProp prop;
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const Device dev{prop.multiProcessorCount, static_cast<size_t>(prop.l2CacheSize)};
+  std::printf("device %s, %d SMs, L2 %.1f MB; %d launches per graph, median of %d replays\n",
+              prop.name, dev.num_sms, dev.l2_bytes / 1e6, o.launches, o.iters);
+  std::printf("%-3s %-8s %6s %6s %2s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %9s %3s\n", "mdl",
+              "layer", "n", "k", "M", "W MB", "roof us", "cublas", "roof", "gemv", "roof",
+              "gemv+pdl", "roof", "split", "relL2", "cps");
+
+  // Llama-3.2-1B: hidden 2048, 32 q / 8 kv heads of 64, intermediate 8192, vocab 128256.
+  // Llama-3.1-8B: hidden 4096, 32 q / 8 kv heads of 128, intermediate 14336, vocab 128256.
+  const std::vector<Shape> shapes = {
+      {"1b", "qkv", 3072, 2048},       {"1b", "o", 2048, 2048},
+      {"1b", "gate_up", 16384, 2048},  {"1b", "down", 2048, 8192},
+      {"1b", "lm_head", 128256, 2048}, {"8b", "qkv", 6144, 4096},
+      {"8b", "o", 4096, 4096},         {"8b", "gate_up", 28672, 4096},
+      {"8b", "down", 4096, 14336},     {"8b", "lm_head", 128256, 4096}};
+  auto gemm = kernels::Gemm::Create();
+  CheckOk(gemm.status(), "gemm create");
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const Shape& s : shapes) {
+    if (o.model == "all" || o.model == s.model) RunShape(o, dev, s, **gemm, stream);
+  }
+  BENCH_CUDA(cudaStreamDestroy(stream));
+  return 0;
+}
+
+}  // namespace
+}  // namespace ts::bench
+
+int main(int argc, char** argv) {
+  return ts::bench::Main(argc, argv);
+}

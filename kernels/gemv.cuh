@@ -1,0 +1,71 @@
+// Memory-bound small-M GEMM ("GEMV") for decode, the same product as kernels/gemm.cuh:
+//   C[m, n] = A[m, k] * W[n, k]^T  (+ C when accumulate)
+// row-major bf16, W laid out like a Hugging Face Linear weight [out_features, in_features], fp32
+// accumulation. For m <= 8 the time is the time to stream W once from HBM; cuBLASLt was measured
+// at 39-56% of that roof on the small Llama-1B projections (DESIGN §6), this kernel aims at ~90%.
+//
+// How: a CTA owns a tile of 16 rows of W (16 output columns) and its 8 warps split the K range
+// between them. Each thread streams its rows with 16-byte loads (8 batches of them in flight, L1
+// bypassed) and feeds them, with the matching 16 bytes of A, straight into tensor-core
+// mma.m16n8k16 (W rows as the MMA's M, the up-to-8 rows of A as its N): the k-order inside a
+// thread's 16 bytes is free, so no shuffles or conversions are needed and m = 1..8 all cost the
+// same instructions (one kernel instance serves every m, nothing is templated on m). The warps'
+// partial sums are added in a fixed order through shared memory, so results are bitwise
+// reproducible.
+//
+// Split-K (split_k > 1): when n / 16 CTAs leave most SMs idle, CTAs also split K. Each writes its
+// fp32 partial to workspace [split_k, m, n] and a second small kernel adds the split_k partials in
+// order and applies the epilogue (deterministic; costs one more kernel node, so
+// ChooseGemvSplitK only picks it for large matrices with few CTAs; every Llama-1B/8B projection
+// gets split_k = 1 on a 132-SM H200).
+//
+// Graph-capturable: no allocation, no sync. With `pdl`, the kernel(s) are launched with
+// programmatic stream serialization: each CTA issues its first W loads before
+// `griddepcontrol.wait`, so the weight stream starts while the preceding kernel drains (A and C
+// are touched only after the wait). Only valid when the preceding kernels do not write W.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace ts::kernels {
+
+inline constexpr int32_t kGemvMaxM = 8;        // rows of A one launch handles
+inline constexpr int32_t kGemvMaxSplitK = 64;  // upper bound on split_k
+inline constexpr int32_t kGemvTileN = 16;      // output columns (rows of W) per CTA
+
+struct GemvParams {
+  const __nv_bfloat16* a = nullptr;  // [m, k] row-major, 16-byte aligned; written by no one here
+  const __nv_bfloat16* w = nullptr;  // [n, k] row-major, 16-byte aligned
+  // Exactly one output: bf16 `c` or fp32 `c_f32`, [m, n] row-major, read first when accumulate.
+  // Must not overlap a, w or workspace.
+  __nv_bfloat16* c = nullptr;  // [m, n]
+  float* c_f32 = nullptr;      // [m, n]
+  int32_t m = 0;               // 1..kGemvMaxM
+  int32_t n = 0;               // >= 1, any value
+  int32_t k = 0;               // positive multiple of 8 (16-byte loads)
+  bool accumulate = false;     // false: C = A W^T; true: C += A W^T (fp32 add, one rounding)
+  int32_t split_k = 1;         // 1..kGemvMaxSplitK; 1 = no split, one kernel
+  float* workspace = nullptr;  // [split_k, m, n] fp32 partials; only used when split_k > 1
+  size_t workspace_bytes = 0;  // >= GemvWorkspaceBytes(m, n, split_k)
+  bool pdl = false;            // programmatic dependent launch (see the header comment)
+};
+
+// Validates params (InvalidArgument naming the field, e.g. "gemv.k") and enqueues one kernel
+// (split_k == 1) or two (split_k > 1) on `stream`.
+absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream);
+
+// Host heuristic: 1 unless the n / 16 CTAs would fill less than half of the `num_sms` SMs and
+// the matrix is large enough (>= 8 MiB) that the extra reduce kernel (~2 us node) pays off; then
+// enough splits for about one full wave, keeping >= 2048 k per split.
+int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms);
+
+// Bytes of fp32 workspace LaunchGemv needs for (m, n, split_k): 0 when split_k <= 1.
+size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k);
+
+}  // namespace ts::kernels

@@ -1,0 +1,365 @@
+// LaunchGemv (tensor-core GEMV for m <= 8) against an fp64 CPU product of the same bf16 inputs,
+// over m in {1, 2, 3, 5, 8} x (n, k) from tiny and odd to Llama-1B/8B projections x split_k in
+// {1, ChooseGemvSplitK, 4}. bf16 output tolerance as in gemm_test.cc: |err| <= 2^-8 |ref| +
+// 1e-3 rms(ref) per element and ||err|| / ||ref|| <= 5e-3. fp32 output: only accumulation error
+// is left, |err| <= 1e-5 sum_t |a_t w_t| per element and ||err|| / ||ref|| <= 1e-4.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "kernels/gemv.cuh"
+#include "tests/kernels/kernel_test_util.h"
+
+namespace ts::kernels {
+namespace {
+
+using testing::GuardedBuffer;
+
+// (n, k): tiny and odd (k % 32 != 0 exercises the partial k-steps), Llama-3.2-1B qkv, o,
+// gate_up, down, Llama-3.1-8B qkv, o, gate_up, down; (512, 8192) is one ChooseGemvSplitK splits.
+const std::vector<std::pair<int, int>> kShapes = {
+    {3072, 2048},  {2048, 2048},  {16384, 2048}, {2048, 8192}, {6144, 4096}, {4096, 4096},
+    {28672, 4096}, {4096, 14336}, {24, 40},      {1000, 520},  {512, 8192}};
+
+int NumSms() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  return sms > 0 ? sms : 132;
+}
+
+// C = A W^T (+ c0) in fp64; `abs_sum` (optional) gets sum_t |a_t w_t| per element.
+std::vector<double> Reference(const std::vector<float>& a, const std::vector<float>& w,
+                              const std::vector<float>* c0, int m, int n, int k,
+                              std::vector<double>* abs_sum = nullptr) {
+  std::vector<double> c(size_t(m) * n);
+  if (abs_sum) abs_sum->assign(c.size(), 0.0);
+  for (int j = 0; j < n; ++j) {
+    const float* wr = w.data() + size_t(j) * k;
+    for (int i = 0; i < m; ++i) {
+      const float* ar = a.data() + size_t(i) * k;
+      double s[4] = {0, 0, 0, 0};  // four chains: the reference is the slow part of this test
+      for (int t = 0; t < k; t += 4) {
+        for (int u = 0; u < 4 && t + u < k; ++u) s[u] += double(ar[t + u]) * wr[t + u];
+      }
+      const size_t e = size_t(i) * n + j;
+      c[e] = s[0] + s[1] + s[2] + s[3] + (c0 ? (*c0)[e] : 0.0);
+      if (abs_sum) {
+        double as = 0;
+        for (int t = 0; t < k; ++t) as += std::fabs(double(ar[t]) * wr[t]);
+        (*abs_sum)[e] = as;
+      }
+    }
+  }
+  return c;
+}
+
+// `product`: when C is accumulated, the A W^T part of ref (its magnitude joins the bound, as in
+// gemm_test.cc, though this kernel rounds only once, after the fp32 add).
+void ExpectCloseBf16(const std::vector<float>& got, const std::vector<double>& ref,
+                     const std::vector<double>* product = nullptr) {
+  ASSERT_EQ(got.size(), ref.size());
+  double ss = 0;
+  for (double r : ref) ss += r * r;
+  const double rms = std::sqrt(ss / ref.size());
+  double worst = 0;
+  size_t worst_i = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i << " not written";
+    const double scale = std::fabs(ref[i]) + (product ? std::fabs((*product)[i]) : 0.0);
+    const double e = std::fabs(got[i] - ref[i]) / (scale / 256 + 1e-3 * rms);
+    if (e > worst) worst = e, worst_i = i;
+  }
+  EXPECT_LE(worst, 1.0) << "at " << worst_i << ": got " << got[worst_i] << " want " << ref[worst_i];
+  EXPECT_LE(testing::RelL2Error(got, ref), 5e-3);
+}
+
+void ExpectCloseF32(const std::vector<float>& got, const std::vector<double>& ref,
+                    const std::vector<double>& abs_sum) {
+  ASSERT_EQ(got.size(), ref.size());
+  double worst = 0;
+  size_t worst_i = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i << " not written";
+    const double e = std::fabs(got[i] - ref[i]) / (1e-5 * abs_sum[i] + 1e-30);
+    if (e > worst) worst = e, worst_i = i;
+  }
+  EXPECT_LE(worst, 1.0) << "at " << worst_i << ": got " << got[worst_i] << " want " << ref[worst_i];
+  EXPECT_LE(testing::RelL2Error(got, ref), 1e-4);
+}
+
+struct Weights {
+  int n, k;
+  std::vector<float> w;  // [n, k], bf16-exact
+  GuardedBuffer<__nv_bfloat16> dw;
+  Weights(int n_, int k_, uint32_t seed)
+      : n(n_), k(k_), w(testing::RandomFloats(size_t(n) * k, -1, 1, seed)), dw(w.size()) {
+    dw.Upload(testing::ToBf16(w));
+  }
+};
+
+// One problem's activations and outputs: A, bf16 and fp32 C, the initial C for accumulate, and a
+// workspace sized for split_k <= kGemvMaxSplitK.
+struct Problem {
+  const Weights& wt;
+  int m;
+  std::vector<float> a, c0;
+  GuardedBuffer<__nv_bfloat16> da, dc;
+  GuardedBuffer<float> dc32, ws;
+  Problem(const Weights& w, int m_, uint32_t seed)
+      : wt(w),
+        m(m_),
+        a(testing::RandomFloats(size_t(m) * w.k, -1, 1, seed)),
+        c0(testing::RandomFloats(size_t(m) * w.n, -4, 4, seed + 1)),
+        da(a.size()),
+        dc(c0.size()),
+        dc32(c0.size()),
+        ws(size_t(kGemvMaxSplitK) * m * w.n) {
+    da.Upload(testing::ToBf16(a));
+  }
+  GemvParams Params(int split_k, bool fp32 = false, bool accumulate = false) const {
+    GemvParams p;
+    p.a = da.get();
+    p.w = wt.dw.get();
+    if (fp32) {
+      p.c_f32 = dc32.get();
+    } else {
+      p.c = dc.get();
+    }
+    p.m = m;
+    p.n = wt.n;
+    p.k = wt.k;
+    p.accumulate = accumulate;
+    p.split_k = split_k;
+    p.workspace = ws.get();
+    p.workspace_bytes = ws.size() * sizeof(float);
+    return p;
+  }
+};
+
+std::vector<int> Splits(int m, int n, int k) {
+  std::vector<int> s = {1, ChooseGemvSplitK(m, n, k, NumSms()), 4};
+  std::sort(s.begin(), s.end());
+  s.erase(std::unique(s.begin(), s.end()), s.end());
+  return s;
+}
+
+TEST(GemvTest, Bf16OutputMatchesReferenceOverShapeGrid) {
+  for (const auto& [n, k] : kShapes) {
+    const Weights wt(n, k, n * 7 + k);
+    for (int m : {1, 2, 3, 5, 8}) {
+      Problem pr(wt, m, m * 131 + n + k);
+      const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, n, k);
+      for (int split : Splits(m, n, k)) {
+        SCOPED_TRACE(::testing::Message()
+                     << "m=" << m << " n=" << n << " k=" << k << " split_k=" << split);
+        pr.dc.Poison();
+        TS_ASSERT_OK(LaunchGemv(pr.Params(split), nullptr));
+        TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+        ExpectCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
+        EXPECT_TRUE(pr.dc.GuardsIntact());
+        EXPECT_TRUE(pr.ws.GuardsIntact());
+      }
+    }
+  }
+}
+
+TEST(GemvTest, Fp32OutputIsTighter) {
+  for (const auto& [n, k] :
+       std::vector<std::pair<int, int>>{{24, 40}, {1000, 520}, {2048, 8192}, {4096, 14336}}) {
+    const Weights wt(n, k, n + 3 * k);
+    for (int m : {1, 5, 8}) {
+      Problem pr(wt, m, m + n);
+      std::vector<double> abs_sum;
+      const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, n, k, &abs_sum);
+      for (int split : {1, 4}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "m=" << m << " n=" << n << " k=" << k << " split_k=" << split);
+        pr.dc32.Poison();
+        TS_ASSERT_OK(LaunchGemv(pr.Params(split, /*fp32=*/true), nullptr));
+        TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+        ExpectCloseF32(pr.dc32.Download(), ref, abs_sum);
+        EXPECT_TRUE(pr.dc32.GuardsIntact());
+      }
+    }
+  }
+}
+
+TEST(GemvTest, AccumulateAddsIntoC) {
+  const Weights wt(2048, 1000, 91);
+  for (int m : {1, 3, 8}) {
+    Problem pr(wt, m, 17 * m);
+    std::vector<double> abs_sum;
+    const std::vector<double> product = Reference(pr.a, wt.w, nullptr, m, 2048, 1000, &abs_sum);
+    const std::vector<double> ref = Reference(pr.a, wt.w, &pr.c0, m, 2048, 1000);
+    for (int split : {1, 4}) {
+      SCOPED_TRACE(::testing::Message() << "m=" << m << " split_k=" << split);
+      pr.dc.Upload(testing::ToBf16(pr.c0));
+      TS_ASSERT_OK(LaunchGemv(pr.Params(split, false, /*accumulate=*/true), nullptr));
+      TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+      ExpectCloseBf16(testing::FromBf16(pr.dc.Download()), ref, &product);
+      EXPECT_TRUE(pr.dc.GuardsIntact());
+
+      // fp32: c0 is exact in fp32, so the bound is the accumulation's plus one fp32 rounding.
+      pr.dc32.Upload(pr.c0);
+      TS_ASSERT_OK(LaunchGemv(pr.Params(split, true, true), nullptr));
+      TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+      std::vector<double> bound = abs_sum;
+      for (size_t i = 0; i < bound.size(); ++i) bound[i] += 0.1 * std::fabs(pr.c0[i]);
+      ExpectCloseF32(pr.dc32.Download(), ref, bound);
+      EXPECT_TRUE(pr.dc32.GuardsIntact());
+    }
+  }
+}
+
+// Captures `fn` once and replays it `replays` times, poisoning `out` before each; every replay's
+// bytes must equal `expect`.
+template <typename T, typename Fn>
+void ExpectReplaysEqual(cudaStream_t stream, GuardedBuffer<T>& out, const std::vector<T>& expect,
+                        int replays, Fn&& fn) {
+  cudaGraph_t graph = nullptr;
+  TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const absl::Status st = fn(stream);
+  TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  TS_ASSERT_OK(st);
+  cudaGraphExec_t exec = nullptr;
+  TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int r = 0; r < replays; ++r) {
+    out.Poison();
+    TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
+    TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
+    const std::vector<T> got = out.Download();
+    EXPECT_EQ(0, std::memcmp(got.data(), expect.data(), got.size() * sizeof(T))) << "replay " << r;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST(GemvTest, CapturesInGraphAndIsDeterministic) {
+  const Weights wt(4096, 4096, 5);
+  Problem pr(wt, 5, 6);
+  const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, 5, 4096, 4096);
+  cudaStream_t stream;
+  TS_ASSERT_CUDA_OK(cudaStreamCreate(&stream));
+  for (int split : {1, 3}) {
+    for (bool pdl : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "split_k=" << split << " pdl=" << pdl);
+      GemvParams p = pr.Params(split);
+      p.pdl = pdl;
+      pr.dc.Poison();
+      TS_ASSERT_OK(LaunchGemv(p, stream));
+      TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
+      const auto first = pr.dc.Download();
+      ExpectCloseBf16(testing::FromBf16(first), ref);
+      ExpectReplaysEqual(stream, pr.dc, first, 3, [&](cudaStream_t s) { return LaunchGemv(p, s); });
+      EXPECT_TRUE(pr.dc.GuardsIntact());
+    }
+  }
+  cudaStreamDestroy(stream);
+}
+
+// With pdl the second GEMV issues its W loads before griddepcontrol.wait: its A is the first's
+// output (poisoned with NaN before each replay), so reading A before the wait would show.
+TEST(GemvTest, PdlChainReadsTheProducersOutput) {
+  const Weights w1(2048, 4096, 21), w2(3072, 2048, 22);
+  Problem p1(w1, 4, 23);
+  GuardedBuffer<__nv_bfloat16> c2(size_t(4) * 3072);
+  GuardedBuffer<float> ws(size_t(kGemvMaxSplitK) * 4 * 3072);
+  cudaStream_t stream;
+  TS_ASSERT_CUDA_OK(cudaStreamCreate(&stream));
+  for (int split : {1, 3}) {
+    SCOPED_TRACE(::testing::Message() << "split_k=" << split);
+    GemvParams first = p1.Params(1);
+    GemvParams second;
+    second.a = p1.dc.get();
+    second.w = w2.dw.get();
+    second.c = c2.get();
+    second.m = 4;
+    second.n = 3072;
+    second.k = 2048;
+    second.split_k = split;
+    second.workspace = ws.get();
+    second.workspace_bytes = ws.size() * sizeof(float);
+    second.pdl = true;
+    cudaGraph_t graph = nullptr;
+    TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    absl::Status st = LaunchGemv(first, stream);
+    if (st.ok()) st = LaunchGemv(second, stream);
+    TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    TS_ASSERT_OK(st);
+    cudaGraphExec_t exec = nullptr;
+    TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int r = 0; r < 3; ++r) {
+      p1.dc.Poison();
+      c2.Poison();
+      TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
+      TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
+      const std::vector<float> mid = testing::FromBf16(p1.dc.Download());
+      ExpectCloseBf16(mid, Reference(p1.a, w1.w, nullptr, 4, 2048, 4096));
+      ExpectCloseBf16(testing::FromBf16(c2.Download()),
+                      Reference(mid, w2.w, nullptr, 4, 3072, 2048));
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  EXPECT_TRUE(c2.GuardsIntact());
+  cudaStreamDestroy(stream);
+}
+
+TEST(GemvTest, RejectsBadParams) {
+  const Weights wt(64, 64, 9);
+  Problem pr(wt, 3, 10);
+  GemvParams p = pr.Params(1);
+  TS_ASSERT_OK(LaunchGemv(p, nullptr));
+  auto with = [&](auto&& edit) {
+    GemvParams q = pr.Params(1);
+    edit(q);
+    return LaunchGemv(q, nullptr);
+  };
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.m = 0; }), "gemv.m");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.m = 9; }), "gemv.m");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.n = 0; }), "gemv.n");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.k = 60; }), "gemv.k");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.k = 0; }), "gemv.k");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.a = nullptr; }), "gemv.a");
+  TS_EXPECT_INVALID(with([&](GemvParams& q) { q.w = pr.wt.dw.get() + 4; }), "gemv.w");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.c = nullptr; }), "gemv.c");
+  TS_EXPECT_INVALID(with([&](GemvParams& q) { q.c_f32 = pr.dc32.get(); }), "gemv.c");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.split_k = 0; }), "gemv.split_k");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.split_k = kGemvMaxSplitK + 1; }), "gemv.split_k");
+  TS_EXPECT_INVALID(with([](GemvParams& q) {
+                      q.split_k = 2;
+                      q.workspace = nullptr;
+                    }),
+                    "gemv.workspace");
+  TS_EXPECT_INVALID(with([](GemvParams& q) {
+                      q.split_k = 2;
+                      q.workspace_bytes = GemvWorkspaceBytes(3, 64, 2) - 4;
+                    }),
+                    "gemv.workspace_bytes");
+  TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(pr.dc.GuardsIntact());
+}
+
+TEST(GemvTest, SplitHeuristicAndWorkspaceSize) {
+  // Every Llama-1B/8B projection fills a 132-SM H200 without splitting.
+  for (const auto& [n, k] : kShapes) {
+    if (n >= 2048) {
+      EXPECT_EQ(ChooseGemvSplitK(1, n, k, 132), 1) << n << "x" << k;
+    }
+  }
+  EXPECT_EQ(ChooseGemvSplitK(1, 24, 40, 132), 1);      // tiny: the second kernel never pays
+  EXPECT_EQ(ChooseGemvSplitK(8, 512, 8192, 132), 4);   // 32 CTAs, k allows 4 splits of 2048
+  EXPECT_EQ(ChooseGemvSplitK(1, 256, 65536, 132), 9);  // 16 CTAs: one wave of 144
+  EXPECT_EQ(ChooseGemvSplitK(0, 512, 8192, 132), 1);
+  EXPECT_EQ(GemvWorkspaceBytes(3, 100, 1), 0u);
+  EXPECT_EQ(GemvWorkspaceBytes(3, 100, 4), size_t{4} * 3 * 100 * sizeof(float));
+}
+
+}  // namespace
+}  // namespace ts::kernels
