@@ -42,6 +42,7 @@ CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& co
   m.gpu_memory_fraction = o.gpu_memory_fraction;
   m.device = o.device;
   m.print_plan = o.log_progress;
+  m.small_m_gemv = o.small_m_gemv;
   return m;
 }
 

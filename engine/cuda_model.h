@@ -52,6 +52,8 @@ struct CudaModelOptions {
   size_t graph_reserve_bytes = size_t{256} << 20;
   int device = 0;
   bool print_plan = true;  // the budget on stderr at startup
+  // Decode GEMMs with <= 8 rows and a small weight go through kernels/gemv instead of cuBLASLt.
+  bool small_m_gemv = true;
 };
 
 // Times each op of a step separately with CUDA events (the --profile mode of tailserve-bench).
@@ -148,6 +150,9 @@ class CudaModel {
     int32_t max_q_len = 0;
   };
   // The layers of one forward over `f` (decode or prefill buffers).
+  // C = A W^T (+ C): kernels/gemv for decode-sized m and small W, else the planned cuBLASLt GEMM.
+  absl::Status LaunchLinear(const kernels::Gemm& gemm, const kernels::GemmParams& p,
+                            cudaStream_t stream) const;
   absl::Status EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& attn,
                              const kernels::Gemm& gemm, cudaStream_t stream, OpTimer* timer) const;
   // final norm -> lm_head (fp32 logits) over head rows [0, padded_rows).
@@ -160,6 +165,7 @@ class CudaModel {
   int32_t PrefillRowsFor(int32_t tokens) const;
 
   ModelConfig config_;
+  bool small_m_gemv_ = true;
   MemoryPlan plan_;
   std::vector<int32_t> buckets_;
   std::vector<int32_t> prefill_sizes_;  // planned prefill GEMM row counts, ascending

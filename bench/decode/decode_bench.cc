@@ -53,6 +53,7 @@ ABSL_FLAG(int32_t, profile_reps, 20, "profiled steps; per-op medians are reporte
 ABSL_FLAG(double, gpu_memory_fraction, 0.9, "memory budget fraction");
 ABSL_FLAG(int32_t, device, 0, "CUDA device ordinal");
 ABSL_FLAG(uint64_t, seed, 1, "weights and prompts seed");
+ABSL_FLAG(bool, gemv, true, "decode GEMMs with <= 8 rows and small weights through kernels/gemv");
 
 namespace ts::bench {
 namespace {
@@ -206,6 +207,7 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
   o.gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
   o.device = absl::GetFlag(FLAGS_device);
   o.ring_capacity = static_cast<uint32_t>(max_new + 8);
+  o.small_m_gemv = absl::GetFlag(FLAGS_gemv);
   std::fprintf(stderr, "== shape %s: building the backend\n", shape.c_str());
   TS_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaBackend> b,
