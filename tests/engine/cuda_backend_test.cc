@@ -166,7 +166,8 @@ TEST_P(CudaBackendFixtureTest, TeacherForcedLogitsCloseToTransformers) {
     double max_abs = 0, diff2 = 0, ref2 = 0;
     int32_t argmax_agree = 0, path_agree = 0;
     // Rows [prompt_len - 1, prompt_len + 31) predict the greedy tokens: their top1-top2 margins
-    // are >= 0.05 (README). Other rows' margins are not controlled; they are only reported.
+    // are >= 0.1 and survive bf16 (tests/fixtures/README.md). Other rows' margins are not
+    // controlled; they are only reported.
     const size_t path_begin = ref_.prompts[i].size() - 1, path_end = path_begin + NumNew();
     for (size_t r = 0; r < seq.size(); ++r) {
       int32_t a = 0, b = 0;
