@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "bench/common/graph_timing.h"
 #include "kernels/decode_attention.cuh"
 #include "kernels/prefill_attention.cuh"
 
@@ -71,23 +72,6 @@ bool Parse(int argc, char** argv, Options* o) {
   return o->num_seqs > 0 && o->min_ctx > 0 && o->max_ctx >= o->min_ctx && o->iters > 0;
 }
 
-#define BENCH_CUDA(expr)                                                                       \
-  do {                                                                                         \
-    const cudaError_t e_ = (expr);                                                             \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(e_), __FILE__, \
-                   __LINE__);                                                                  \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
-
-void CheckOk(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
-
 template <typename T>
 T* DeviceAlloc(size_t n) {
   T* p = nullptr;
@@ -117,32 +101,7 @@ struct Timing {
 // Captures fn into a graph and times `iters` replays one by one with events.
 Timing TimeGraph(const Options& o, cudaStream_t stream,
                  const std::function<absl::Status(cudaStream_t)>& fn) {
-  cudaGraph_t graph;
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const absl::Status st = fn(stream);
-  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
-  CheckOk(st, "launch under capture");
-  cudaGraphExec_t exec;
-  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < o.warmup; ++i) BENCH_CUDA(cudaGraphLaunch(exec, stream));
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  std::vector<double> us;
-  for (int i = 0; i < o.iters; ++i) {
-    BENCH_CUDA(cudaEventRecord(a, stream));
-    BENCH_CUDA(cudaGraphLaunch(exec, stream));
-    BENCH_CUDA(cudaEventRecord(b, stream));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
-    us.push_back(ms * 1000.0);
-  }
-  BENCH_CUDA(cudaEventDestroy(a));
-  BENCH_CUDA(cudaEventDestroy(b));
-  BENCH_CUDA(cudaGraphExecDestroy(exec));
-  BENCH_CUDA(cudaGraphDestroy(graph));
-  std::sort(us.begin(), us.end());
+  const std::vector<double> us = TimeGraphReplays(stream, o.warmup, o.iters, fn);
   return {us[us.size() / 2], us[us.size() / 10], us[us.size() * 9 / 10]};
 }
 

@@ -23,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "bench/common/graph_timing.h"
 #include "kernels/gemm.cuh"
 #include "kernels/gemv.cuh"
 
@@ -60,23 +61,6 @@ bool Parse(int argc, char** argv, Options* o) {
          o->launches > 0;
 }
 
-#define BENCH_CUDA(expr)                                                                       \
-  do {                                                                                         \
-    const cudaError_t e_ = (expr);                                                             \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(e_), __FILE__, \
-                   __LINE__);                                                                  \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
-
-void CheckOk(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
-
 // Uniform in (-1, 1), |x| >= 1/64: random data (zeros can run faster than real data), made on the
 // device because W copies reach GBs.
 __global__ void FillKernel(__nv_bfloat16* p, size_t n, uint64_t seed) {
@@ -101,34 +85,12 @@ void Fill(__nv_bfloat16* p, size_t n, uint64_t seed) {
 // replays, each timed with events.
 double TimePerLaunch(const Options& o, cudaStream_t stream,
                      const std::function<absl::Status(cudaStream_t, int)>& fn) {
-  cudaGraph_t graph;
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  absl::Status st;
-  for (int i = 0; i < o.launches && st.ok(); ++i) st.Update(fn(stream, i));
-  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
-  CheckOk(st, "launch under capture");
-  cudaGraphExec_t exec;
-  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < o.warmup; ++i) BENCH_CUDA(cudaGraphLaunch(exec, stream));
-  cudaEvent_t a, b;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  std::vector<double> us;
-  for (int i = 0; i < o.iters; ++i) {
-    BENCH_CUDA(cudaEventRecord(a, stream));
-    BENCH_CUDA(cudaGraphLaunch(exec, stream));
-    BENCH_CUDA(cudaEventRecord(b, stream));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
-    us.push_back(ms * 1000.0 / o.launches);
-  }
-  BENCH_CUDA(cudaEventDestroy(a));
-  BENCH_CUDA(cudaEventDestroy(b));
-  BENCH_CUDA(cudaGraphExecDestroy(exec));
-  BENCH_CUDA(cudaGraphDestroy(graph));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+  const std::vector<double> us = TimeGraphReplays(stream, o.warmup, o.iters, [&](cudaStream_t s) {
+    absl::Status st;
+    for (int i = 0; i < o.launches && st.ok(); ++i) st.Update(fn(s, i));
+    return st;
+  });
+  return us[us.size() / 2] / o.launches;
 }
 
 std::vector<float> Download(const __nv_bfloat16* d, size_t n) {
