@@ -27,6 +27,22 @@ __device__ __forceinline__ void StoreBf16x8(__nv_bfloat16* p, const Bf16x8& v) {
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
 }
 
+// Transformers runs a bf16 Llama as a chain of bf16 tensor ops: each computes in fp32 and rounds
+// its result to bf16. The kernels round at the same points (not once per fused kernel), so their
+// logits track transformers' to within fp32 summation order, not to within bf16 noise.
+__device__ __forceinline__ float RoundBf16(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+// LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(bf16), two roundings.
+__device__ __forceinline__ float RmsNormScale(float x, float inv_rms, float weight) {
+  return RoundBf16(weight * RoundBf16(x * inv_rms));
+}
+// LlamaMLP's act_fn(gate) * up: silu rounded to bf16, then the product.
+// expf, not __expf: the fast one loses accuracy for large |x|.
+__device__ __forceinline__ float SiluMul(float gate, float up) {
+  return RoundBf16(RoundBf16(gate / (1.0f + expf(-gate))) * up);
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

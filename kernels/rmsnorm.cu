@@ -59,8 +59,8 @@ __global__ void RmsNormKernel(RmsNormParams p) {
     Bf16x8 o;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      o.h[j] =
-          __float2bfloat16_rn(__bfloat162float(r[i].h[j]) * inv_rms * __bfloat162float(w.h[j]));
+      o.h[j] = __float2bfloat16_rn(
+          RmsNormScale(__bfloat162float(r[i].h[j]), inv_rms, __bfloat162float(w.h[j])));
     }
     StoreBf16x8(p.out + base + v * 8, o);
   }

@@ -1,10 +1,9 @@
 // Fused residual add + RMSNorm, one CTA per row, 16-byte vectors, the row held in registers:
 //   if x != nullptr:  residual = bf16(residual + x)        (in place)
-//   out = bf16(residual * rsqrt(mean(residual^2) + eps) * weight)
-// The residual stream is stored in bf16, as Hugging Face keeps it in a bf16 model (each add is
-// rounded to bf16); the sum of squares and the scaling are fp32 and `out` is rounded once (HF
-// rounds the normalised value to bf16 before the weight multiply: a difference within bf16
-// rounding).
+//   out = bf16(weight * bf16(residual * rsqrt(mean(residual^2) + eps)))
+// Rounded where transformers' LlamaRMSNorm rounds in a bf16 model: the residual stream is bf16
+// (each add rounded), the sum of squares and the scaling are fp32, the normalised value is
+// rounded to bf16 before the weight multiply and the product again.
 #pragma once
 
 #include <cuda_bf16.h>

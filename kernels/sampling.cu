@@ -1,5 +1,7 @@
 #include "kernels/sampling.cuh"
 
+#include <cuda_bf16.h>
+
 #include <cfloat>
 #include <climits>
 #include <cstdint>
@@ -66,6 +68,7 @@ struct Row {
   const uint32_t* mask;    // [ceil(vocab / 32)], only when penalize
   int32_t vocab;
   bool penalize;
+  bool round_bf16;  // SamplingKernelParams::round_logits_to_bf16
   float repetition, presence, frequency, temperature, min_p;
   float s0;  // max score, known after the first pass
 
@@ -86,8 +89,11 @@ struct Row {
     s = fminf(s, FLT_MAX);
     return s == 0.0f ? 0.0f : s;
   }
+  __device__ __forceinline__ float Load(float l) const {
+    return round_bf16 ? __bfloat162float(__float2bfloat16_rn(l)) : l;
+  }
   __device__ __forceinline__ float ScoreAt(int32_t i) const {
-    float l = logits[i];
+    float l = Load(logits[i]);
     if (penalize) l = Penalize(i, l);
     return Temper(l);
   }
@@ -116,7 +122,7 @@ __device__ __forceinline__ void ForEachValue(const Row& r, bool greedy, F&& f) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int32_t i = base + 32 * u;
-      v[u] = i < end ? __ldg(r.logits + i) : 0.0f;
+      v[u] = i < end ? r.Load(__ldg(r.logits + i)) : 0.0f;
     }
     if (r.penalize) {
 #pragma unroll
@@ -353,6 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1) SamplingKernel(SamplingKernelPara
   r.counts = slot_ok ? p.output_counts + static_cast<int64_t>(slot) * p.vocab : nullptr;
   r.mask = slot_ok ? p.prompt_mask + slot * words : nullptr;
   r.vocab = p.vocab;
+  r.round_bf16 = p.round_logits_to_bf16;
   r.penalize = slot_ok && (prm.repetition_penalty != 1.0f || prm.presence_penalty != 0.0f ||
                            prm.frequency_penalty != 0.0f);
   r.repetition = prm.repetition_penalty;

@@ -75,6 +75,9 @@ struct SamplingKernelParams {
   int32_t num_slots = 0;  // > 0
   bool params_by_slot = false;
   bool update_counts = false;
+  // The logits are a bf16 model's lm_head accumulated in fp32: read each rounded to bf16, the
+  // value transformers' bf16 lm_head returns, so greedy ties and near-ties resolve as there.
+  bool round_logits_to_bf16 = false;
 };
 
 // Keeps fixed-point weight sums (vocab * 2^32) and u * sum inside 64 + 64 bits.

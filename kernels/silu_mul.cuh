@@ -1,6 +1,6 @@
 // SwiGLU activation: out = silu(gate) * up, with gate and up side by side in one row as a fused
-// gate_up GEMM writes them. fp32 math, one bf16 rounding per output (HF rounds silu(gate) to bf16
-// before the multiply: a difference within bf16 rounding).
+// gate_up GEMM writes them. Rounded as transformers' bf16 LlamaMLP: silu(gate) in fp32, rounded
+// to bf16, times up, rounded again.
 #pragma once
 
 #include <cuda_bf16.h>

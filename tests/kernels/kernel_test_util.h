@@ -180,6 +180,34 @@ inline double MaxScaledError(const std::vector<float>& got, const std::vector<do
   return worst;
 }
 
+// Against a CPU emulation that rounds to bf16 at the same points as the kernel (the ops that
+// mirror transformers' bf16 rounding): the fraction of elements that are bit-identical, and
+// whether every element is within `max_ulps` bf16 ulps. Only fp32 rounding inside the kernel
+// (rsqrtf, expf, summation order) may differ, which flips a bf16 rounding rarely; an op that
+// rounds at other points differs on a large fraction of elements.
+struct Bf16Match {
+  double exact_fraction = 0;
+  int32_t worst_ulps = 0;  // INT32_MAX when a value is not finite
+};
+inline Bf16Match CompareBf16(const std::vector<float>& got, const std::vector<float>& want) {
+  Bf16Match m;
+  if (got.size() != want.size() || got.empty()) return {0, std::numeric_limits<int32_t>::max()};
+  size_t exact = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return {0, std::numeric_limits<int32_t>::max()};
+    // bf16 bit patterns as ordered integers (sign-magnitude -> two's complement order).
+    auto ordered = [](float f) {
+      const int32_t b = F32ToBf16Bits(f);
+      return (b & 0x8000) ? -(b & 0x7fff) : b;
+    };
+    const int32_t ulps = std::abs(ordered(got[i]) - ordered(want[i]));
+    exact += ulps == 0;
+    m.worst_ulps = std::max(m.worst_ulps, ulps);
+  }
+  m.exact_fraction = static_cast<double>(exact) / static_cast<double>(got.size());
+  return m;
+}
+
 // ---- CUDA graphs ----
 // Captures fn(stream) into a graph, instantiates and launches it once, and syncs the stream:
 // proves the launcher allocates, syncs and reads nothing on the host while captured.

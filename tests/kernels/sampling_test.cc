@@ -80,6 +80,7 @@ struct RunOptions {
   int num_slots = 0;           // 0 = rows
   bool params_by_slot = false;
   bool update_counts = false;
+  bool round_logits_to_bf16 = false;
 };
 
 // One launch over `rows`. Slots not used by any row get random histories, so a kernel reading
@@ -139,6 +140,7 @@ GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {})
   p.num_slots = o.num_slots;
   p.params_by_slot = o.params_by_slot;
   p.update_counts = o.update_counts;
+  p.round_logits_to_bf16 = o.round_logits_to_bf16;
   GpuResult res;
   const absl::Status st = LaunchSampling(p, nullptr);
   EXPECT_TRUE(st.ok()) << st;
@@ -281,6 +283,29 @@ TEST(SamplingTest, GreedyMatchesCpuExactly) {
       for (int r = 0; r < n; ++r) EXPECT_EQ(gpu.tokens[r], CpuToken(rows[r])) << "row " << r;
     }
   }
+}
+
+// A bf16 model's logits: values that differ only below bf16 precision are one value, so the
+// greedy tie goes to the lowest id (as torch.argmax over transformers' bf16 logits), while the
+// same fp32 logits without rounding pick the larger one.
+TEST(SamplingTest, RoundsLogitsToBf16WhenAsked) {
+  constexpr int kVocab = 1000;
+  RowCase c;
+  c.logits = RandomLogits(kVocab, 77, 3.0f, /*bf16=*/true);
+  c.params = Params(0.0f, 0, 1.0f, 0.0f, 1);
+  const float top = testing::RoundBf16(*std::max_element(c.logits.begin(), c.logits.end()) + 1);
+  c.logits[300] = top;
+  c.logits[700] = top * (1.0f + 1.0f / 1024);  // rounds back to `top` in bf16
+  ASSERT_EQ(testing::RoundBf16(c.logits[700]), top);
+  RunOptions rounded;
+  rounded.round_logits_to_bf16 = true;
+  EXPECT_EQ(RunGpu({c}, kVocab).tokens[0], 700);
+  EXPECT_EQ(RunGpu({c}, kVocab, rounded).tokens[0], 300);
+  // Sampling reads the rounded values too: with top-k 2 over two equal bf16 logits the draw
+  // lands on either of them, never elsewhere.
+  c.params = Params(1.0f, 2, 1.0f, 0.0f, 5);
+  const int32_t t = RunGpu({c}, kVocab, rounded).tokens[0];
+  EXPECT_TRUE(t == 300 || t == 700) << t;
 }
 
 TEST(SamplingTest, SeededDrawsAgreeWithCpu) {
