@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/attention_common.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/pdl.cuh"
 
 namespace ts::kernels {
 namespace {
@@ -30,6 +31,9 @@ struct CombineArgs {
 template <int D>
 __global__ void __launch_bounds__(kCombineWarps * 32) AttentionCombineKernel(CombineArgs a) {
   static_assert(D % 4 == 0 && D / 4 <= 32, "a warp covers the head in float4s");
+  // The partials come from the split kernel just before (kernels/pdl.cuh).
+  GridDepWait();
+  GridDepLaunchDependents();
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kCombineWarps + (threadIdx.x >> 5);
   if (row >= a.num_rows) return;
@@ -116,8 +120,8 @@ absl::Status LaunchAttentionCombine(const AttentionCombineParams& p, cudaStream_
   const dim3 grid(static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps));
   return attention_internal::DispatchHeadDim(
       p.head_dim, "AttentionCombineParams.head_dim", [&](auto d) -> absl::Status {
-        AttentionCombineKernel<decltype(d)::value><<<grid, kCombineWarps * 32, 0, stream>>>(a);
-        TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+        TS_CUDA_RETURN_IF_ERROR(LaunchWithPdl(AttentionCombineKernel<decltype(d)::value>, grid,
+                                              dim3(kCombineWarps * 32), 0, stream, p.pdl, a));
         return absl::OkStatus();
       });
 }

@@ -27,6 +27,7 @@ struct AttentionCombineParams {
   int32_t min_split_tokens = 0;  // >= 1
   int32_t block_size = 0;        // tokens per KV block
   int32_t max_blocks_per_seq = 0;
+  bool pdl = false;  // programmatic dependent launch (kernels/pdl.cuh)
 };
 
 // Validates `p` (InvalidArgument naming the field) and enqueues one kernel on `stream`. Graph

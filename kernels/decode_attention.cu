@@ -9,6 +9,7 @@
 #include "kernels/attention_combine.cuh"
 #include "kernels/attention_common.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/pdl.cuh"
 
 namespace ts::kernels {
 namespace {
@@ -326,6 +327,9 @@ __global__ void __launch_bounds__(kThreads) DecodeAttentionKernel(DecodeArgs a) 
   __shared__ MergeSmem<D, GMAX> sm;
   __shared__ int32_t s_claim;
   extern __shared__ int32_t s_prefix[];  // work queue: [num_seqs + 1]
+  // q, the cache and the context lengths come from earlier kernels (kernels/pdl.cuh).
+  GridDepWait();
+  GridDepLaunchDependents();
   const int tiles_per_chunk = a.num_kv_heads * a.head_chunks;
   int total = 0;
   if (a.work_queue) {
@@ -447,13 +451,16 @@ absl::Status LaunchSplitKernel(const DecodeAttentionParams& p, const DecodeArgs&
   const size_t smem = queue ? (p.num_seqs + 1) * sizeof(int32_t) : 0;
   switch (gmax) {
     case 1:
-      DecodeAttentionKernel<D, 1><<<grid, kThreads, smem, stream>>>(a);
+      TS_CUDA_RETURN_IF_ERROR(
+          LaunchWithPdl(DecodeAttentionKernel<D, 1>, grid, dim3(kThreads), smem, stream, p.pdl, a));
       break;
     case 4:
-      DecodeAttentionKernel<D, 4><<<grid, kThreads, smem, stream>>>(a);
+      TS_CUDA_RETURN_IF_ERROR(
+          LaunchWithPdl(DecodeAttentionKernel<D, 4>, grid, dim3(kThreads), smem, stream, p.pdl, a));
       break;
     default:
-      DecodeAttentionKernel<D, 8><<<grid, kThreads, smem, stream>>>(a);
+      TS_CUDA_RETURN_IF_ERROR(
+          LaunchWithPdl(DecodeAttentionKernel<D, 8>, grid, dim3(kThreads), smem, stream, p.pdl, a));
       break;
   }
   TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -589,6 +596,7 @@ absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t 
   c.min_split_tokens = a.geo.min_split_tokens;
   c.block_size = p.block_size;
   c.max_blocks_per_seq = p.max_blocks_per_seq;
+  c.pdl = p.pdl;
   return LaunchAttentionCombine(c, stream);
 }
 

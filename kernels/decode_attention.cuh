@@ -67,6 +67,9 @@ struct DecodeAttentionParams {
   int32_t chunk_tokens = 256;
   int32_t persistent_ctas = 0;  // kWorkQueue: grid size, normally #SMs x resident CTAs per SM
   int32_t tiles_per_claim = 1;  // kWorkQueue: tiles taken per atomicAdd
+  // Programmatic dependent launch of both kernels (kernels/pdl.cuh): each may start while the
+  // kernel before it finishes, and waits for it before reading anything.
+  bool pdl = false;
 };
 
 // Workspace layout: [kDecodeAttentionCounterBytes: two uint32 work-queue counters, rest padding]

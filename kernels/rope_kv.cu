@@ -8,6 +8,7 @@
 #include "common/status.h"
 #include "kernels/bf16_vec.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/pdl.cuh"
 
 namespace ts::kernels {
 namespace {
@@ -22,11 +23,18 @@ __global__ void __launch_bounds__(kThreads) RopeKvKernel(RopeKvParams p) {
   constexpr int kChunks = kHalf / 8;
   __shared__ float cos_s[kHalf], sin_s[kHalf];
 
+  // Everything read here (qkv, positions, slots) comes from earlier kernels; the next kernel
+  // may launch now and waits for our completion itself (kernels/pdl.cuh).
+  GridDepWait();
+  GridDepLaunchDependents();
   const int32_t row = blockIdx.x;
   const int32_t pos = p.positions[row];
   for (int i = threadIdx.x; i < kHalf; i += kThreads) {
     const float angle = static_cast<float>(pos) * p.inv_freq[i];
-    sincosf(angle, &sin_s[i], &cos_s[i]);
+    float sn, cs;
+    sincosf(angle, &sn, &cs);
+    sin_s[i] = RoundBf16(sn);  // transformers casts cos and sin to the model dtype
+    cos_s[i] = RoundBf16(cs);
   }
 
   const KvLayout& l = p.layout;
@@ -59,8 +67,9 @@ __global__ void __launch_bounds__(kThreads) RopeKvKernel(RopeKvParams p) {
     for (int j = 0; j < 8; ++j) {
       const float x1 = __bfloat162float(lo.h[j]), x2 = __bfloat162float(hi.h[j]);
       const float c = cos_s[i0 + j], s = sin_s[i0 + j];
-      lo.h[j] = __float2bfloat16_rn(x1 * c - x2 * s);
-      hi.h[j] = __float2bfloat16_rn(x2 * c + x1 * s);
+      // q * cos + rotate_half(q) * sin, each product and the sum rounded as bf16 tensor ops.
+      lo.h[j] = __float2bfloat16_rn(RoundBf16(x1 * c) + RoundBf16(-x2 * s));
+      hi.h[j] = __float2bfloat16_rn(RoundBf16(x2 * c) + RoundBf16(x1 * s));
     }
     __nv_bfloat16* dst = src;
     if (head < hq && p.q_out != nullptr) {
@@ -109,13 +118,16 @@ absl::Status LaunchRopeKv(const RopeKvParams& p, cudaStream_t stream) {
   // 16 serves the tiny fixture models the GPU greedy tests run.
   switch (p.layout.head_dim) {
     case 16:
-      RopeKvKernel<16><<<p.rows, kThreads, 0, stream>>>(p);
+      TS_CUDA_RETURN_IF_ERROR(
+          LaunchWithPdl(RopeKvKernel<16>, dim3(p.rows), dim3(kThreads), 0, stream, p.pdl, p));
       break;
     case 64:
-      RopeKvKernel<64><<<p.rows, kThreads, 0, stream>>>(p);
+      TS_CUDA_RETURN_IF_ERROR(
+          LaunchWithPdl(RopeKvKernel<64>, dim3(p.rows), dim3(kThreads), 0, stream, p.pdl, p));
       break;
     case 128:
-      RopeKvKernel<128><<<p.rows, kThreads, 0, stream>>>(p);
+      TS_CUDA_RETURN_IF_ERROR(
+          LaunchWithPdl(RopeKvKernel<128>, dim3(p.rows), dim3(kThreads), 0, stream, p.pdl, p));
       break;
     default:
       return absl::InvalidArgumentError(absl::StrCat(

@@ -4,9 +4,8 @@
 //   k heads: rotated in place and written to k_cache at the row's slot;
 //   v heads: copied to v_cache at the row's slot.
 // angle_i = float(position) * inv_freq[i] in fp32, as transformers forms it, then accurate
-// sincosf (not __sinf: positions reach 1e5 and more); the rotation is fp32 and each output is
-// rounded to bf16 once (HF rounds cos/sin and each product to bf16: a difference within bf16
-// rounding).
+// sincosf (not __sinf: positions reach 1e5 and more). Rounded as transformers' bf16 Llama: cos
+// and sin to bf16, then q * cos + rotate_half(q) * sin with each product and the sum rounded.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,6 +39,7 @@ struct RopeKvParams {
   KvLayout layout{};        // head_dim in {16, 64, 128}; gives num_kv_heads for the qkv row too
   int32_t rows = 0;         // >= 0; 0 launches nothing
   int32_t num_q_heads = 0;  // a positive multiple of layout.num_kv_heads
+  bool pdl = false;         // programmatic dependent launch (kernels/pdl.cuh)
 };
 
 // Validates params (InvalidArgument naming the field) and enqueues the kernel on `stream`.

@@ -277,37 +277,44 @@ TEST(DecodeAttentionTest, EachEdgeLengthAlone) {
 }
 
 // Captures the work-queue launch once and replays it: each replay must reproduce the first one
-// bit for bit, which only works if the last CTA reset the work counter inside the graph.
+// bit for bit, which only works if the last CTA reset the work counter inside the graph. With pdl
+// the split and combine kernels are chained by a programmatic edge: the combine launches early
+// and must still wait for every partial.
 TEST(DecodeAttentionTest, WorkQueueGraphReplaysAreIdentical) {
   const DecodeHarness h({32, 8}, 128, Contexts(33, 5), 5);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  const ModeConfig m{DecodeAttentionMode::kWorkQueue, 1, 128, 2 * NumSms(), 4};
-  cudaGraph_t graph = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  const absl::Status st = LaunchDecodeAttention(h.Params(m), stream);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_TRUE(st.ok()) << st;
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  std::vector<float> first;
-  for (int replay = 0; replay < 3; ++replay) {
-    SCOPED_TRACE(absl::StrCat("replay ", replay));
-    h.Poison(stream);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const std::vector<float> out = h.Output();
-    EXPECT_TRUE(RowsClose(out, h.ref(), h.head_dim(), kTol));
-    h.ExpectCountersReset();
-    if (replay == 0) {
-      first = out;
-    } else {
-      EXPECT_EQ(std::memcmp(first.data(), out.data(), out.size() * sizeof(float)), 0);
+  for (bool pdl : {false, true}) {
+    SCOPED_TRACE(absl::StrCat("pdl ", pdl));
+    const ModeConfig m{DecodeAttentionMode::kWorkQueue, 1, 128, 2 * NumSms(), 4};
+    DecodeAttentionParams params = h.Params(m);
+    params.pdl = pdl;
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const absl::Status st = LaunchDecodeAttention(params, stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_TRUE(st.ok()) << st;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    std::vector<float> first;
+    for (int replay = 0; replay < 3; ++replay) {
+      SCOPED_TRACE(absl::StrCat("replay ", replay));
+      h.Poison(stream);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const std::vector<float> out = h.Output();
+      EXPECT_TRUE(RowsClose(out, h.ref(), h.head_dim(), kTol));
+      h.ExpectCountersReset();
+      if (replay == 0) {
+        first = out;
+      } else {
+        EXPECT_EQ(std::memcmp(first.data(), out.data(), out.size() * sizeof(float)), 0);
+      }
     }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
   }
   h.ExpectGuards();
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 
