@@ -5,7 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "kernels/bf16_vec.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/pdl.cuh"
 
 namespace ts::kernels {
 namespace {
@@ -36,14 +38,6 @@ __device__ __forceinline__ uint4 LoadCached(const __nv_bfloat16* p) {
   return v;
 }
 
-// No-ops unless the kernel was launched with programmatic stream serialization.
-__device__ __forceinline__ void GridDepWait() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-__device__ __forceinline__ void GridDepLaunchDependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 // d[16 x 8] += a[16 x 16] * b[16 x 8], bf16 in, fp32 accumulate. Fragments (g = lane / 4,
 // t = lane % 4): a = {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..)},
 // b = {(k 2t..2t+1, col g), (k 2t+8.., col g)}, d = {(g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)}.
@@ -55,19 +49,85 @@ __device__ __forceinline__ void Mma16816(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Epilogue for element e = i * n + col of C.
+// Epilogue for element e = i * n + col of C (kStore / kAccumulate).
 __device__ __forceinline__ void StoreOutput(const GemvParams& p, int64_t e, float v) {
+  const bool acc = p.epilogue == GemvEpilogue::kAccumulate;
   if (p.c_f32 != nullptr) {
-    if (p.accumulate) v += p.c_f32[e];
+    if (acc) v += p.c_f32[e];
     p.c_f32[e] = v;
   } else {
-    if (p.accumulate) v += __bfloat162float(p.c[e]);
+    // A bf16 Linear rounds its output, then the residual add rounds the sum.
+    if (acc) v = RoundBf16(v) + __bfloat162float(p.c[e]);
     p.c[e] = __float2bfloat16_rn(v);
   }
 }
 
-// grid: (ceil(n / 16), split_k), block: 256. CTA (x, s) computes output columns
-// [16x, 16x + 16) over batch range s of K; warp w takes batches w, w + 8, ... of that range.
+// The rows of A the CTA multiplies, normalised into shared memory (LlamaRMSNorm, see the header).
+// Row i lives at a_s[i * stride]; all threads take part (two __syncthreads).
+__device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride) {
+  __shared__ float partial[kWarps][kGemvMaxM];
+  __shared__ float inv_rms[kGemvMaxM];
+  const int vecs = p.k / 8;
+  float ss[kGemvMaxM];
+#pragma unroll
+  for (int i = 0; i < kGemvMaxM; ++i) ss[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kGemvMaxM; ++i) {
+    if (i >= p.m) break;
+    for (int v = threadIdx.x; v < vecs; v += kThreads) {
+      const Bf16x8 x = LoadBf16x8Coherent(p.a + static_cast<int64_t>(i) * p.k + v * 8);
+      *reinterpret_cast<Bf16x8*>(a_s + i * stride + v * 8) = x;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float f = __bfloat162float(x.h[j]);
+        ss[i] = fmaf(f, f, ss[i]);
+      }
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int i = 0; i < kGemvMaxM; ++i) {
+    const float s = WarpSum(ss[i]);
+    if (lane == 0) partial[warp][i] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < kGemvMaxM) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += partial[w][threadIdx.x];
+    inv_rms[threadIdx.x] = rsqrtf(s / p.k + p.norm_eps);
+  }
+  __syncthreads();
+  for (int i = 0; i < p.m; ++i) {
+    const float inv = inv_rms[i];
+    for (int v = threadIdx.x; v < vecs; v += kThreads) {
+      Bf16x8* x = reinterpret_cast<Bf16x8*>(a_s + i * stride + v * 8);
+      const Bf16x8 w = LoadBf16x8(p.norm_weight + v * 8);
+      Bf16x8 o;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        o.h[j] = __float2bfloat16_rn(
+            RmsNormScale(__bfloat162float(x->h[j]), inv, __bfloat162float(w.h[j])));
+      }
+      *x = o;
+    }
+  }
+  __syncthreads();
+}
+
+// Row stride of the normalised A in shared memory: k rounded so that consecutive rows start 64
+// bytes apart modulo 128, so the two rows a quarter-warp reads with 16-byte loads hit disjoint
+// banks.
+__host__ __device__ __forceinline__ int NormStride(int k) {
+  return k + ((32 - k % 64) + 64) % 64;
+}
+
+// grid: (min(tiles, resident CTAs), split_k), block: 256; tiles = ceil(n / 16) (kSiluMul:
+// ceil(n / 8)). CTA (x, s) computes tiles x, x + gridDim.x, ... over batch range s of K. A tile is
+// 16 rows of W: output columns [16 t, 16 t + 16), or for kSiluMul 8 gate rows and their 8 up
+// rows, output columns [8 t, 8 t + 8). Warp w takes batches w, w + 8, ... of the range. Looping
+// over tiles (rather than one CTA per tile) normalises A once per CTA, not once per tile: at 8B
+// gate_up that is 264 times instead of 3584.
 //
 // Thread (g, t) of a warp loads, per k-step j, 16 bytes of W row g, of W row g + 8 and of A row g
 // at k = 32 j + 8 t. The MMA sums over k, so the k-order inside those 8 elements is free: the
@@ -75,29 +135,46 @@ __device__ __forceinline__ void StoreOutput(const GemvParams& p, int64_t e, floa
 // MMA, and W and A agree because both are indexed by t alone. Rows of W past n and rows of A past
 // m are clamped to row 0 (loaded, never stored), which keeps the hot loop free of predicates.
 __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* a_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [m][NormStride(k)]
+  const int a_stride = NormStride(p.k);
+  const bool norm = p.norm_weight != nullptr;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int32_t row0 = blockIdx.x * kGemvTileN;
   const int64_t k = p.k;
-  const __nv_bfloat16* w_lo = p.w + (row0 + g < p.n ? row0 + g : 0) * k + t * 8;
-  const __nv_bfloat16* w_hi = p.w + (row0 + g + 8 < p.n ? row0 + g + 8 : 0) * k + t * 8;
-  const __nv_bfloat16* a_row = p.a + (g < p.m ? g : 0) * k + t * 8;
+  const bool swiglu = p.epilogue == GemvEpilogue::kSiluMul;
+  const int32_t tile_cols = swiglu ? 8 : kGemvTileN;
+  const int32_t tiles = (p.n + tile_cols - 1) / tile_cols;
+  const int a_row_index = g < p.m ? g : 0;
+  const __nv_bfloat16* a_row = p.a + a_row_index * k + t * 8;
+  const __nv_bfloat16* a_row_s = a_s + a_row_index * a_stride + t * 8;
 
   const int32_t num_batches = (p.k + kBatchK - 1) / kBatchK;
   const int32_t split = blockIdx.y;
   const int32_t b_begin = split * num_batches / p.split_k;
   const int32_t b_end = (split + 1) * num_batches / p.split_k;
 
-  // Two accumulators (first and second half of each 16-byte load) halve the MMA dependency chain.
-  float acc0[4] = {0.f, 0.f, 0.f, 0.f};
-  float acc1[4] = {0.f, 0.f, 0.f, 0.f};
-  bool waited = false;
-  for (int32_t b = b_begin + warp; b < b_end; b += kWarps) {
+  // The W rows of tile `tile` this thread streams: 16 plain, or 8 gate + the matching 8 up rows.
+  const __nv_bfloat16 *w_lo, *w_hi;
+  auto set_tile = [&](int32_t tile) {
+    int32_t lo_row, hi_row;
+    if (swiglu) {
+      lo_row = tile * 8 + g;
+      hi_row = lo_row < p.n ? p.n + lo_row : 0;
+      if (lo_row >= p.n) lo_row = 0;
+    } else {
+      const int32_t row0 = tile * kGemvTileN;
+      lo_row = row0 + g < p.n ? row0 + g : 0;
+      hi_row = row0 + g + 8 < p.n ? row0 + g + 8 : 0;
+    }
+    w_lo = p.w + lo_row * k + t * 8;
+    w_hi = p.w + hi_row * k + t * 8;
+  };
+  uint4 wl[kUnroll], wh[kUnroll];
+  auto load_w = [&](int32_t b) {
     const int64_t off = static_cast<int64_t>(b) * kBatchK;
-    uint4 wl[kUnroll], wh[kUnroll], av[kUnroll];
-    const bool full = off + kBatchK <= k;
-    if (full) {
+    if (off + kBatchK <= k) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         wl[u] = LoadStream(w_lo + off + u * kStepK);
@@ -112,44 +189,93 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
         wh[u] = in ? LoadStream(w_hi + off + u * kStepK) : make_uint4(0, 0, 0, 0);
       }
     }
-    // A (and C, in the epilogue) may still be written by the preceding kernel until here.
-    if (!waited) {
-      GridDepWait();
-      waited = true;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const bool in = full || off + u * kStepK + t * 8 < k;
-      av[u] = in ? LoadCached(a_row + off + u * kStepK) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      Mma16816(acc0, wl[u].x, wh[u].x, wl[u].y, wh[u].y, av[u].x, av[u].y);
-      Mma16816(acc1, wl[u].z, wh[u].z, wl[u].w, wh[u].w, av[u].z, av[u].w);
-    }
-  }
-  if (!waited) GridDepWait();
-  // Our W reads are issued: the next kernel may start its own prologue.
-  GridDepLaunchDependents();
+  };
 
-  // Fixed-order sum over the 8 warps. red[warp][i * 16 + r] = partial of C[i, row0 + r].
+  int32_t tile = blockIdx.x;
+  set_tile(tile);
+  int32_t b = b_begin + warp;
+  // The first batch of W is in flight across the wait (and the norm prologue).
+  if (b < b_end) load_w(b);
+  // A (and C, in the epilogue) may still be written by the preceding kernel until here.
+  GridDepWait();
+  if (norm) NormalizeA(p, a_s, a_stride);
+
   __shared__ float red[kWarps][kGemvMaxM * kGemvTileN];
-  red[warp][(2 * t) * kGemvTileN + g] = acc0[0] + acc1[0];
-  red[warp][(2 * t + 1) * kGemvTileN + g] = acc0[1] + acc1[1];
-  red[warp][(2 * t) * kGemvTileN + g + 8] = acc0[2] + acc1[2];
-  red[warp][(2 * t + 1) * kGemvTileN + g + 8] = acc0[3] + acc1[3];
-  __syncthreads();
-  if (threadIdx.x >= kGemvMaxM * kGemvTileN) return;
-  const int i = threadIdx.x / kGemvTileN, r = threadIdx.x % kGemvTileN;
-  const int32_t col = row0 + r;
-  if (i >= p.m || col >= p.n) return;
-  float v = 0.f;
+  for (; tile < tiles; tile += gridDim.x) {
+    // Two accumulators (first and second half of each 16-byte load) halve the MMA dependency
+    // chain.
+    float acc0[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc1[4] = {0.f, 0.f, 0.f, 0.f};
+    while (b < b_end) {
+      const int64_t off = static_cast<int64_t>(b) * kBatchK;
+      const bool full = off + kBatchK <= k;
+      uint4 av[kUnroll];
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) v += red[w][threadIdx.x];
-  if (p.split_k > 1) {
-    p.workspace[(static_cast<int64_t>(split) * p.m + i) * p.n + col] = v;
-  } else {
-    StoreOutput(p, static_cast<int64_t>(i) * p.n + col, v);
+      for (int u = 0; u < kUnroll; ++u) {
+        const bool in = full || off + u * kStepK + t * 8 < k;
+        if (!in) {
+          av[u] = make_uint4(0, 0, 0, 0);
+        } else if (norm) {
+          av[u] = *reinterpret_cast<const uint4*>(a_row_s + off + u * kStepK);
+        } else {
+          av[u] = LoadCached(a_row + off + u * kStepK);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        Mma16816(acc0, wl[u].x, wh[u].x, wl[u].y, wh[u].y, av[u].x, av[u].y);
+        Mma16816(acc1, wl[u].z, wh[u].z, wl[u].w, wh[u].w, av[u].z, av[u].w);
+      }
+      b += kWarps;
+      if (b < b_end) load_w(b);
+    }
+    // The next tile's first batch streams while this one is reduced and stored.
+    const int32_t cur = tile;
+    if (tile + static_cast<int32_t>(gridDim.x) < tiles) {
+      set_tile(tile + gridDim.x);
+      b = b_begin + warp;
+      if (b < b_end) load_w(b);
+    } else {
+      // Our W reads are issued: the next kernel may start its own prologue.
+      GridDepLaunchDependents();
+    }
+
+    // Fixed-order sum over the 8 warps. red[warp][i * 16 + r] = partial of row r of the tile.
+    red[warp][(2 * t) * kGemvTileN + g] = acc0[0] + acc1[0];
+    red[warp][(2 * t + 1) * kGemvTileN + g] = acc0[1] + acc1[1];
+    red[warp][(2 * t) * kGemvTileN + g + 8] = acc0[2] + acc1[2];
+    red[warp][(2 * t + 1) * kGemvTileN + g + 8] = acc0[3] + acc1[3];
+    __syncthreads();
+    const int i = threadIdx.x / kGemvTileN, r = threadIdx.x % kGemvTileN;
+    if (threadIdx.x < kGemvMaxM * kGemvTileN && i < p.m) {
+      if (swiglu) {
+        const int32_t col = cur * 8 + r;
+        if (r < 8 && col < p.n) {
+          float gate = 0.f, up = 0.f;
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) {
+            gate += red[w][threadIdx.x];
+            up += red[w][threadIdx.x + 8];
+          }
+          // gate_proj and up_proj each round their output to bf16 first.
+          p.c[static_cast<int64_t>(i) * p.n + col] =
+              __float2bfloat16_rn(SiluMul(RoundBf16(gate), RoundBf16(up)));
+        }
+      } else {
+        const int32_t col = cur * kGemvTileN + r;
+        if (col < p.n) {
+          float v = 0.f;
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) v += red[w][threadIdx.x];
+          if (p.split_k > 1) {
+            p.workspace[(static_cast<int64_t>(split) * p.m + i) * p.n + col] = v;
+          } else {
+            StoreOutput(p, static_cast<int64_t>(i) * p.n + col, v);
+          }
+        }
+      }
+    }
+    __syncthreads();  // red is rewritten by the next tile
   }
 }
 
@@ -182,6 +308,28 @@ absl::Status Validate(const GemvParams& p) {
     return absl::InvalidArgumentError(
         absl::StrCat("gemv.split_k must be in [1, ", kGemvMaxSplitK, "], got ", p.split_k));
   }
+  if (p.epilogue != GemvEpilogue::kStore && p.epilogue != GemvEpilogue::kAccumulate &&
+      p.epilogue != GemvEpilogue::kSiluMul) {
+    return absl::InvalidArgumentError("gemv.epilogue is not a GemvEpilogue");
+  }
+  if (p.epilogue == GemvEpilogue::kSiluMul && (p.c == nullptr || p.split_k != 1)) {
+    return absl::InvalidArgumentError("gemv.epilogue kSiluMul needs a bf16 c and split_k = 1");
+  }
+  if (p.norm_weight != nullptr) {
+    TS_RETURN_IF_ERROR(RequirePointer("gemv.norm_weight", p.norm_weight, 16));
+    if (!GemvCanFuseNorm(p.m, p.k)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gemv.norm_weight: m = ", p.m, ", k = ", p.k, " needs more than ", kGemvMaxNormSmemBytes,
+          " bytes of shared memory; normalise with rmsnorm instead"));
+    }
+    if (p.split_k != 1) {
+      return absl::InvalidArgumentError("gemv.norm_weight needs split_k = 1");
+    }
+    if (!(p.norm_eps > 0.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gemv.norm_eps must be > 0, got ", p.norm_eps));
+    }
+  }
   if (p.split_k > 1) {
     TS_RETURN_IF_ERROR(RequirePointer("gemv.workspace", p.workspace, alignof(float)));
     const size_t need = GemvWorkspaceBytes(p.m, p.n, p.split_k);
@@ -193,32 +341,47 @@ absl::Status Validate(const GemvParams& p) {
   return absl::OkStatus();
 }
 
-absl::Status Launch(void (*kernel)(GemvParams), dim3 grid, const GemvParams& p,
+size_t NormSmemBytes(int32_t m, int32_t k) {
+  return static_cast<size_t>(m) * static_cast<size_t>(NormStride(k)) * sizeof(__nv_bfloat16);
+}
+
+absl::Status Launch(void (*kernel)(GemvParams), dim3 grid, const GemvParams& p, size_t smem,
                     cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  TS_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, p));
+  TS_CUDA_RETURN_IF_ERROR(LaunchWithPdl(kernel, grid, dim3(kThreads), smem, stream, p.pdl, p));
   return absl::OkStatus();
 }
 
 }  // namespace
 
+bool GemvCanFuseNorm(int32_t m, int32_t k) {
+  return m >= 1 && m <= kGemvMaxM && k >= 8 && k % 8 == 0 &&
+         NormSmemBytes(m, k) <= static_cast<size_t>(kGemvMaxNormSmemBytes);
+}
+
 absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(Validate(p));
-  const dim3 grid((p.n + kGemvTileN - 1) / kGemvTileN, p.split_k);
-  TS_RETURN_IF_ERROR(Launch(GemvKernel, grid, p, stream));
+  const size_t smem = p.norm_weight != nullptr ? NormSmemBytes(p.m, p.k) : 0;
+  if (smem > 48 * 1024) {
+    // Opt in beyond the default 48 KB on the current device (a function attribute, not a stream
+    // operation: legal while a graph is being captured).
+    TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        GemvKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvMaxNormSmemBytes));
+  }
+  const int32_t tile = p.epilogue == GemvEpilogue::kSiluMul ? 8 : kGemvTileN;
+  const int32_t tiles = (p.n + tile - 1) / tile;
+  // No more CTAs than fit at once (each loops over tiles); host queries only, capture-safe.
+  int device = 0, sms = 0, per_sm = 0;
+  TS_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  TS_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  TS_CUDA_RETURN_IF_ERROR(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GemvKernel, kThreads, smem));
+  const int32_t resident = std::max(1, sms * per_sm);
+  const dim3 grid(std::min(tiles, resident), p.split_k);
+  TS_RETURN_IF_ERROR(Launch(GemvKernel, grid, p, smem, stream));
   if (p.split_k > 1) {
     const int64_t total = static_cast<int64_t>(p.m) * p.n;
-    TS_RETURN_IF_ERROR(
-        Launch(GemvSplitReduceKernel, dim3(static_cast<uint32_t>((total + 255) / 256)), p, stream));
+    TS_RETURN_IF_ERROR(Launch(GemvSplitReduceKernel,
+                              dim3(static_cast<uint32_t>((total + 255) / 256)), p, 0, stream));
   }
   return absl::OkStatus();
 }

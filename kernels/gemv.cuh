@@ -1,17 +1,18 @@
 // Memory-bound small-M GEMM ("GEMV") for decode, the same product as kernels/gemm.cuh:
-//   C[m, n] = A[m, k] * W[n, k]^T  (+ C when accumulate)
+//   C[m, n] = A[m, k] * W[n, k]^T, then an epilogue (store, residual add, or SwiGLU of a fused
+//   gate_up), optionally with A RMS-normalised first (GemvParams::norm_weight)
 // row-major bf16, W laid out like a Hugging Face Linear weight [out_features, in_features], fp32
 // accumulation. For m <= 8 the time is the time to stream W once from HBM; cuBLASLt was measured
 // at 39-56% of that roof on the small Llama-1B projections (DESIGN §6), this kernel aims at ~90%.
 //
-// How: a CTA owns a tile of 16 rows of W (16 output columns) and its 8 warps split the K range
-// between them. Each thread streams its rows with 16-byte loads (8 batches of them in flight, L1
-// bypassed) and feeds them, with the matching 16 bytes of A, straight into tensor-core
-// mma.m16n8k16 (W rows as the MMA's M, the up-to-8 rows of A as its N): the k-order inside a
-// thread's 16 bytes is free, so no shuffles or conversions are needed and m = 1..8 all cost the
-// same instructions (one kernel instance serves every m, nothing is templated on m). The warps'
-// partial sums are added in a fixed order through shared memory, so results are bitwise
-// reproducible.
+// How: a CTA owns tiles of 16 rows of W (16 output columns; it loops over tiles when there are
+// more than fit on the GPU at once) and its 8 warps split the K range between them. Each thread
+// streams its rows with 16-byte loads (8 batches of them in flight, L1 bypassed) and feeds them,
+// with the matching 16 bytes of A, straight into tensor-core mma.m16n8k16 (W rows as the MMA's M,
+// the up-to-8 rows of A as its N): the k-order inside a thread's 16 bytes is free, so no shuffles
+// or conversions are needed and m = 1..8 all cost the same instructions (one kernel instance serves
+// every m, nothing is templated on m). The warps' partial sums are added in a fixed order through
+// shared memory, so results are bitwise reproducible.
 //
 // Split-K (split_k > 1): when n / 16 CTAs leave most SMs idle, CTAs also split K. Each writes its
 // fp32 partial to workspace [split_k, m, n] and a second small kernel adds the split_k partials in
@@ -37,24 +38,48 @@ namespace ts::kernels {
 
 inline constexpr int32_t kGemvMaxM = 8;        // rows of A one launch handles
 inline constexpr int32_t kGemvMaxSplitK = 64;  // upper bound on split_k
-inline constexpr int32_t kGemvTileN = 16;      // output columns (rows of W) per CTA
+inline constexpr int32_t kGemvTileN = 16;      // rows of W per CTA (kSiluMul: 8 gate + 8 up)
+// Shared memory for the normalised A (m rows of k + 32 bf16; the pad staggers the rows' banks):
+// hidden sizes up to 8192 at m = 8 (one CTA per SM there; two up to 4096).
+inline constexpr int32_t kGemvMaxNormSmemBytes = 8 * (8192 + 32) * 2;
+
+// What the kernel does with each output value v = (A W^T)[i, col] (fp32).
+enum class GemvEpilogue : int32_t {
+  kStore,  // C = v (bf16: one rounding)
+  // C = C + v. bf16 C: bf16(C + bf16(v)), as transformers' bf16 Linear then residual add;
+  // fp32 C: one fp32 add.
+  kAccumulate,
+  // SwiGLU on a fused gate_up weight: W has 2n rows, gate rows [0, n) then up rows [n, 2n), and
+  // C[i, col] = bf16(bf16(silu(bf16(gate))) * bf16(up)) (transformers' bf16 LlamaMLP). bf16 C,
+  // split_k = 1.
+  kSiluMul,
+};
 
 struct GemvParams {
   const __nv_bfloat16* a = nullptr;  // [m, k] row-major, 16-byte aligned; written by no one here
-  const __nv_bfloat16* w = nullptr;  // [n, k] row-major, 16-byte aligned
-  // Exactly one output: bf16 `c` or fp32 `c_f32`, [m, n] row-major, read first when accumulate.
+  const __nv_bfloat16* w = nullptr;  // [n, k] row-major (kSiluMul: [2n, k]), 16-byte aligned
+  // Exactly one output: bf16 `c` or fp32 `c_f32`, [m, n] row-major, read first by kAccumulate.
   // Must not overlap a, w or workspace.
   __nv_bfloat16* c = nullptr;  // [m, n]
   float* c_f32 = nullptr;      // [m, n]
   int32_t m = 0;               // 1..kGemvMaxM
   int32_t n = 0;               // >= 1, any value
   int32_t k = 0;               // positive multiple of 8 (16-byte loads)
-  bool accumulate = false;     // false: C = A W^T; true: C += A W^T (fp32 add, one rounding)
+  GemvEpilogue epilogue = GemvEpilogue::kStore;
+  // Optional, [k]: RMSNorm folded into the kernel. Each CTA normalises A into shared memory
+  // first, with LlamaRMSNorm's bf16 rounding: a' = bf16(norm_weight * bf16(a * rsqrt(mean(a^2) +
+  // norm_eps))), and multiplies a' instead of A. Needs m * (k + 8) * 2 <= kGemvMaxNormSmemBytes
+  // and split_k = 1. Replaces a separate rmsnorm kernel (a graph node) in the decode step.
+  const __nv_bfloat16* norm_weight = nullptr;
+  float norm_eps = 1e-5f;      // > 0 when norm_weight is set
   int32_t split_k = 1;         // 1..kGemvMaxSplitK; 1 = no split, one kernel
   float* workspace = nullptr;  // [split_k, m, n] fp32 partials; only used when split_k > 1
   size_t workspace_bytes = 0;  // >= GemvWorkspaceBytes(m, n, split_k)
   bool pdl = false;            // programmatic dependent launch (see the header comment)
 };
+
+// True when LaunchGemv accepts norm_weight for this (m, k).
+bool GemvCanFuseNorm(int32_t m, int32_t k);
 
 // Validates params (InvalidArgument naming the field, e.g. "gemv.k") and enqueues one kernel
 // (split_k == 1) or two (split_k > 1) on `stream`.

@@ -134,7 +134,7 @@ struct Problem {
     p.m = m;
     p.n = wt.n;
     p.k = wt.k;
-    p.accumulate = accumulate;
+    p.epilogue = accumulate ? GemvEpilogue::kAccumulate : GemvEpilogue::kStore;
     p.split_k = split_k;
     p.workspace = ws.get();
     p.workspace_bytes = ws.size() * sizeof(float);
@@ -202,7 +202,14 @@ TEST(GemvTest, AccumulateAddsIntoC) {
       pr.dc.Upload(testing::ToBf16(pr.c0));
       TS_ASSERT_OK(LaunchGemv(pr.Params(split, false, /*accumulate=*/true), nullptr));
       TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-      ExpectCloseBf16(testing::FromBf16(pr.dc.Download()), ref, &product);
+      const std::vector<float> got = testing::FromBf16(pr.dc.Download());
+      ExpectCloseBf16(got, ref, &product);
+      // Rounded as transformers' bf16 Linear then residual add: bf16(c0 + bf16(A W^T)).
+      std::vector<float> hf(got.size());
+      for (size_t i = 0; i < hf.size(); ++i) {
+        hf[i] = testing::RoundBf16(testing::RoundBf16(float(product[i])) + pr.c0[i]);
+      }
+      EXPECT_GE(testing::CompareBf16(got, hf).exact_fraction, 0.99);
       EXPECT_TRUE(pr.dc.GuardsIntact());
 
       // fp32: c0 is exact in fp32, so the bound is the accumulation's plus one fp32 rounding.
@@ -342,8 +349,125 @@ TEST(GemvTest, RejectsBadParams) {
                       q.workspace_bytes = GemvWorkspaceBytes(3, 64, 2) - 4;
                     }),
                     "gemv.workspace_bytes");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.epilogue = static_cast<GemvEpilogue>(7); }),
+                    "gemv.epilogue");
+  TS_EXPECT_INVALID(with([&](GemvParams& q) {
+                      q.epilogue = GemvEpilogue::kSiluMul;
+                      q.c = nullptr;
+                      q.c_f32 = pr.dc32.get();
+                    }),
+                    "gemv.epilogue");
+  TS_EXPECT_INVALID(with([&](GemvParams& q) { q.norm_weight = pr.wt.dw.get() + 4; }),
+                    "gemv.norm_weight");
+  TS_EXPECT_INVALID(with([&](GemvParams& q) {
+                      q.norm_weight = pr.wt.dw.get();
+                      q.norm_eps = 0;
+                    }),
+                    "gemv.norm_eps");
+  TS_EXPECT_INVALID(with([&](GemvParams& q) {
+                      q.norm_weight = pr.wt.dw.get();
+                      q.split_k = 2;
+                    }),
+                    "gemv.norm_weight");
   TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_TRUE(pr.dc.GuardsIntact());
+}
+
+// transformers' bf16 LlamaRMSNorm of A's rows, emulated in fp32 (the kernel's prologue).
+std::vector<float> NormalizedA(const std::vector<float>& a, const std::vector<float>& w, int m,
+                               int k, float eps) {
+  std::vector<float> out(a.size());
+  for (int i = 0; i < m; ++i) {
+    double ss = 0;
+    for (int t = 0; t < k; ++t) ss += double(a[size_t(i) * k + t]) * a[size_t(i) * k + t];
+    const float inv = static_cast<float>(1.0 / std::sqrt(ss / k + eps));
+    for (int t = 0; t < k; ++t) {
+      const size_t e = size_t(i) * k + t;
+      out[e] = testing::RoundBf16(w[t] * testing::RoundBf16(a[e] * inv));
+    }
+  }
+  return out;
+}
+
+TEST(GemvTest, NormPrologueMatchesRmsNormThenGemv) {
+  // Llama-1B qkv and gate_up, 8B qkv, odd sizes, and the largest k the shared memory takes at m=8.
+  for (const auto& [n, k] : std::vector<std::pair<int, int>>{
+           {3072, 2048}, {16384, 2048}, {6144, 4096}, {24, 40}, {1000, 520}, {64, 8192}}) {
+    const Weights wt(n, k, n + 5 * k);
+    const auto nw = testing::RandomFloats(k, 0.5f, 1.5f, k);
+    GuardedBuffer<__nv_bfloat16> dnw(k);
+    dnw.Upload(testing::ToBf16(nw));
+    for (int m : {1, 3, 8}) {
+      SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k);
+      ASSERT_TRUE(GemvCanFuseNorm(m, k));
+      Problem pr(wt, m, m * 7 + n);
+      const std::vector<double> ref =
+          Reference(NormalizedA(pr.a, nw, m, k, 1e-5f), wt.w, nullptr, m, n, k);
+      GemvParams p = pr.Params(1);
+      p.norm_weight = dnw.get();
+      p.norm_eps = 1e-5f;
+      pr.dc.Poison();
+      TS_ASSERT_OK(LaunchGemv(p, nullptr));
+      TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+      ExpectCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
+      EXPECT_TRUE(pr.dc.GuardsIntact());
+    }
+  }
+  EXPECT_FALSE(GemvCanFuseNorm(8, 8256));
+  EXPECT_TRUE(GemvCanFuseNorm(1, 65536));
+}
+
+// SwiGLU epilogue over a fused [2n, k] gate_up weight, with and without the norm prologue (the
+// decode step uses both), against transformers' rounding of gate, up, silu and the product.
+TEST(GemvTest, SiluMulEpilogueMatchesGateUpThenSiluMul) {
+  for (const auto& [n, k] :
+       std::vector<std::pair<int, int>>{{8192, 2048}, {14336, 4096}, {20, 40}, {1000, 520}}) {
+    const Weights wt(2 * n, k, n + 11 * k);
+    const auto nw = testing::RandomFloats(k, 0.5f, 1.5f, k + 1);
+    GuardedBuffer<__nv_bfloat16> dnw(k);
+    dnw.Upload(testing::ToBf16(nw));
+    for (int m : {1, 3, 8}) {
+      for (bool norm : {false, true}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "m=" << m << " n=" << n << " k=" << k << " norm=" << norm);
+        Problem pr(wt, m, m * 3 + n + norm);
+        const std::vector<float> a = norm ? NormalizedA(pr.a, nw, m, k, 1e-5f) : pr.a;
+        const std::vector<double> gu = Reference(a, wt.w, nullptr, m, 2 * n, k);
+        std::vector<double> ref(size_t(m) * n), bound(ref.size());
+        std::vector<float> hf(ref.size());
+        for (int i = 0; i < m; ++i) {
+          for (int j = 0; j < n; ++j) {
+            const double g = gu[size_t(i) * 2 * n + j], u = gu[size_t(i) * 2 * n + n + j];
+            const size_t e = size_t(i) * n + j;
+            ref[e] = g / (1 + std::exp(-g)) * u;
+            const float gb = testing::RoundBf16(float(g)), ub = testing::RoundBf16(float(u));
+            hf[e] = testing::RoundBf16(testing::RoundBf16(gb / (1.0f + std::exp(-gb))) * ub);
+            // Four bf16 roundings (gate, up, silu, product; each <= 2^-8 relative) and one flip
+            // of gate's rounding between fp32 and fp64 sums; silu(g) moves (1 + |g|) times g's
+            // relative change.
+            bound[e] = (2 * (1 + std::fabs(g)) + 3) / 256 * std::fabs(ref[e]) + 1e-30;
+          }
+        }
+        GemvParams p = pr.Params(1);
+        p.n = n;
+        p.epilogue = GemvEpilogue::kSiluMul;
+        if (norm) p.norm_weight = dnw.get();
+        pr.dc.Poison();
+        TS_ASSERT_OK(LaunchGemv(p, nullptr));
+        TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+        // dc is sized for [m, 2n]: C is its first m * n elements, the rest keeps the poison.
+        std::vector<float> got = testing::FromBf16(pr.dc.Download());
+        for (size_t e = ref.size(); e < got.size(); ++e) ASSERT_TRUE(std::isnan(got[e])) << e;
+        got.resize(ref.size());
+        EXPECT_LE(testing::RelL2Error(got, ref), 1e-2);
+        EXPECT_GE(testing::CompareBf16(got, hf).exact_fraction, 0.98);
+        for (size_t e = 0; e < got.size(); ++e) {
+          ASSERT_LE(std::fabs(got[e] - ref[e]), bound[e]) << "element " << e;
+        }
+        EXPECT_TRUE(pr.dc.GuardsIntact());
+      }
+    }
+  }
 }
 
 TEST(GemvTest, SplitHeuristicAndWorkspaceSize) {
