@@ -232,6 +232,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   std::unique_ptr<CudaModel> m(new CudaModel());
   m->config_ = o.config;
   m->small_m_gemv_ = o.small_m_gemv;
+  m->fused_decode_layers_ = o.fused_decode_layers;
   m->buckets_ = o.buckets;
   m->device_ = o.device;
   m->max_context_ = o.max_context > 0 ? o.max_context : o.config.max_position_embeddings;
@@ -458,43 +459,89 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
       k::ChooseGemvSplitK(p.m, p.n, p.k, num_sms_) == 1) {
     // pdl: the GEMV starts streaming W while the kernel before it finishes; nothing in the step
     // writes weights, and A and C are touched only after griddepcontrol.wait.
-    return k::LaunchGemv({.a = p.a,
-                          .w = p.w,
-                          .c = p.c,
-                          .m = p.m,
-                          .n = p.n,
-                          .k = p.k,
-                          .accumulate = p.accumulate,
-                          .pdl = true},
-                         stream);
+    return k::LaunchGemv(
+        {.a = p.a,
+         .w = p.w,
+         .c = p.c,
+         .m = p.m,
+         .n = p.n,
+         .k = p.k,
+         .epilogue = p.accumulate ? k::GemvEpilogue::kAccumulate : k::GemvEpilogue::kStore,
+         .pdl = true},
+        stream);
   }
   return gemm.Launch(p, stream);
 }
 
+bool CudaModel::FusedDecodeLayers(int32_t rows) const {
+  const ModelDims& d = dims();
+  return small_m_gemv_ && fused_decode_layers_ && rows <= k::kGemvMaxM &&
+         k::GemvCanFuseNorm(rows, d.hidden) && d.hidden % 8 == 0 && d.q_dim() % 8 == 0 &&
+         d.intermediate_padded % 8 == 0;
+}
+
+absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
+                                         const LayerBuffers& layer, const Attention& at,
+                                         cudaStream_t stream) const {
+  const ModelDims& d = dims();
+  const ArenaShape& s = plan_.shape;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
+  if (at.decode) {
+    k::DecodeAttentionParams p;
+    p.q = f.q;
+    p.k_cache = layer.k_cache;
+    p.v_cache = layer.v_cache;
+    p.block_tables = at.block_tables;
+    p.context_lens = at.context_lens;
+    p.out = f.attn;
+    p.workspace = dev_.attention_workspace;
+    p.workspace_bytes = plan_.attention_workspace_bytes;
+    p.num_seqs = rows;
+    p.num_q_heads = d.num_heads;
+    p.num_kv_heads = d.num_kv_heads;
+    p.head_dim = d.head_dim;
+    p.block_size = s.kv_block_size;
+    p.num_blocks = s.num_kv_blocks;
+    p.max_blocks_per_seq = s.max_blocks_per_seq;
+    p.scale = scale;
+    p.mode = k::DecodeAttentionMode::kStaticSplit;
+    p.max_splits = at.max_splits;
+    p.num_splits = at.num_splits;
+    p.pdl = true;
+    return k::LaunchDecodeAttention(p, stream);
+  }
+  k::PrefillAttentionParams p;
+  p.q = f.q;
+  p.k_cache = layer.k_cache;
+  p.v_cache = layer.v_cache;
+  p.block_tables = at.block_tables;
+  p.cu_seqlens = at.cu_seqlens;
+  p.start_pos = at.start_pos;
+  p.out = f.attn;
+  p.num_seqs = at.num_seqs;
+  p.total_tokens = at.total_tokens;
+  p.max_q_len = at.max_q_len;
+  p.num_q_heads = d.num_heads;
+  p.num_kv_heads = d.num_kv_heads;
+  p.head_dim = d.head_dim;
+  p.block_size = s.kv_block_size;
+  p.num_blocks = s.num_kv_blocks;
+  p.max_blocks_per_seq = s.max_blocks_per_seq;
+  p.scale = scale;
+  return k::LaunchPrefillAttention(p, stream);
+}
+
+// Both paths round where transformers' bf16 Llama rounds (kernels/bf16_vec.cuh): every Linear's
+// output is bf16 before the residual add, the add is rounded, and so on.
 absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& at,
                                       const k::Gemm& gemm, cudaStream_t stream,
                                       OpTimer* timer) const {
   const ModelDims& d = dims();
   const ArenaShape& s = plan_.shape;
   const float eps = config_.rms_norm_eps;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
-  for (const LayerBuffers& layer : dev_.layers) {
-    TS_RETURN_IF_ERROR(TimedOp(timer, "attn_norm", stream, [&] {
-      return k::LaunchRmsNorm({.x = nullptr,
-                               .residual = f.h,
-                               .weight = layer.attn_norm,
-                               .out = f.xn,
-                               .rows = rows,
-                               .hidden = d.hidden,
-                               .eps = eps},
-                              stream);
-    }));
-    TS_RETURN_IF_ERROR(TimedOp(timer, "qkv_gemm", stream, [&] {
-      return LaunchLinear(
-          gemm, {.a = f.xn, .w = layer.qkv, .c = f.qkv, .m = rows, .n = d.qkv_dim(), .k = d.hidden},
-          stream);
-    }));
-    TS_RETURN_IF_ERROR(TimedOp(timer, "rope_kv", stream, [&] {
+  const bool fused = at.decode && FusedDecodeLayers(rows);
+  auto rope_kv = [&](const LayerBuffers& layer) {
+    return TimedOp(timer, "rope_kv", stream, [&] {
       k::RopeKvParams p;
       p.qkv = f.qkv;
       p.q_out = f.q;
@@ -507,75 +554,88 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
       p.layout = k::KvLayout{s.num_kv_blocks, d.num_kv_heads, s.kv_block_size, d.head_dim};
       p.rows = rows;
       p.num_q_heads = d.num_heads;
+      p.pdl = true;  // launches while the qkv GEMM drains; waits for it before reading
       return k::LaunchRopeKv(p, stream);
-    }));
-    TS_RETURN_IF_ERROR(TimedOp(timer, "attention", stream, [&] {
-      if (at.decode) {
-        k::DecodeAttentionParams p;
-        p.q = f.q;
-        p.k_cache = layer.k_cache;
-        p.v_cache = layer.v_cache;
-        p.block_tables = at.block_tables;
-        p.context_lens = at.context_lens;
-        p.out = f.attn;
-        p.workspace = dev_.attention_workspace;
-        p.workspace_bytes = plan_.attention_workspace_bytes;
-        p.num_seqs = rows;
-        p.num_q_heads = d.num_heads;
-        p.num_kv_heads = d.num_kv_heads;
-        p.head_dim = d.head_dim;
-        p.block_size = s.kv_block_size;
-        p.num_blocks = s.num_kv_blocks;
-        p.max_blocks_per_seq = s.max_blocks_per_seq;
-        p.scale = scale;
-        p.mode = k::DecodeAttentionMode::kStaticSplit;
-        p.max_splits = at.max_splits;
-        p.num_splits = at.num_splits;
-        return k::LaunchDecodeAttention(p, stream);
-      }
-      k::PrefillAttentionParams p;
-      p.q = f.q;
-      p.k_cache = layer.k_cache;
-      p.v_cache = layer.v_cache;
-      p.block_tables = at.block_tables;
-      p.cu_seqlens = at.cu_seqlens;
-      p.start_pos = at.start_pos;
-      p.out = f.attn;
-      p.num_seqs = at.num_seqs;
-      p.total_tokens = at.total_tokens;
-      p.max_q_len = at.max_q_len;
-      p.num_q_heads = d.num_heads;
-      p.num_kv_heads = d.num_kv_heads;
-      p.head_dim = d.head_dim;
-      p.block_size = s.kv_block_size;
-      p.num_blocks = s.num_kv_blocks;
-      p.max_blocks_per_seq = s.max_blocks_per_seq;
-      p.scale = scale;
-      return k::LaunchPrefillAttention(p, stream);
-    }));
-    // o_proj and down_proj accumulate into the residual stream (beta = 1): one fp32 sum, one
-    // bf16 rounding, and no separate residual-add pass.
-    TS_RETURN_IF_ERROR(TimedOp(timer, "o_gemm", stream, [&] {
-      return LaunchLinear(gemm,
-                          {.a = f.attn,
-                           .w = layer.o,
-                           .c = f.h,
-                           .m = rows,
-                           .n = d.hidden,
-                           .k = d.q_dim(),
-                           .accumulate = true},
-                          stream);
-    }));
-    TS_RETURN_IF_ERROR(TimedOp(timer, "mlp_norm", stream, [&] {
-      return k::LaunchRmsNorm({.x = nullptr,
+    });
+  };
+  auto attention = [&](const LayerBuffers& layer) {
+    return TimedOp(timer, "attention", stream,
+                   [&] { return EnqueueAttention(f, rows, layer, at, stream); });
+  };
+
+  if (fused) {
+    // Decode at m <= 8: four GEMV nodes per layer carry the norms, the residual adds and SwiGLU,
+    // so a layer is 6 graph nodes instead of 10 (each node costs ~1.7 us at batch 1, DESIGN §6).
+    auto gemv = [&](const char* name, k::GemvParams p) {
+      p.m = rows;
+      p.pdl = true;  // nothing in the step writes weights; A and C are read after the wait
+      return TimedOp(timer, name, stream, [&] { return k::LaunchGemv(p, stream); });
+    };
+    for (const LayerBuffers& layer : dev_.layers) {
+      TS_RETURN_IF_ERROR(gemv("qkv_gemm", {.a = f.h,
+                                           .w = layer.qkv,
+                                           .c = f.qkv,
+                                           .n = d.qkv_dim(),
+                                           .k = d.hidden,
+                                           .norm_weight = layer.attn_norm,
+                                           .norm_eps = eps}));
+      TS_RETURN_IF_ERROR(rope_kv(layer));
+      TS_RETURN_IF_ERROR(attention(layer));
+      TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
+                                         .w = layer.o,
+                                         .c = f.h,
+                                         .n = d.hidden,
+                                         .k = d.q_dim(),
+                                         .epilogue = k::GemvEpilogue::kAccumulate}));
+      TS_RETURN_IF_ERROR(gemv("gate_up_gemm", {.a = f.h,
+                                               .w = layer.gate_up,
+                                               .c = f.act,
+                                               .n = d.intermediate_padded,
+                                               .k = d.hidden,
+                                               .epilogue = k::GemvEpilogue::kSiluMul,
+                                               .norm_weight = layer.mlp_norm,
+                                               .norm_eps = eps}));
+      TS_RETURN_IF_ERROR(gemv("down_gemm", {.a = f.act,
+                                            .w = layer.down,
+                                            .c = f.h,
+                                            .n = d.hidden,
+                                            .k = d.intermediate_padded,
+                                            .epilogue = k::GemvEpilogue::kAccumulate}));
+    }
+    return absl::OkStatus();
+  }
+
+  // cuBLASLt path (prefill, larger batches). o_proj and down_proj write their bf16 output to xn
+  // and the next rmsnorm adds it into the residual (x), as transformers rounds: bf16(h +
+  // bf16(o)). down_proj's output is added by the next layer's attn_norm.
+  auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
+    return TimedOp(timer, name, stream, [&] {
+      return k::LaunchRmsNorm({.x = pending,
                                .residual = f.h,
-                               .weight = layer.mlp_norm,
+                               .weight = weight,
                                .out = f.xn,
                                .rows = rows,
                                .hidden = d.hidden,
                                .eps = eps},
                               stream);
+    });
+  };
+  const bf16* pending = nullptr;  // xn once a down_proj output waits to be added
+  for (const LayerBuffers& layer : dev_.layers) {
+    TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "qkv_gemm", stream, [&] {
+      return LaunchLinear(
+          gemm, {.a = f.xn, .w = layer.qkv, .c = f.qkv, .m = rows, .n = d.qkv_dim(), .k = d.hidden},
+          stream);
     }));
+    TS_RETURN_IF_ERROR(rope_kv(layer));
+    TS_RETURN_IF_ERROR(attention(layer));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "o_gemm", stream, [&] {
+      return LaunchLinear(
+          gemm, {.a = f.attn, .w = layer.o, .c = f.xn, .m = rows, .n = d.hidden, .k = d.q_dim()},
+          stream);
+    }));
+    TS_RETURN_IF_ERROR(norm("mlp_norm", f.xn, layer.mlp_norm));
     TS_RETURN_IF_ERROR(TimedOp(timer, "gate_up_gemm", stream, [&] {
       return LaunchLinear(gemm,
                           {.a = f.xn,
@@ -595,15 +655,18 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
       return LaunchLinear(gemm,
                           {.a = f.act,
                            .w = layer.down,
-                           .c = f.h,
+                           .c = f.xn,
                            .m = rows,
                            .n = d.hidden,
-                           .k = d.intermediate_padded,
-                           .accumulate = true},
+                           .k = d.intermediate_padded},
                           stream);
     }));
+    pending = f.xn;
   }
-  return absl::OkStatus();
+  // The last down_proj output joins the residual here, so callers (the prefill's row gather, the
+  // final norm) see the finished hidden state in h; the norm output itself is discarded.
+  if (pending == nullptr) return absl::OkStatus();
+  return norm("residual_add", pending, dev_.final_norm);
 }
 
 absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
@@ -643,7 +706,8 @@ absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t ro
     p.vocab = d.vocab;
     p.num_slots = s.count_rows();
     p.params_by_slot = false;
-    p.update_counts = false;  // postprocess counts only tokens it emits
+    p.update_counts = false;        // postprocess counts only tokens it emits
+    p.round_logits_to_bf16 = true;  // the model's dtype: greedy agrees with transformers' argmax
     return k::LaunchSampling(p, stream);
   }));
   return TimedOp(timer, "postprocess", stream, [&] {

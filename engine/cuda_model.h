@@ -3,9 +3,13 @@
 // and the enqueue of its work on a stream:
 //   - EnqueueDecodeStep: one decode step for a bucket, graph-capturable:
 //       prepare (gather step inputs from the slot table for the bucket's rows) -> embed ->
-//       L x (rmsnorm, qkv GEMM, rope + KV write, decode attention + combine, o GEMM += residual,
-//       rmsnorm, gate_up GEMM, silu * up, down GEMM += residual) -> norm -> lm_head -> fp32
-//       logits -> sampling -> postprocess (ring append + stop checks + counts).
+//       L x (rmsnorm, qkv GEMM, rope + KV write, decode attention + combine, o GEMM, residual
+//       add + rmsnorm, gate_up GEMM, silu * up, down GEMM, residual add) -> norm -> lm_head ->
+//       fp32 logits (read rounded to bf16) -> sampling -> postprocess (ring append + stop checks
+//       + counts). At m <= 8 rows the norms, residual adds and silu * up ride inside the GEMV
+//       kernels (qkv, o, gate_up, down): 6 nodes per layer.
+//       Every op rounds to bf16 where transformers' bf16 Llama does, so logits track it to fp32
+//       summation order.
 //   - EnqueuePrefill + EnqueuePrefillSample: the same layers over a packed, chunked prompt
 //     batch with causal prefill attention (host-launched, not a graph), then the first token of
 //     every prompt through the same sampling and postprocess kernels.
@@ -54,6 +58,9 @@ struct CudaModelOptions {
   bool print_plan = true;  // the budget on stderr at startup
   // Decode GEMMs with <= 8 rows and a small weight go through kernels/gemv instead of cuBLASLt.
   bool small_m_gemv = true;
+  // With small_m_gemv, decode at m <= 8 also folds the rmsnorms, residual adds and silu * up
+  // into the GEMV kernels (6 graph nodes per layer instead of 10).
+  bool fused_decode_layers = true;
 };
 
 // Times each op of a step separately with CUDA events (the --profile mode of tailserve-bench).
@@ -155,6 +162,11 @@ class CudaModel {
                             cudaStream_t stream) const;
   absl::Status EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& attn,
                              const kernels::Gemm& gemm, cudaStream_t stream, OpTimer* timer) const;
+  // Decode with `rows` rows runs the fused GEMV layers (norms, residual adds and SwiGLU inside
+  // the GEMVs) rather than rmsnorm + cuBLASLt + silu_mul nodes.
+  bool FusedDecodeLayers(int32_t rows) const;
+  absl::Status EnqueueAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
+                                const Attention& attn, cudaStream_t stream) const;
   // final norm -> lm_head (fp32 logits) over head rows [0, padded_rows).
   absl::Status EnqueueLogits(__nv_bfloat16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
                              const cuda_model_internal::LogitsGemm& gemm, cudaStream_t stream,
@@ -166,6 +178,7 @@ class CudaModel {
 
   ModelConfig config_;
   bool small_m_gemv_ = true;
+  bool fused_decode_layers_ = true;
   MemoryPlan plan_;
   std::vector<int32_t> buckets_;
   std::vector<int32_t> prefill_sizes_;  // planned prefill GEMM row counts, ascending

@@ -194,6 +194,9 @@ absl::StatusOr<std::vector<float>> CudaModel::PromptLogits(std::span<const int32
     // the caller can read `out`).
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   }
+  // The values the sampler uses (SamplingKernelParams::round_logits_to_bf16): a bf16 model's
+  // logits, as transformers returns them.
+  for (float& v : out) v = Bf16ToF32(F32ToBf16(v));
   return out;
 }
 
