@@ -1,9 +1,16 @@
 #!/usr/bin/env python3
-"""How closely does transformers agree with itself across precisions on the Llama-1B-shape
-reference? Loads <dir> (written by make_llama1b_reference.py) in bf16 and in fp32 and prints, over
-the same prompts, the top-1 agreement and relative error of bf16 vs fp32 logits, and of the stored
-reference vs fp32. This is the noise floor engine_cuda_hf_logits_test's numbers should be read
-against.
+"""How closely does transformers agree with itself on the Llama-1B-shape reference? Loads <dir>
+(written by make_llama1b_reference.py) and runs the same prompts teacher-forced in several
+configurations that all round to bf16 at the same points as the stored reference (transformers
+bf16, sdpa, on the GPU) but differ in kernels or in precision:
+
+  - bf16 on the GPU with cuBLAS's reduced-precision (bf16) split-K reductions disallowed;
+  - bf16 on the GPU with eager attention (bf16 scores and probabilities) instead of sdpa;
+  - bf16 on the CPU (other GEMM kernels, other summation order);
+  - fp32 on the GPU.
+
+Each is compared with the stored reference (top-1 agreement as engine_cuda_hf_logits_test
+counts it, relative and max error): the noise floor the test's numbers should be read against.
 
   python3 tests/gpu/hf_bf16_noise_floor.py /tmp/llama1b
 """
@@ -18,8 +25,19 @@ from transformers import LlamaForCausalLM
 def compare(name, a, b):
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     rel = ((a - b).norm() / b.norm()).item()
-    print(f"{name}: top-1 agreement {100 * agree:.2f}%, rel err {rel:.3e}, "
-          f"max |err| {(a - b).abs().max().item():.4f}")
+    print(f"{name:58s} top-1 agreement {100 * agree:6.2f}%, rel err {rel:.3e}, "
+          f"max |err| {(a - b).abs().max().item():.4f}", flush=True)
+
+
+def run(d, prompts, dtype, device="cuda", attn="sdpa"):
+    model = LlamaForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation=attn)
+    model = model.to(device).eval()
+    with torch.no_grad():
+        out = torch.stack([model(input_ids=p[None].to(device)).logits[0].float().cpu()
+                           for p in prompts])
+    del model
+    torch.cuda.empty_cache()
+    return out
 
 
 def main():
@@ -27,17 +45,19 @@ def main():
     prompts = torch.tensor(json.load(open(f"{d}/prompts.json"))["prompts"])
     ref = load_file(f"{d}/reference_logits.safetensors")
     ref = torch.stack([ref[f"logits_{i}"] for i in range(len(prompts))])
-    out = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        model = LlamaForCausalLM.from_pretrained(d, dtype=dtype).cuda().eval()
-        with torch.no_grad():
-            out[dtype] = torch.stack([model(input_ids=p[None].cuda()).logits[0].float().cpu()
-                                      for p in prompts])
-        del model
-        torch.cuda.empty_cache()
-    compare("transformers bf16 vs transformers fp32", out[torch.bfloat16], out[torch.float32])
-    compare("stored reference vs transformers fp32", ref, out[torch.float32])
-    torch.save(out[torch.float32], f"{d}/fp32_logits.pt")
+    compare("transformers bf16 sdpa GPU (rerun) vs stored reference",
+            run(d, prompts, torch.bfloat16), ref)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    compare("bf16 GPU, no reduced-precision reduction vs reference",
+            run(d, prompts, torch.bfloat16), ref)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    compare("bf16 GPU, eager attention vs reference",
+            run(d, prompts, torch.bfloat16, attn="eager"), ref)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    compare("bf16 CPU (sdpa) vs reference", run(d, prompts, torch.bfloat16, device="cpu"), ref)
+    fp32 = run(d, prompts, torch.float32)
+    compare("fp32 GPU vs reference", fp32, ref)
+    torch.save(fp32, f"{d}/fp32_logits.pt")
 
 
 if __name__ == "__main__":

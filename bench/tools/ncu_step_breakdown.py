@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""Per-kernel GPU time of a decode step, from an Nsight Compute CSV.
+
+Run tailserve-bench for one shape and batch under ncu with graph nodes profiled one by one, then
+summarise: kernels are grouped by name, each group's total is divided by the number of profiled
+decode steps (the count of the step's last kernel, postprocess). The sum is kernel time alone,
+launch gaps excluded, so (graph step time - sum) is what the graph's node-to-node overhead costs.
+
+  ncu --graph-profiling node --metrics gpu__time_duration.sum --csv --page raw \\
+      tailserve-bench --shapes 1b --batches 1 --new_tokens 16 > ncu.csv
+  python3 bench/tools/ncu_step_breakdown.py ncu.csv
+"""
+import collections
+import csv
+import sys
+
+
+def main():
+    rows = list(csv.reader(open(sys.argv[1], errors="replace")))
+    head = next(i for i, r in enumerate(rows) if "Kernel Name" in r and "gpu__time_duration.sum" in r)
+    cols = rows[head]
+    name_i, t_i = cols.index("Kernel Name"), cols.index("gpu__time_duration.sum")
+    unit = rows[head + 1][t_i] if len(rows) > head + 1 else ""
+    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1e-3)
+    total = collections.defaultdict(float)
+    count = collections.Counter()
+    for r in rows[head + 2:]:
+        if len(r) <= max(name_i, t_i):
+            continue
+        try:
+            us = float(r[t_i].replace(",", "")) * scale
+        except ValueError:
+            continue
+        name = r[name_i].split("(")[0].split("<")[0].strip()
+        total[name] += us
+        count[name] += 1
+    steps = max(1, count.get("PostprocessKernel", 1))
+    print(f"{steps} decode steps profiled (PostprocessKernel count); us per step:")
+    s = 0.0
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1]):
+        print(f"  {us / steps:9.1f}  x{count[name] / steps:6.1f}  {name}")
+        s += us / steps
+    print(f"  {s:9.1f}  total kernel time per step (includes prefill kernels / steps)")
+
+
+if __name__ == "__main__":
+    main()
