@@ -6,12 +6,14 @@ summarise: kernels are grouped by name, each group's total is divided by the num
 decode steps (the count of the step's last kernel, postprocess). The sum is kernel time alone,
 launch gaps excluded, so (graph step time - sum) is what the graph's node-to-node overhead costs.
 
-  ncu --graph-profiling node --metrics gpu__time_duration.sum --csv --page raw \\
+  ncu --graph-profiling node --clock-control none --cache-control none \\
+      --metrics gpu__time_duration.sum --csv --page raw \\
       tailserve-bench --shapes 1b --batches 1 --new_tokens 16 > ncu.csv
   python3 bench/tools/ncu_step_breakdown.py ncu.csv
 """
 import collections
 import csv
+import re
 import sys
 
 
@@ -31,7 +33,9 @@ def main():
             us = float(r[t_i].replace(",", "")) * scale
         except ValueError:
             continue
-        name = r[name_i].split("(")[0].split("<")[0].strip()
+        # "void ts::kernels::(anonymous namespace)::GemvKernel(...)" -> "GemvKernel"
+        m = re.search(r"(\w+)\s*(?:<[^()]*>)?\s*\(", r[name_i].replace("(anonymous namespace)", ""))
+        name = m.group(1) if m else r[name_i][:40]
         total[name] += us
         count[name] += 1
     steps = max(1, count.get("PostprocessKernel", 1))
