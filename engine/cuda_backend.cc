@@ -44,6 +44,7 @@ CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& co
   m.print_plan = o.log_progress;
   m.small_m_gemv = o.small_m_gemv;
   m.fused_decode_layers = o.fused_decode_layers;
+  m.split_sampling = o.split_sampling;
   return m;
 }
 

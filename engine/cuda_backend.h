@@ -41,6 +41,7 @@ struct CudaBackendOptions {
   bool log_progress = true;         // memory budget and graph capture progress on stderr
   bool small_m_gemv = true;         // see CudaModelOptions::small_m_gemv
   bool fused_decode_layers = true;  // see CudaModelOptions::fused_decode_layers
+  bool split_sampling = true;       // see CudaModelOptions::split_sampling
 };
 
 // Weights generated on the device instead of read from model_dir (benchmarks).

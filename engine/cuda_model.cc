@@ -233,6 +233,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   m->config_ = o.config;
   m->small_m_gemv_ = o.small_m_gemv;
   m->fused_decode_layers_ = o.fused_decode_layers;
+  m->split_sampling_ = o.split_sampling;
   m->buckets_ = o.buckets;
   m->device_ = o.device;
   m->max_context_ = o.max_context > 0 ? o.max_context : o.config.max_position_embeddings;
@@ -708,6 +709,12 @@ absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t ro
     p.params_by_slot = false;
     p.update_counts = false;        // postprocess counts only tokens it emits
     p.round_logits_to_bf16 = true;  // the model's dtype: greedy agrees with transformers' argmax
+    // Enough CTAs per row to spread a small batch's argmax over the GPU.
+    p.split =
+        split_sampling_ ? std::clamp(num_sms_ / std::max(rows, 1), 1, k::kSamplingMaxSplit) : 1;
+    p.split_best = head.split_best;
+    p.split_best_id = head.split_best_id;
+    p.split_done = head.split_done;
     return k::LaunchSampling(p, stream);
   }));
   return TimedOp(timer, "postprocess", stream, [&] {

@@ -61,6 +61,8 @@ struct CudaModelOptions {
   // With small_m_gemv, decode at m <= 8 also folds the rmsnorms, residual adds and silu * up
   // into the GEMV kernels (6 graph nodes per layer instead of 10).
   bool fused_decode_layers = true;
+  // Sampling spreads a small batch's first pass (the argmax) over several CTAs per row.
+  bool split_sampling = true;
 };
 
 // Times each op of a step separately with CUDA events (the --profile mode of tailserve-bench).
@@ -179,6 +181,7 @@ class CudaModel {
   ModelConfig config_;
   bool small_m_gemv_ = true;
   bool fused_decode_layers_ = true;
+  bool split_sampling_ = true;
   MemoryPlan plan_;
   std::vector<int32_t> buckets_;
   std::vector<int32_t> prefill_sizes_;  // planned prefill GEMM row counts, ascending

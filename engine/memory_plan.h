@@ -145,6 +145,11 @@ struct HeadBuffers {
   int32_t* sample_slots = nullptr;         // [M] slot per row; padding -> scratch row max_slots
   int32_t* row_slots = nullptr;            // [M] slot per row; -1 = padding (postprocess)
   int32_t* sampled = nullptr;              // [M]
+  // Sampling's split first pass (SamplingKernelParams::split): [M, kSamplingMaxSplit] scratch
+  // and [M] counters, zero from the arena's memset and left zero by every launch.
+  float* split_best = nullptr;
+  int32_t* split_best_id = nullptr;
+  uint32_t* split_done = nullptr;
 };
 
 struct DeviceLayout {

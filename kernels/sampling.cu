@@ -56,6 +56,7 @@ struct Smem {
   float warp_best[kWarps];
   int32_t warp_best_id[kWarps];
   int32_t sel_bin;
+  int32_t is_last;  // split: this CTA merges the row
   u64 sel_before;
   int32_t found_id;
 };
@@ -112,11 +113,14 @@ __device__ __forceinline__ int32_t WarpRange(int32_t vocab) {
 
 // Calls f(id, value) for this thread's ids, value = penalised logit with NaN -> -inf when
 // `greedy`, else the score. kUnroll loads are issued before any is used.
+// Only ids in [lo, hi) when given (a split CTA's slice).
 template <typename F>
-__device__ __forceinline__ void ForEachValue(const Row& r, bool greedy, F&& f) {
-  const int32_t range = WarpRange(r.vocab);
-  const int32_t begin = (threadIdx.x / 32) * range;
-  const int32_t end = min(begin + range, r.vocab);
+__device__ __forceinline__ void ForEachValue(const Row& r, bool greedy, F&& f, int32_t lo = 0,
+                                             int32_t hi = -1) {
+  if (hi < 0) hi = r.vocab;
+  const int32_t range = WarpRange(hi - lo);
+  const int32_t begin = lo + (threadIdx.x / 32) * range;
+  const int32_t end = min(begin + range, hi);
   for (int32_t base = begin + threadIdx.x % 32; base < end; base += 32 * kUnroll) {
     float v[kUnroll];
 #pragma unroll
@@ -372,10 +376,37 @@ __global__ void __launch_bounds__(kThreads, 1) SamplingKernel(SamplingKernelPara
   const bool greedy = prm.temperature == 0.0f;
   float best = -INFINITY;
   int32_t best_id = INT_MAX;
-  ForEachValue(r, greedy, [&](int32_t i, float v) {
-    if (Better(v, i, best, best_id)) best = v, best_id = i;
-  });
+  const int32_t split = gridDim.y;
+  const int32_t per = (p.vocab + split - 1) / split;
+  const int32_t lo = min(p.vocab, static_cast<int32_t>(blockIdx.y) * per);
+  ForEachValue(
+      r, greedy,
+      [&](int32_t i, float v) {
+        if (Better(v, i, best, best_id)) best = v, best_id = i;
+      },
+      lo, min(p.vocab, lo + per));
   BlockArgMax(best, best_id, sh);
+  if (split > 1) {
+    // threadFenceReduction: publish this slice's best, count the CTA in; the last one merges.
+    if (threadIdx.x == 0) {
+      p.split_best[row * split + blockIdx.y] = best;
+      p.split_best_id[row * split + blockIdx.y] = best_id;
+      __threadfence();
+      const uint32_t done = atomicAdd(p.split_done + row, 1u);
+      sh.is_last = done == static_cast<uint32_t>(split - 1);
+      if (sh.is_last) p.split_done[row] = 0;  // all slices are in: ready for the next launch
+    }
+    __syncthreads();
+    if (!sh.is_last) return;
+    __threadfence();
+    best = -INFINITY;
+    best_id = INT_MAX;
+    if (threadIdx.x < split) {
+      best = __ldcg(p.split_best + row * split + threadIdx.x);
+      best_id = __ldcg(p.split_best_id + row * split + threadIdx.x);
+    }
+    BlockArgMax(best, best_id, sh);
+  }
 
   int32_t token = best_id;
   const bool top_k_on = prm.top_k > 0 && prm.top_k < p.vocab;
@@ -419,7 +450,16 @@ absl::Status LaunchSampling(const SamplingKernelParams& p, cudaStream_t stream) 
   if (p.error_flag != nullptr) {
     TS_RETURN_IF_ERROR(RequirePointer("sampling.error_flag", p.error_flag, 4));
   }
-  SamplingKernel<<<p.rows, kThreads, 0, stream>>>(p);
+  if (p.split < 1 || p.split > kSamplingMaxSplit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.split must be in [1, ", kSamplingMaxSplit, "], got ", p.split));
+  }
+  if (p.split > 1) {
+    TS_RETURN_IF_ERROR(RequirePointer("sampling.split_best", p.split_best, 4));
+    TS_RETURN_IF_ERROR(RequirePointer("sampling.split_best_id", p.split_best_id, 4));
+    TS_RETURN_IF_ERROR(RequirePointer("sampling.split_done", p.split_done, 4));
+  }
+  SamplingKernel<<<dim3(p.rows, p.split), kThreads, 0, stream>>>(p);
   TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

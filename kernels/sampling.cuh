@@ -78,7 +78,17 @@ struct SamplingKernelParams {
   // The logits are a bf16 model's lm_head accumulated in fp32: read each rounded to bf16, the
   // value transformers' bf16 lm_head returns, so greedy ties and near-ties resolve as there.
   bool round_logits_to_bf16 = false;
+  // Optional: spread each row's first pass (the argmax: all a greedy row needs) over `split`
+  // CTAs; the last CTA of a row to finish (an atomic count) merges their results and completes
+  // the row as before. One CTA reads a 128k-entry row at a few elements per cycle (30-35 us on
+  // the H200 under ncu), so at batch 1 the other SMs would idle.
+  int32_t split = 1;                 // 1..kSamplingMaxSplit
+  float* split_best = nullptr;       // [rows, split] scratch
+  int32_t* split_best_id = nullptr;  // [rows, split] scratch
+  uint32_t* split_done = nullptr;    // [rows]: zero before the first launch; left zero
 };
+
+inline constexpr int32_t kSamplingMaxSplit = 32;
 
 // Keeps fixed-point weight sums (vocab * 2^32) and u * sum inside 64 + 64 bits.
 inline constexpr int32_t kSamplingMaxVocab = 1 << 24;

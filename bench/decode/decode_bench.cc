@@ -55,6 +55,7 @@ ABSL_FLAG(int32_t, device, 0, "CUDA device ordinal");
 ABSL_FLAG(uint64_t, seed, 1, "weights and prompts seed");
 ABSL_FLAG(bool, fused, true,
           "decode at <= 8 rows with rmsnorm, residual add and silu * up inside the GEMVs");
+ABSL_FLAG(bool, split_sampling, true, "sampling's argmax pass over several CTAs per row");
 ABSL_FLAG(bool, gemv, true, "decode GEMMs with <= 8 rows and small weights through kernels/gemv");
 
 namespace ts::bench {
@@ -211,6 +212,7 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
   o.ring_capacity = static_cast<uint32_t>(max_new + 8);
   o.small_m_gemv = absl::GetFlag(FLAGS_gemv);
   o.fused_decode_layers = absl::GetFlag(FLAGS_fused);
+  o.split_sampling = absl::GetFlag(FLAGS_split_sampling);
   std::fprintf(stderr, "== shape %s: building the backend\n", shape.c_str());
   TS_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaBackend> b,
@@ -269,7 +271,8 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
                                           b->graph_cache().BucketIndexFor(batch).value_or(0))},
                       {"regime_updates", b->graph_cache().update_count() - updates0},
                       {"gemv", absl::GetFlag(FLAGS_gemv)},
-                      {"fused", absl::GetFlag(FLAGS_fused)}};
+                      {"fused", absl::GetFlag(FLAGS_fused)},
+                      {"split_sampling", absl::GetFlag(FLAGS_split_sampling)}};
     std::printf("%-4s %6d %10.3f %10.3f %10.3f %12.0f %10.3f %9.0f %7.1f%%\n", shape.c_str(), batch,
                 med, Quantile(device_ms, 0.9), Quantile(host_ms, 0.5), batch / (med * 1e-3),
                 bytes / 1e9, gbps, 100 * gbps / s.copy_gbps);

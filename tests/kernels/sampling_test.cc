@@ -81,6 +81,7 @@ struct RunOptions {
   bool params_by_slot = false;
   bool update_counts = false;
   bool round_logits_to_bf16 = false;
+  int split = 1;  // CTAs per row for the first pass
 };
 
 // One launch over `rows`. Slots not used by any row get random histories, so a kernel reading
@@ -141,6 +142,15 @@ GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {})
   p.params_by_slot = o.params_by_slot;
   p.update_counts = o.update_counts;
   p.round_logits_to_bf16 = o.round_logits_to_bf16;
+  // Split scratch poisoned, the done counters zero as the engine's arena leaves them.
+  GuardedBuffer<float> d_split_best(size_t(n) * o.split);
+  GuardedBuffer<int32_t> d_split_id(size_t(n) * o.split);
+  GuardedBuffer<uint32_t> d_split_done(n);
+  d_split_done.Upload(std::vector<uint32_t>(n, 0));
+  p.split = o.split;
+  p.split_best = d_split_best.get();
+  p.split_best_id = d_split_id.get();
+  p.split_done = d_split_done.get();
   GpuResult res;
   const absl::Status st = LaunchSampling(p, nullptr);
   EXPECT_TRUE(st.ok()) << st;
@@ -149,6 +159,7 @@ GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {})
   res.counts = d_counts.Download();
   res.flag = d_flag.Download()[0];
   for (int32_t t : res.tokens) EXPECT_TRUE(t >= 0 && t < vocab) << "token " << t;
+  for (uint32_t d : d_split_done.Download()) EXPECT_EQ(d, 0u) << "split counter not reset";
   EXPECT_TRUE(d_tokens.GuardsIntact());
   EXPECT_TRUE(d_counts.GuardsIntact());
   EXPECT_TRUE(d_logits.GuardsIntact());
@@ -279,8 +290,14 @@ TEST(SamplingTest, GreedyMatchesCpuExactly) {
         }
         if (r % 16 == 5) std::fill(c.logits.begin(), c.logits.end(), -kInf);  // token 0
       }
-      const auto gpu = RunGpu(rows, vocab);
-      for (int r = 0; r < n; ++r) EXPECT_EQ(gpu.tokens[r], CpuToken(rows[r])) << "row " << r;
+      for (int split : {1, 5, kSamplingMaxSplit}) {
+        RunOptions o;
+        o.split = split;
+        const auto gpu = RunGpu(rows, vocab, o);
+        for (int r = 0; r < n; ++r) {
+          EXPECT_EQ(gpu.tokens[r], CpuToken(rows[r])) << "row " << r << " split " << split;
+        }
+      }
     }
   }
 }
@@ -327,7 +344,10 @@ TEST(SamplingTest, SeededDrawsAgreeWithCpu) {
         RandomHistory(c, vocab, r + vocab);
         if (r % 3 == 0) AddPenalties(c.params);
       }
-      const auto gpu = RunGpu(rows, vocab);
+      // Non-greedy rows only use the split for their first pass (the max score).
+      RunOptions o;
+      o.split = bf16 ? 4 : 1;
+      const auto gpu = RunGpu(rows, vocab, o);
       for (int r = 0; r < 64; ++r) {
         ++total;
         const bool differs =
