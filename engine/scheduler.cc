@@ -288,8 +288,12 @@ std::vector<Request*> Scheduler::Admit() {
     queue_.pop_front();
     admitted.push_back(running_.back().get());
   }
-  // Published under the same lock that emptied the queue, so Idle() never sees a gap.
+  // Published under the same lock that emptied the queue, so Idle() never sees a gap, and with
+  // the blocks just reserved: the prefill streams a first token before the step's PublishStats,
+  // and a client reading it must not see a running request that holds no KV.
   stats_.running = static_cast<int32_t>(running_.size());
+  stats_.kv_blocks_total = blocks_.num_blocks();
+  stats_.kv_blocks_free = blocks_.num_free();
   return admitted;
 }
 

@@ -65,10 +65,13 @@ class MockBackend : public Backend {
 
   void set_script(Script script) { script_ = std::move(script); }
   void fail_next_run(absl::Status s) { fail_next_run_ = std::move(s); }
+  // Called at the start of every Prefill (to look at the scheduler mid-step).
+  void set_on_prefill(std::function<void()> f) { on_prefill_ = std::move(f); }
 
   const BackendInfo& info() const override { return info_; }
 
   absl::Status Prefill(std::span<const SlotInit> inits) override {
+    if (on_prefill_) on_prefill_();
     std::vector<SlotRecord> record;
     for (const SlotInit& in : inits) {
       if (in.slot < 0 || in.slot >= o_.max_slots || slots_[in.slot].state != kFree) {
@@ -170,6 +173,7 @@ class MockBackend : public Backend {
   std::vector<Slot> slots_;
   std::vector<RingEntry> storage_;  // [max_slots][ring_capacity]
   Script script_;
+  std::function<void()> on_prefill_;
   absl::Status fail_next_run_;
   StepReport last_;
 };

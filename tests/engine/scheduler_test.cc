@@ -331,6 +331,20 @@ TEST_F(SchedulerTest, OneNewTokenFinishesInPrefill) {
   EXPECT_EQ(sched_->stats().steps, 0u);
 }
 
+// The prefill streams the first token before the step ends; a client that reads it and asks for
+// stats must see the request's KV blocks taken, not the previous step's numbers.
+TEST_F(SchedulerTest, StatsShowTheBlocksOfAnAdmittedRequestBeforeTheStepEnds) {
+  Make();
+  EngineStats during;
+  mock_->set_on_prefill([&] { during = sched_->stats(); });
+  Submit("a", {1, 2, 3}, 20);
+  sched_->Step();
+  EXPECT_EQ(during.running, 1);
+  EXPECT_GT(during.kv_blocks_total, 0);
+  EXPECT_LT(during.kv_blocks_free, during.kv_blocks_total);
+  EXPECT_EQ(during.kv_blocks_free, sched_->stats().kv_blocks_free);
+}
+
 // --- cancellation ------------------------------------------------------------------------------
 
 TEST_F(SchedulerTest, CancelQueuedRequestNeverReachesTheBackend) {
