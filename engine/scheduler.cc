@@ -291,9 +291,7 @@ std::vector<Request*> Scheduler::Admit() {
   // Published under the same lock that emptied the queue, so Idle() never sees a gap, and with
   // the blocks just reserved: the prefill streams a first token before the step's PublishStats,
   // and a client reading it must not see a running request that holds no KV.
-  stats_.running = static_cast<int32_t>(running_.size());
-  stats_.kv_blocks_total = blocks_.num_blocks();
-  stats_.kv_blocks_free = blocks_.num_free();
+  PublishStatsLocked();
   return admitted;
 }
 
@@ -453,6 +451,10 @@ void Scheduler::AbortAll(const absl::Status& status) {
 
 void Scheduler::PublishStats() {
   std::lock_guard<std::mutex> lock(mu_);
+  PublishStatsLocked();
+}
+
+void Scheduler::PublishStatsLocked() {
   stats_.running = static_cast<int32_t>(running_.size());
   stats_.kv_blocks_total = blocks_.num_blocks();
   stats_.kv_blocks_free = blocks_.num_free();

@@ -78,6 +78,7 @@ class Scheduler {
   void CancelRunning(Request* r, absl::Status why);
   void Fail(const absl::Status& status);
   void PublishStats();
+  void PublishStatsLocked();  // mu_ held
   std::string NewRequestIdLocked();
 
   const EngineOptions options_;
