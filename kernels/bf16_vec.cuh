@@ -43,6 +43,23 @@ __device__ __forceinline__ float SiluMul(float gate, float up) {
   return RoundBf16(RoundBf16(gate / (1.0f + expf(-gate))) * up);
 }
 
+// Llama's rotary embedding (rotate_half) for the pair (x1, x2) = (x[i], x[i + head_dim / 2]):
+// the angle float(position) * inv_freq[i] in fp32 as transformers forms it, accurate sincosf
+// (positions reach 1e5 and more), cos and sin cast to bf16, then x * cos + rotate_half(x) * sin
+// with each product rounded; the caller rounds the sums when it stores them.
+struct RopeCosSin {
+  float c, s;
+};
+__device__ __forceinline__ RopeCosSin RopeAngle(int32_t position, float inv_freq) {
+  float sn, cs;
+  sincosf(static_cast<float>(position) * inv_freq, &sn, &cs);
+  return {RoundBf16(cs), RoundBf16(sn)};
+}
+__device__ __forceinline__ void RopeRotate(float x1, float x2, RopeCosSin r, float& o1, float& o2) {
+  o1 = RoundBf16(x1 * r.c) + RoundBf16(-x2 * r.s);
+  o2 = RoundBf16(x2 * r.c) + RoundBf16(x1 * r.s);
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

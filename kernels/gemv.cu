@@ -62,6 +62,40 @@ __device__ __forceinline__ void StoreOutput(const GemvParams& p, int64_t e, floa
   }
 }
 
+// kRopeKv output of row i of A, pair (d, d + head_dim / 2) of head `head`: the warps' partial sums
+// of the lo row sit at red[.][e], of the hi row at red[.][e + 8].
+__device__ __forceinline__ void RopeEpilogue(const GemvParams& p, int i, int32_t head, int32_t d,
+                                             const float (*red)[kGemvMaxM * kGemvTileN], int e) {
+  const GemvRopeKv& r = p.rope;
+  const KvLayout& l = r.layout;
+  float x1 = 0.f, x2 = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    x1 += red[w][e];
+    x2 += red[w][e + 8];
+  }
+  x1 = RoundBf16(x1);  // the q/k/v Linear's bf16 output
+  x2 = RoundBf16(x2);
+  const int32_t hq = r.num_q_heads, hkv = l.num_kv_heads, half = l.head_dim / 2;
+  if (head < hq + hkv) RopeRotate(x1, x2, RopeAngle(r.positions[i], r.inv_freq[d]), x1, x2);
+  __nv_bfloat16* dst;
+  if (head < hq) {
+    dst = p.c + (static_cast<int64_t>(i) * hq + head) * l.head_dim;
+  } else {
+    const int32_t slot = r.slot_mapping[i];
+    if (slot < 0 ||
+        static_cast<int64_t>(slot) >= static_cast<int64_t>(l.num_blocks) * l.block_size) {
+      if (slot != -1 && r.error_flag != nullptr) *r.error_flag = 1;
+      return;
+    }
+    const bool is_k = head < hq + hkv;
+    dst = (is_k ? r.k_cache : r.v_cache) +
+          KvOffset(l, slot / l.block_size, head - hq - (is_k ? 0 : hkv), slot % l.block_size);
+  }
+  dst[d] = __float2bfloat16_rn(x1);
+  dst[d + half] = __float2bfloat16_rn(x2);
+}
+
 // The rows of A the CTA multiplies, normalised into shared memory (LlamaRMSNorm, see the header).
 // Row i lives at a_s[i * stride]; all threads take part (two __syncthreads).
 __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride) {
@@ -144,6 +178,9 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
   const int g = lane >> 2, t = lane & 3;
   const int64_t k = p.k;
   const bool swiglu = p.epilogue == GemvEpilogue::kSiluMul;
+  const bool rope = p.epilogue == GemvEpilogue::kRopeKv;
+  // kRopeKv: tiles per head, each 8 rows of the first half and the 8 rows head_dim / 2 further.
+  const int32_t rope_tiles_per_head = rope ? p.rope.layout.head_dim / 16 : 1;
   const int32_t tile_cols = swiglu ? 8 : kGemvTileN;
   const int32_t tiles = (p.n + tile_cols - 1) / tile_cols;
   const int a_row_index = g < p.m ? g : 0;
@@ -155,11 +192,16 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
   const int32_t b_begin = split * num_batches / p.split_k;
   const int32_t b_end = (split + 1) * num_batches / p.split_k;
 
-  // The W rows of tile `tile` this thread streams: 16 plain, or 8 gate + the matching 8 up rows.
+  // The W rows of tile `tile` this thread streams: 16 plain, 8 gate + the matching 8 up rows, or
+  // 8 rows of a head's first half + their rotation partners (n is a multiple of 16 there).
   const __nv_bfloat16 *w_lo, *w_hi;
   auto set_tile = [&](int32_t tile) {
     int32_t lo_row, hi_row;
-    if (swiglu) {
+    if (rope) {
+      const int32_t head = tile / rope_tiles_per_head;
+      lo_row = head * p.rope.layout.head_dim + (tile % rope_tiles_per_head) * 8 + g;
+      hi_row = lo_row + p.rope.layout.head_dim / 2;
+    } else if (swiglu) {
       lo_row = tile * 8 + g;
       hi_row = lo_row < p.n ? p.n + lo_row : 0;
       if (lo_row >= p.n) lo_row = 0;
@@ -261,6 +303,10 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
           p.c[static_cast<int64_t>(i) * p.n + col] =
               __float2bfloat16_rn(SiluMul(RoundBf16(gate), RoundBf16(up)));
         }
+      } else if (rope) {
+        if (r < 8)
+          RopeEpilogue(p, i, cur / rope_tiles_per_head, (cur % rope_tiles_per_head) * 8 + r, red,
+                       threadIdx.x);
       } else {
         const int32_t col = cur * kGemvTileN + r;
         if (col < p.n) {
@@ -290,6 +336,35 @@ __global__ void __launch_bounds__(256) GemvSplitReduceKernel(GemvParams p) {
   StoreOutput(p, e, v);
 }
 
+absl::Status ValidateRope(const GemvParams& p) {
+  const GemvRopeKv& r = p.rope;
+  const KvLayout& l = r.layout;
+  if (p.c == nullptr || p.split_k != 1) {
+    return absl::InvalidArgumentError("gemv.epilogue kRopeKv needs a bf16 c and split_k = 1");
+  }
+  TS_RETURN_IF_ERROR(RequirePositive("gemv.rope.layout.num_blocks", l.num_blocks));
+  TS_RETURN_IF_ERROR(RequirePositive("gemv.rope.layout.block_size", l.block_size));
+  TS_RETURN_IF_ERROR(RequirePositive("gemv.rope.layout.num_kv_heads", l.num_kv_heads));
+  TS_RETURN_IF_ERROR(RequirePositive("gemv.rope.layout.head_dim", l.head_dim));
+  TS_RETURN_IF_ERROR(RequireMultipleOf("gemv.rope.layout.head_dim", l.head_dim, 16));
+  TS_RETURN_IF_ERROR(RequirePositive("gemv.rope.num_q_heads", r.num_q_heads));
+  const int64_t want = (int64_t{r.num_q_heads} + 2 * int64_t{l.num_kv_heads}) * l.head_dim;
+  if (p.n != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gemv.n must be (rope.num_q_heads + 2 rope.layout.num_kv_heads) * head_dim = ", want,
+        " for kRopeKv, got ", p.n));
+  }
+  TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.positions", r.positions, 4));
+  TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.slot_mapping", r.slot_mapping, 4));
+  TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.inv_freq", r.inv_freq, 4));
+  TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.k_cache", r.k_cache, alignof(__nv_bfloat16)));
+  TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.v_cache", r.v_cache, alignof(__nv_bfloat16)));
+  if (r.error_flag != nullptr) {
+    TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.error_flag", r.error_flag, 4));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Validate(const GemvParams& p) {
   if (p.m < 1 || p.m > kGemvMaxM) {
     return absl::InvalidArgumentError(
@@ -309,9 +384,10 @@ absl::Status Validate(const GemvParams& p) {
         absl::StrCat("gemv.split_k must be in [1, ", kGemvMaxSplitK, "], got ", p.split_k));
   }
   if (p.epilogue != GemvEpilogue::kStore && p.epilogue != GemvEpilogue::kAccumulate &&
-      p.epilogue != GemvEpilogue::kSiluMul) {
+      p.epilogue != GemvEpilogue::kSiluMul && p.epilogue != GemvEpilogue::kRopeKv) {
     return absl::InvalidArgumentError("gemv.epilogue is not a GemvEpilogue");
   }
+  if (p.epilogue == GemvEpilogue::kRopeKv) TS_RETURN_IF_ERROR(ValidateRope(p));
   if (p.epilogue == GemvEpilogue::kSiluMul && (p.c == nullptr || p.split_k != 1)) {
     return absl::InvalidArgumentError("gemv.epilogue kSiluMul needs a bf16 c and split_k = 1");
   }

@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/kv_layout.cuh"
 
 namespace ts::kernels {
 
@@ -53,6 +54,28 @@ enum class GemvEpilogue : int32_t {
   // C[i, col] = bf16(bf16(silu(bf16(gate))) * bf16(up)) (transformers' bf16 LlamaMLP). bf16 C,
   // split_k = 1.
   kSiluMul,
+  // RoPE and the paged K/V write of kernels/rope_kv.cuh on a fused QKV weight (q heads, then k
+  // heads, then v heads; n = (num_q_heads + 2 num_kv_heads) head_dim): a tile holds 8 rows of a
+  // head's first half and their rotation partners, so each output pair is rotated where it is
+  // summed. Rotated q goes to c ([m, num_q_heads head_dim]), rotated k and plain v to the cache at
+  // each row's slot; nothing else is written. Rounds as LaunchRopeKv after a kStore GEMV: the
+  // Linear output, cos/sin, each product and each sum. bf16 c, split_k = 1. Saves the rope_kv
+  // graph node and its read of the qkv buffer in the decode step.
+  kRopeKv,
+};
+
+// What kRopeKv needs beyond the GEMV (the fields of RopeKvParams it shares).
+struct GemvRopeKv {
+  const int32_t* positions = nullptr;     // [m] absolute position of each row
+  const int32_t* slot_mapping = nullptr;  // [m] block * block_size + offset; -1 = no K/V write
+  const float* inv_freq = nullptr;        // [head_dim / 2], from ComputeInvFreq
+  __nv_bfloat16* k_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
+  __nv_bfloat16* v_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
+  // [1], optional: set to 1 when a slot lies outside [-1, num_blocks * block_size) (that row's
+  // K/V are not written).
+  int32_t* error_flag = nullptr;
+  KvLayout layout{};  // head_dim a multiple of 16
+  int32_t num_q_heads = 0;
 };
 
 struct GemvParams {
@@ -76,6 +99,7 @@ struct GemvParams {
   float* workspace = nullptr;  // [split_k, m, n] fp32 partials; only used when split_k > 1
   size_t workspace_bytes = 0;  // >= GemvWorkspaceBytes(m, n, split_k)
   bool pdl = false;            // programmatic dependent launch (see the header comment)
+  GemvRopeKv rope{};           // kRopeKv only
 };
 
 // True when LaunchGemv accepts norm_weight for this (m, k).

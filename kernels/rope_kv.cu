@@ -21,7 +21,7 @@ template <int kHeadDim>
 __global__ void __launch_bounds__(kThreads) RopeKvKernel(RopeKvParams p) {
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kChunks = kHalf / 8;
-  __shared__ float cos_s[kHalf], sin_s[kHalf];
+  __shared__ RopeCosSin cs_s[kHalf];
 
   // Everything read here (qkv, positions, slots) comes from earlier kernels; the next kernel
   // may launch now and waits for our completion itself (kernels/pdl.cuh).
@@ -29,13 +29,7 @@ __global__ void __launch_bounds__(kThreads) RopeKvKernel(RopeKvParams p) {
   GridDepLaunchDependents();
   const int32_t row = blockIdx.x;
   const int32_t pos = p.positions[row];
-  for (int i = threadIdx.x; i < kHalf; i += kThreads) {
-    const float angle = static_cast<float>(pos) * p.inv_freq[i];
-    float sn, cs;
-    sincosf(angle, &sn, &cs);
-    sin_s[i] = RoundBf16(sn);  // transformers casts cos and sin to the model dtype
-    cos_s[i] = RoundBf16(cs);
-  }
+  for (int i = threadIdx.x; i < kHalf; i += kThreads) cs_s[i] = RopeAngle(pos, p.inv_freq[i]);
 
   const KvLayout& l = p.layout;
   const int32_t slot = p.slot_mapping[row];
@@ -65,11 +59,10 @@ __global__ void __launch_bounds__(kThreads) RopeKvKernel(RopeKvParams p) {
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float x1 = __bfloat162float(lo.h[j]), x2 = __bfloat162float(hi.h[j]);
-      const float c = cos_s[i0 + j], s = sin_s[i0 + j];
-      // q * cos + rotate_half(q) * sin, each product and the sum rounded as bf16 tensor ops.
-      lo.h[j] = __float2bfloat16_rn(RoundBf16(x1 * c) + RoundBf16(-x2 * s));
-      hi.h[j] = __float2bfloat16_rn(RoundBf16(x2 * c) + RoundBf16(x1 * s));
+      float o1, o2;
+      RopeRotate(__bfloat162float(lo.h[j]), __bfloat162float(hi.h[j]), cs_s[i0 + j], o1, o2);
+      lo.h[j] = __float2bfloat16_rn(o1);
+      hi.h[j] = __float2bfloat16_rn(o2);
     }
     __nv_bfloat16* dst = src;
     if (head < hq && p.q_out != nullptr) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/gemv.cuh"
+#include "kernels/rope_kv.cuh"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace ts::kernels {
@@ -468,6 +469,142 @@ TEST(GemvTest, SiluMulEpilogueMatchesGateUpThenSiluMul) {
       }
     }
   }
+}
+
+// kRopeKv against the two kernels it replaces: LaunchGemv (kStore) into a qkv buffer, then
+// LaunchRopeKv with q_out (itself checked against transformers' rounding in rope_kv_test.cc).
+// Both sum every output in the same order and round at the same points, so q and the cache agree
+// bit for bit up to a rare 1-ulp difference (>= 99.9% exact, |diff| <= 2^-7 |value|): a misplaced
+// rotation partner, head or slot is off by O(1) and fails. Cache cells outside the rows' slots
+// keep their poison; a -1 slot writes nothing; an out-of-range slot sets the error flag.
+struct RopeCase {
+  int hq, hkv, head_dim, k;
+};
+
+void RunRopeCase(const RopeCase& rc, int m, bool norm, std::vector<int32_t> slots) {
+  SCOPED_TRACE(::testing::Message() << "hq=" << rc.hq << " hkv=" << rc.hkv << " D=" << rc.head_dim
+                                    << " k=" << rc.k << " m=" << m << " norm=" << norm);
+  constexpr int kBlock = 16, kBlocks = 6;
+  const int d = rc.head_dim, n = (rc.hq + 2 * rc.hkv) * d;
+  const Weights wt(n, rc.k, n + rc.k + m);
+  Problem pr(wt, m, 7 * m + n);
+  const auto nw = testing::RandomFloats(rc.k, 0.5f, 1.5f, rc.k + 3);
+  GuardedBuffer<__nv_bfloat16> dnw(rc.k);
+  dnw.Upload(testing::ToBf16(nw));
+  std::vector<int32_t> positions;
+  for (int i = 0; i < m; ++i) positions.push_back(i == 0 ? 131071 : 37 * i + 5);
+  ModelConfig c;
+  c.head_dim = d;
+  c.rope_theta = 500000.0f;
+  c.rope_scaling.type = RopeType::kLlama3;
+  c.rope_scaling.factor = 8.0f;
+  auto inv = ComputeInvFreq(c);
+  ASSERT_TRUE(inv.ok()) << inv.status();
+  GuardedBuffer<int32_t> dpos(m), dslots(m), flag(1);
+  GuardedBuffer<float> dinv(inv->size());
+  dpos.Upload(positions);
+  dslots.Upload(slots);
+  dinv.Upload(*inv);
+  const KvLayout layout{kBlocks, rc.hkv, kBlock, d};
+  const size_t cache = size_t(kBlocks) * rc.hkv * kBlock * d;
+  // [0]: the fused kernel's outputs, [1]: the two-kernel path's.
+  GuardedBuffer<__nv_bfloat16> q0(size_t(m) * rc.hq * d), q1(q0.size()), kc0(cache), kc1(cache),
+      vc0(cache), vc1(cache), qkv(size_t(m) * n);
+  flag.Upload({0});
+
+  GemvParams p = pr.Params(1);
+  if (norm) p.norm_weight = dnw.get();
+  TS_ASSERT_OK(LaunchGemv(
+      [&] {
+        GemvParams f = p;
+        f.c = q0.get();
+        f.epilogue = GemvEpilogue::kRopeKv;
+        f.rope = {dpos.get(), dslots.get(), dinv.get(), kc0.get(),
+                  vc0.get(),  flag.get(),   layout,     rc.hq};
+        return f;
+      }(),
+      nullptr));
+  p.c = qkv.get();
+  TS_ASSERT_OK(LaunchGemv(p, nullptr));
+  RopeKvParams r;
+  r.qkv = qkv.get();
+  r.q_out = q1.get();
+  r.positions = dpos.get();
+  r.slot_mapping = dslots.get();
+  r.inv_freq = dinv.get();
+  r.k_cache = kc1.get();
+  r.v_cache = vc1.get();
+  r.layout = layout;
+  r.rows = m;
+  r.num_q_heads = rc.hq;
+  TS_ASSERT_OK(LaunchRopeKv(r, nullptr));
+  TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+
+  const bool bad_slot = std::any_of(slots.begin(), slots.end(),
+                                    [&](int32_t s) { return s < -1 || s >= kBlocks * kBlock; });
+  EXPECT_EQ(flag.Download()[0], bad_slot ? 1 : 0);
+  for (auto [fused, ref] : {std::pair{&q0, &q1}, {&kc0, &kc1}, {&vc0, &vc1}}) {
+    const std::vector<float> got = testing::FromBf16(fused->Download());
+    const std::vector<float> want = testing::FromBf16(ref->Download());
+    std::vector<float> got_written, want_written;
+    for (size_t e = 0; e < got.size(); ++e) {
+      // The reference leaves exactly the cells nobody should write poisoned (NaN).
+      ASSERT_EQ(std::isnan(got[e]), std::isnan(want[e])) << "element " << e;
+      if (std::isnan(want[e])) continue;
+      got_written.push_back(got[e]);
+      want_written.push_back(want[e]);
+      ASSERT_LE(std::fabs(got[e] - want[e]), std::fabs(want[e]) / 128 + 1e-6) << "element " << e;
+    }
+    EXPECT_FALSE(got_written.empty());
+    EXPECT_GE(testing::CompareBf16(got_written, want_written).exact_fraction, 0.999);
+    EXPECT_TRUE(fused->GuardsIntact());
+  }
+}
+
+TEST(GemvTest, RopeKvEpilogueMatchesGemvThenRopeKv) {
+  // Llama-1B and 8B attention, the fixtures' head_dim 16, an odd k; slots out of order.
+  for (const RopeCase& rc : {RopeCase{32, 8, 64, 2048}, RopeCase{32, 8, 128, 4096},
+                             RopeCase{4, 2, 16, 64}, RopeCase{6, 2, 128, 520}}) {
+    for (int m : {1, 3, 8}) {
+      std::vector<int32_t> slots;
+      for (int i = 0; i < m; ++i) slots.push_back(i == 1 ? -1 : (i * 29 + 7) % 96);
+      for (bool norm : {false, true}) RunRopeCase(rc, m, norm, slots);
+    }
+  }
+}
+
+TEST(GemvTest, RopeKvEpilogueSkipsAndFlagsBadSlots) {
+  RunRopeCase(RopeCase{4, 2, 64, 256}, 3, true, {96, -7, 5});
+}
+
+TEST(GemvTest, RopeKvEpilogueRejectsBadParams) {
+  const Weights wt((4 + 2 * 2) * 64, 64, 3);
+  Problem pr(wt, 2, 4);
+  GuardedBuffer<int32_t> ints(2);
+  GuardedBuffer<float> inv(32);
+  GuardedBuffer<__nv_bfloat16> cache(16 * 2 * 64 * 4);
+  GemvParams good = pr.Params(1);
+  good.epilogue = GemvEpilogue::kRopeKv;
+  good.rope = {
+      ints.get(), ints.get(), inv.get(), cache.get(), cache.get(), nullptr, KvLayout{4, 2, 16, 64},
+      4};
+  GemvParams p = good;
+  p.n -= 64;
+  TS_EXPECT_INVALID(LaunchGemv(p, nullptr), "gemv.n");
+  p = good;
+  p.rope.layout.head_dim = 24;
+  TS_EXPECT_INVALID(LaunchGemv(p, nullptr), "gemv.rope.layout.head_dim");
+  p = good;
+  p.rope.inv_freq = nullptr;
+  TS_EXPECT_INVALID(LaunchGemv(p, nullptr), "gemv.rope.inv_freq");
+  p = good;
+  p.rope.slot_mapping = nullptr;
+  TS_EXPECT_INVALID(LaunchGemv(p, nullptr), "gemv.rope.slot_mapping");
+  p = good;
+  p.split_k = 2;
+  TS_EXPECT_INVALID(LaunchGemv(p, nullptr), "kRopeKv");
+  TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(pr.dc.GuardsIntact());
 }
 
 TEST(GemvTest, SplitHeuristicAndWorkspaceSize) {
