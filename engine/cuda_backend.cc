@@ -45,6 +45,8 @@ CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& co
   m.small_m_gemv = o.small_m_gemv;
   m.fused_decode_layers = o.fused_decode_layers;
   m.split_sampling = o.split_sampling;
+  m.fuse_rope = o.fuse_rope;
+  m.attention_min_split_tokens = o.attention_min_split_tokens;
   return m;
 }
 

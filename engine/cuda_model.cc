@@ -229,11 +229,17 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
         absl::StrCat("config eos_token_ids: ", o.config.eos_token_ids.size(),
                      " ids, the CUDA backend supports up to ", k::kMaxEosIds));
   }
+  if (o.attention_min_split_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("attention_min_split_tokens must be >= 1, got ",
+                                                   o.attention_min_split_tokens));
+  }
   std::unique_ptr<CudaModel> m(new CudaModel());
   m->config_ = o.config;
   m->small_m_gemv_ = o.small_m_gemv;
   m->fused_decode_layers_ = o.fused_decode_layers;
   m->split_sampling_ = o.split_sampling;
+  m->fuse_rope_ = o.fuse_rope;
+  m->attention_min_split_tokens_ = o.attention_min_split_tokens;
   m->buckets_ = o.buckets;
   m->device_ = o.device;
   m->max_context_ = o.max_context > 0 ? o.max_context : o.config.max_position_embeddings;
@@ -258,7 +264,8 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
                                                 .num_kv_heads = dims.num_kv_heads,
                                                 .max_context_len = m->max_context_,
                                                 .num_sms = m->num_sms_,
-                                                .max_splits = 256});
+                                                .max_splits = 256,
+                                                .min_split_tokens = o.attention_min_split_tokens});
     m->max_splits_.push_back(splits);
     attention_ws = std::max(
         attention_ws, k::DecodeAttentionWorkspaceBytes(b, dims.num_heads, dims.head_dim, splits));
@@ -424,7 +431,8 @@ int32_t CudaModel::NumSplits(int32_t bucket, int32_t max_context_len) const {
                            .num_kv_heads = dims().num_kv_heads,
                            .max_context_len = std::min(max_context_len, max_context_),
                            .num_sms = num_sms_,
-                           .max_splits = max_splits_[it - buckets_.begin()]});
+                           .max_splits = max_splits_[it - buckets_.begin()],
+                           .min_split_tokens = attention_min_split_tokens_});
 }
 
 int32_t CudaModel::PrefillRowsFor(int32_t tokens) const {
@@ -541,6 +549,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   const ArenaShape& s = plan_.shape;
   const float eps = config_.rms_norm_eps;
   const bool fused = at.decode && FusedDecodeLayers(rows);
+  const k::KvLayout kv_layout{s.num_kv_blocks, d.num_kv_heads, s.kv_block_size, d.head_dim};
   auto rope_kv = [&](const LayerBuffers& layer) {
     return TimedOp(timer, "rope_kv", stream, [&] {
       k::RopeKvParams p;
@@ -552,7 +561,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
       p.k_cache = layer.k_cache;
       p.v_cache = layer.v_cache;
       p.error_flag = host_dev_.error_flag;
-      p.layout = k::KvLayout{s.num_kv_blocks, d.num_kv_heads, s.kv_block_size, d.head_dim};
+      p.layout = kv_layout;
       p.rows = rows;
       p.num_q_heads = d.num_heads;
       p.pdl = true;  // launches while the qkv GEMM drains; waits for it before reading
@@ -565,22 +574,38 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   };
 
   if (fused) {
-    // Decode at m <= 8: four GEMV nodes per layer carry the norms, the residual adds and SwiGLU,
-    // so a layer is 6 graph nodes instead of 10 (each node costs ~1.7 us at batch 1, DESIGN §6).
+    // Decode at m <= 8: four GEMV nodes per layer carry the norms, the residual adds, SwiGLU and
+    // (fuse_rope_) RoPE with the K/V write, so a layer is 5 graph nodes instead of 10 (each node
+    // costs ~1.7 us at batch 1, DESIGN §6).
     auto gemv = [&](const char* name, k::GemvParams p) {
       p.m = rows;
       p.pdl = true;  // nothing in the step writes weights; A and C are read after the wait
       return TimedOp(timer, name, stream, [&] { return k::LaunchGemv(p, stream); });
     };
     for (const LayerBuffers& layer : dev_.layers) {
-      TS_RETURN_IF_ERROR(gemv("qkv_gemm", {.a = f.h,
-                                           .w = layer.qkv,
-                                           .c = f.qkv,
-                                           .n = d.qkv_dim(),
-                                           .k = d.hidden,
-                                           .norm_weight = layer.attn_norm,
-                                           .norm_eps = eps}));
-      TS_RETURN_IF_ERROR(rope_kv(layer));
+      k::GemvParams qkv{.a = f.h,
+                        .w = layer.qkv,
+                        .c = f.qkv,
+                        .n = d.qkv_dim(),
+                        .k = d.hidden,
+                        .norm_weight = layer.attn_norm,
+                        .norm_eps = eps};
+      if (fuse_rope_ && d.head_dim % 16 == 0) {
+        qkv.c = f.q;  // rotated q only; k and v go straight to the cache
+        qkv.epilogue = k::GemvEpilogue::kRopeKv;
+        qkv.rope = {.positions = f.positions,
+                    .slot_mapping = f.slot_mapping,
+                    .inv_freq = dev_.inv_freq,
+                    .k_cache = layer.k_cache,
+                    .v_cache = layer.v_cache,
+                    .error_flag = host_dev_.error_flag,
+                    .layout = kv_layout,
+                    .num_q_heads = d.num_heads};
+        TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", qkv));
+      } else {
+        TS_RETURN_IF_ERROR(gemv("qkv_gemm", qkv));
+        TS_RETURN_IF_ERROR(rope_kv(layer));
+      }
       TS_RETURN_IF_ERROR(attention(layer));
       TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
                                          .w = layer.o,

@@ -63,6 +63,12 @@ struct CudaModelOptions {
   bool fused_decode_layers = true;
   // Sampling spreads a small batch's first pass (the argmax) over several CTAs per row.
   bool split_sampling = true;
+  // With fused_decode_layers, RoPE and the K/V cache write ride in the qkv GEMV's epilogue (5
+  // graph nodes per layer instead of 6).
+  bool fuse_rope = true;
+  // Decode attention's shortest split when a batch leaves SMs idle
+  // (SplitChoiceInputs::min_split_tokens).
+  int32_t attention_min_split_tokens = 64;
 };
 
 // Times each op of a step separately with CUDA events (the --profile mode of tailserve-bench).
@@ -182,6 +188,8 @@ class CudaModel {
   bool small_m_gemv_ = true;
   bool fused_decode_layers_ = true;
   bool split_sampling_ = true;
+  bool fuse_rope_ = true;
+  int32_t attention_min_split_tokens_ = 64;
   MemoryPlan plan_;
   std::vector<int32_t> buckets_;
   std::vector<int32_t> prefill_sizes_;  // planned prefill GEMM row counts, ascending

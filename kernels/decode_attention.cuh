@@ -94,6 +94,10 @@ struct SplitChoiceInputs {
   int32_t num_sms = 0;          // cudaDevAttrMultiProcessorCount
   int32_t max_splits = 0;       // workspace capacity
   int32_t ctas_per_sm = 0;      // resident decode CTAs per SM (DecodeAttentionCtasPerSm); 0 = 3
+  // Shortest split when the grid would otherwise hold fewer CTAs than SMs; 0 = 64. A CTA walks
+  // its tokens in dependent steps (32 tokens at head_dim 128), so at batch 1 shorter splits
+  // shorten the critical path. Grids that fill the GPU keep splits of >= 128 tokens.
+  int32_t min_split_tokens = 0;
 };
 
 // How many decode-attention CTAs fit on one SM for this shape (cudaOccupancy on the kernel instance
@@ -101,8 +105,10 @@ struct SplitChoiceInputs {
 absl::StatusOr<int32_t> DecodeAttentionCtasPerSm(int32_t head_dim, int32_t num_q_heads,
                                                  int32_t num_kv_heads);
 
-// Static-split count: enough tiles for two waves of resident CTAs, but never splits shorter than
-// about 128 tokens (the merge would cost more than it saves). Result in [1, max_splits].
+// Static-split count: enough tiles for two waves of resident CTAs, but splits of at least 128
+// tokens (the merge would cost more than it saves); when that leaves fewer tiles than SMs (batch
+// 1-2 at short contexts), up to one tile per SM with splits of at least min_split_tokens.
+// Result in [1, max_splits].
 int32_t ChooseNumSplits(const SplitChoiceInputs& in);
 
 struct WorkQueueConfig {

@@ -56,6 +56,10 @@ ABSL_FLAG(uint64_t, seed, 1, "weights and prompts seed");
 ABSL_FLAG(bool, fused, true,
           "decode at <= 8 rows with rmsnorm, residual add and silu * up inside the GEMVs");
 ABSL_FLAG(bool, split_sampling, true, "sampling's argmax pass over several CTAs per row");
+ABSL_FLAG(bool, fuse_rope, true, "with --fused, RoPE and the K/V write in the qkv GEMV epilogue");
+ABSL_FLAG(int32_t, attn_min_split_tokens, 64,
+          "decode attention's shortest split when a batch leaves SMs idle (128: never shorter "
+          "than the large-batch floor)");
 ABSL_FLAG(bool, gemv, true, "decode GEMMs with <= 8 rows and small weights through kernels/gemv");
 
 namespace ts::bench {
@@ -213,6 +217,8 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
   o.small_m_gemv = absl::GetFlag(FLAGS_gemv);
   o.fused_decode_layers = absl::GetFlag(FLAGS_fused);
   o.split_sampling = absl::GetFlag(FLAGS_split_sampling);
+  o.fuse_rope = absl::GetFlag(FLAGS_fuse_rope);
+  o.attention_min_split_tokens = absl::GetFlag(FLAGS_attn_min_split_tokens);
   std::fprintf(stderr, "== shape %s: building the backend\n", shape.c_str());
   TS_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaBackend> b,
@@ -272,7 +278,9 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
                       {"regime_updates", b->graph_cache().update_count() - updates0},
                       {"gemv", absl::GetFlag(FLAGS_gemv)},
                       {"fused", absl::GetFlag(FLAGS_fused)},
-                      {"split_sampling", absl::GetFlag(FLAGS_split_sampling)}};
+                      {"split_sampling", absl::GetFlag(FLAGS_split_sampling)},
+                      {"fuse_rope", absl::GetFlag(FLAGS_fuse_rope)},
+                      {"attn_min_split_tokens", absl::GetFlag(FLAGS_attn_min_split_tokens)}};
     std::printf("%-4s %6d %10.3f %10.3f %10.3f %12.0f %10.3f %9.0f %7.1f%%\n", shape.c_str(), batch,
                 med, Quantile(device_ms, 0.9), Quantile(host_ms, 0.5), batch / (med * 1e-3),
                 bytes / 1e9, gbps, 100 * gbps / s.copy_gbps);

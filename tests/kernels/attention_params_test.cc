@@ -166,8 +166,23 @@ TEST(DecodeHeuristicsTest, SplitChoicesStayInRange) {
   in.num_seqs = 1;
   in.max_context_len = 8000;
   EXPECT_EQ(ChooseNumSplits(in), 32);  // one sequence: as many splits as the workspace allows
-  in.max_context_len = 100;
+  in.max_context_len = 60;
   EXPECT_EQ(ChooseNumSplits(in), 1);  // short context: splitting would not pay
+  // 8 tiles per split leave SMs idle: splits down to 64 tokens (min_split_tokens 0), up to 17.
+  in.max_context_len = 100;
+  EXPECT_EQ(ChooseNumSplits(in), 2);
+  in.max_context_len = 512;
+  EXPECT_EQ(ChooseNumSplits(in), 8);
+  in.min_split_tokens = 32;
+  EXPECT_EQ(ChooseNumSplits(in), 16);
+  in.max_context_len = 4096;
+  EXPECT_EQ(ChooseNumSplits(in), 32);  // 32 x 128 tokens already fill the SMs
+  in.min_split_tokens = 128;
+  in.max_context_len = 512;
+  EXPECT_EQ(ChooseNumSplits(in), 4);  // the floor of grids that fill the GPU
+  in.min_split_tokens = 0;
+  in.num_seqs = 8;  // 64 tiles per split: 128-token splits already give 256 tiles
+  EXPECT_EQ(ChooseNumSplits(in), 4);
   in.num_seqs = 256;
   in.max_context_len = 8000;
   EXPECT_EQ(ChooseNumSplits(in), 1);  // 2048 tiles already fill the GPU
