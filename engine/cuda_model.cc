@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -239,6 +240,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   m->fused_decode_layers_ = o.fused_decode_layers;
   m->split_sampling_ = o.split_sampling;
   m->fuse_rope_ = o.fuse_rope;
+  m->timing_skip_ops_ = o.timing_skip_ops;
   m->attention_min_split_tokens_ = o.attention_min_split_tokens;
   m->buckets_ = o.buckets;
   m->device_ = o.device;
@@ -572,12 +574,17 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     return TimedOp(timer, "attention", stream,
                    [&] { return EnqueueAttention(f, rows, layer, at, stream); });
   };
+  auto skipped = [&](std::string_view op) {
+    return std::find(timing_skip_ops_.begin(), timing_skip_ops_.end(), op) !=
+           timing_skip_ops_.end();
+  };
 
   if (fused) {
     // Decode at m <= 8: four GEMV nodes per layer carry the norms, the residual adds, SwiGLU and
     // (fuse_rope_) RoPE with the K/V write, so a layer is 5 graph nodes instead of 10 (each node
     // costs ~1.7 us at batch 1, DESIGN §6).
     auto gemv = [&](const char* name, k::GemvParams p) {
+      if (skipped(name)) return absl::OkStatus();
       p.m = rows;
       p.pdl = true;  // nothing in the step writes weights; A and C are read after the wait
       return TimedOp(timer, name, stream, [&] { return k::LaunchGemv(p, stream); });
@@ -606,7 +613,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
         TS_RETURN_IF_ERROR(gemv("qkv_gemm", qkv));
         TS_RETURN_IF_ERROR(rope_kv(layer));
       }
-      TS_RETURN_IF_ERROR(attention(layer));
+      if (!skipped("attention")) TS_RETURN_IF_ERROR(attention(layer));
       TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
                                          .w = layer.o,
                                          .c = f.h,
