@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/decode_attention.cuh"
+#include "kernels/rope_kv.cuh"
 #include "tests/kernels/attention_test_util.h"
 
 namespace ts::kernels::testing {
@@ -190,6 +191,12 @@ class DecodeHarness {
   }
 
   const std::vector<double>& ref() const { return ref_; }
+  const std::vector<float>& q() const { return q_; }
+  const PagedKv& kv() const { return kv_; }
+  const std::vector<int32_t>& contexts() const { return ctx_; }
+  __nv_bfloat16* q_device() const { return dq_->get(); }
+  __nv_bfloat16* k_device() const { return dk_->get(); }
+  __nv_bfloat16* v_device() const { return dv_->get(); }
   int head_dim() const { return head_dim_; }
   int max_context() const { return *std::max_element(ctx_.begin(), ctx_.end()); }
   int num_seqs() const { return num_seqs_; }
@@ -351,6 +358,92 @@ TEST(DecodeAttentionTest, ExecUpdateChangesSplitCount) {
     cudaGraphDestroy(g2);
   }
   cudaStreamDestroy(stream);
+}
+
+// With pdl both kernels may start while the kernel before them still runs. Here that kernel is
+// rope_kv at position 0 (an exact copy: cos 1, sin 0), writing q and each sequence's current K/V
+// (position context - 1) over NaN poison before every replay, as the decode step's qkv GEMV does:
+// a read of either before griddepcontrol.wait leaves a NaN or a wrong row. head_dim 16 puts the
+// current token in the same 128-byte line as the one before it.
+TEST(DecodeAttentionTest, PdlReadsTheCurrentTokenOnlyAfterTheWait) {
+  for (const auto& [heads, d] : {std::pair{Heads{32, 8}, 128}, std::pair{Heads{4, 2}, 16}}) {
+    SCOPED_TRACE(absl::StrCat("head_dim ", d));
+    const DecodeHarness h(heads, d, {1, 17, 300, 1000, 64}, 11 + d);
+    const PagedKv& kv = h.kv();
+    const int n = h.num_seqs(), width = (heads.q + 2 * heads.kv) * d;
+    std::vector<float> qkv(size_t(n) * width);
+    std::vector<int32_t> positions(n, 0), slots(n);
+    for (int s = 0; s < n; ++s) {
+      const int cur = h.contexts()[s] - 1;
+      float* row = qkv.data() + size_t(s) * width;
+      std::copy_n(h.q().data() + size_t(s) * heads.q * d, heads.q * d, row);
+      for (int kvh = 0; kvh < heads.kv; ++kvh) {
+        std::copy_n(kv.KRow(s, kvh, cur), d, row + (heads.q + kvh) * d);
+        std::copy_n(kv.VRow(s, kvh, cur), d, row + (heads.q + heads.kv + kvh) * d);
+      }
+      slots[s] = kv.tables[size_t(s) * kv.max_blocks_per_seq + cur / kBlockSize] * kBlockSize +
+                 cur % kBlockSize;
+    }
+    GuardedBuffer<__nv_bfloat16> dqkv(qkv.size());
+    GuardedBuffer<int32_t> dpos(n), dslots(n);
+    ModelConfig config;
+    config.head_dim = d;
+    config.rope_theta = 500000.0f;
+    const absl::StatusOr<std::vector<float>> inv = ComputeInvFreq(config);
+    ASSERT_TRUE(inv.ok()) << inv.status();
+    GuardedBuffer<float> dinv(inv->size());
+    dqkv.Upload(ToBf16(qkv));
+    dpos.Upload(positions);
+    dslots.Upload(slots);
+    dinv.Upload(*inv);
+    RopeKvParams rope;
+    rope.qkv = dqkv.get();
+    rope.q_out = h.q_device();
+    rope.positions = dpos.get();
+    rope.slot_mapping = dslots.get();
+    rope.inv_freq = dinv.get();
+    rope.k_cache = h.k_device();
+    rope.v_cache = h.v_device();
+    rope.layout = KvLayout{kv.num_blocks, heads.kv, kBlockSize, d};
+    rope.rows = n;
+    rope.num_q_heads = heads.q;
+
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    for (int splits : {1, 3, 16}) {
+      SCOPED_TRACE(absl::StrCat("splits ", splits));
+      DecodeAttentionParams p = h.Params({DecodeAttentionMode::kStaticSplit, splits});
+      p.pdl = true;
+      cudaGraph_t graph = nullptr;
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      absl::Status st = LaunchRopeKv(rope, stream);
+      if (st.ok()) st = LaunchDecodeAttention(p, stream);
+      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      ASSERT_TRUE(st.ok()) << st;
+      cudaGraphExec_t exec = nullptr;
+      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      for (int replay = 0; replay < 10; ++replay) {
+        ASSERT_EQ(cudaMemset(h.q_device(), 0xFF, h.q().size() * sizeof(__nv_bfloat16)),
+                  cudaSuccess);
+        for (int s = 0; s < n; ++s) {
+          const int cur = h.contexts()[s] - 1;
+          for (int kvh = 0; kvh < heads.kv; ++kvh) {
+            const size_t off = kv.Offset(s, kvh, cur);
+            ASSERT_EQ(cudaMemset(h.k_device() + off, 0xFF, d * sizeof(__nv_bfloat16)), cudaSuccess);
+            ASSERT_EQ(cudaMemset(h.v_device() + off, 0xFF, d * sizeof(__nv_bfloat16)), cudaSuccess);
+          }
+        }
+        h.Poison(stream);
+        ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        ASSERT_TRUE(RowsClose(h.Output(), h.ref(), h.head_dim(), kTol)) << "replay " << replay;
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
+    h.ExpectGuards();
+    cudaStreamDestroy(stream);
+  }
 }
 
 TEST(DecodeAttentionTest, RejectsUnsupportedHeadDimWithoutLaunching) {
