@@ -6,8 +6,9 @@
 //       L x (rmsnorm, qkv GEMM, rope + KV write, decode attention + combine, o GEMM, residual
 //       add + rmsnorm, gate_up GEMM, silu * up, down GEMM, residual add) -> norm -> lm_head ->
 //       fp32 logits (read rounded to bf16) -> sampling -> postprocess (ring append + stop checks
-//       + counts). At m <= 8 rows the norms, residual adds and silu * up ride inside the GEMV
-//       kernels (qkv, o, gate_up, down): 6 nodes per layer.
+//       + counts). At m <= 8 rows the norms, residual adds, silu * up and RoPE with the K/V
+//       write ride inside the GEMV kernels (qkv, o, gate_up, down): 6 graph nodes per layer
+//       with the attention's split and combine kernels, 10 on the cuBLASLt path.
 //       Every op rounds to bf16 where transformers' bf16 Llama does, so logits track it to fp32
 //       summation order.
 //   - EnqueuePrefill + EnqueuePrefillSample: the same layers over a packed, chunked prompt
@@ -59,12 +60,12 @@ struct CudaModelOptions {
   // Decode GEMMs with <= 8 rows and a small weight go through kernels/gemv instead of cuBLASLt.
   bool small_m_gemv = true;
   // With small_m_gemv, decode at m <= 8 also folds the rmsnorms, residual adds and silu * up
-  // into the GEMV kernels (6 graph nodes per layer instead of 10).
+  // into the GEMV kernels (7 graph nodes per layer instead of 10).
   bool fused_decode_layers = true;
   // Sampling spreads a small batch's first pass (the argmax) over several CTAs per row.
   bool split_sampling = true;
-  // With fused_decode_layers, RoPE and the K/V cache write ride in the qkv GEMV's epilogue (5
-  // graph nodes per layer instead of 6).
+  // With fused_decode_layers, RoPE and the K/V cache write ride in the qkv GEMV's epilogue (6
+  // graph nodes per layer instead of 7).
   bool fuse_rope = true;
   // Benchmarks only: ops of the fused decode step ("attention", "qkv_rope_gemm", "o_gemm",
   // "gate_up_gemm", "down_gemm") left out of the captured graph, so each op's cost inside the
