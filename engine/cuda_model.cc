@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -233,6 +235,16 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   if (o.attention_min_split_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("attention_min_split_tokens must be >= 1, got ",
                                                    o.attention_min_split_tokens));
+  }
+  // A misspelt op would silently time the full step as if it had been left out.
+  for (const std::string& op : o.timing_skip_ops) {
+    static constexpr std::string_view kOps[] = {"attention", "qkv_rope_gemm", "qkv_gemm",
+                                                "o_gemm",    "gate_up_gemm",  "down_gemm"};
+    if (std::find(std::begin(kOps), std::end(kOps), op) == std::end(kOps)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("timing_skip_ops: unknown op '", op,
+                       "' (attention, qkv_rope_gemm, qkv_gemm, o_gemm, gate_up_gemm, down_gemm)"));
+    }
   }
   std::unique_ptr<CudaModel> m(new CudaModel());
   m->config_ = o.config;

@@ -1,6 +1,7 @@
 // Memory-bound small-M GEMM ("GEMV") for decode, the same product as kernels/gemm.cuh:
-//   C[m, n] = A[m, k] * W[n, k]^T, then an epilogue (store, residual add, or SwiGLU of a fused
-//   gate_up), optionally with A RMS-normalised first (GemvParams::norm_weight)
+//   C[m, n] = A[m, k] * W[n, k]^T, then an epilogue (store, residual add, SwiGLU of a fused
+//   gate_up, or RoPE + paged K/V write of a fused qkv), optionally with A RMS-normalised first
+//   (GemvParams::norm_weight)
 // row-major bf16, W laid out like a Hugging Face Linear weight [out_features, in_features], fp32
 // accumulation. For m <= 8 the time is the time to stream W once from HBM; cuBLASLt was measured
 // at 39-56% of that roof on the small Llama-1B projections (DESIGN §6), this kernel aims at ~90%.

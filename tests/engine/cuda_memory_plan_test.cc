@@ -1,7 +1,8 @@
 // The CUDA backend's memory plan, on the host only (no GPU needed): byte counts from the model
 // shape computed independently here, the KV pool from the budget, the refusal when one
 // max-length sequence does not fit, the padding of GEMM dimensions, and a carve whose buffers are
-// aligned, disjoint and inside the arena.
+// aligned, disjoint and inside the arena. Also CudaModel's option checks, which run before it
+// touches a GPU.
 #include "engine/memory_plan.h"
 
 #include <gtest/gtest.h>
@@ -10,6 +11,8 @@
 #include <cstdint>
 #include <utility>
 #include <vector>
+
+#include "engine/cuda_model.h"
 
 namespace ts {
 namespace {
@@ -45,6 +48,26 @@ MemoryPlanOptions Options(const ModelConfig& c) {
   o.attention_workspace_bytes = 10 << 20;
   o.graph_reserve_bytes = 256 << 20;
   return o;
+}
+
+TEST(CudaModelOptionsTest, RejectsBadDecodeOptionsBeforeTouchingTheGpu) {
+  CudaModelOptions o;
+  o.config = Llama1b();
+  o.max_slots = 8;
+  o.buckets = {1, 8};
+  o.attention_min_split_tokens = 0;
+  absl::StatusOr<std::unique_ptr<CudaModel>> m = CudaModel::Create(o);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("attention_min_split_tokens"), std::string::npos);
+
+  o.attention_min_split_tokens = 64;
+  o.timing_skip_ops = {"attention", "gate_up"};  // "gate_up_gemm" is the op's name
+  m = CudaModel::Create(o);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("timing_skip_ops: unknown op 'gate_up'"), std::string::npos)
+      << m.status();
 }
 
 TEST(CudaMemoryPlanTest, WeightsAndKvFollowTheShape) {
