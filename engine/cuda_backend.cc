@@ -46,6 +46,7 @@ CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& co
   m.fused_decode_layers = o.fused_decode_layers;
   m.split_sampling = o.split_sampling;
   m.fuse_rope = o.fuse_rope;
+  m.gemv_warp_tiles = o.gemv_warp_tiles;
   m.timing_skip_ops = o.timing_skip_ops;
   m.attention_min_split_tokens = o.attention_min_split_tokens;
   return m;

@@ -43,6 +43,7 @@ struct CudaBackendOptions {
   bool fused_decode_layers = true;  // see CudaModelOptions::fused_decode_layers
   bool split_sampling = true;       // see CudaModelOptions::split_sampling
   bool fuse_rope = true;            // see CudaModelOptions::fuse_rope
+  bool gemv_warp_tiles = true;      // see CudaModelOptions::gemv_warp_tiles
   std::vector<std::string> timing_skip_ops = {};  // benchmarks only, see CudaModelOptions
   int32_t attention_min_split_tokens = 64;        // see CudaModelOptions
 };

@@ -252,6 +252,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   m->fused_decode_layers_ = o.fused_decode_layers;
   m->split_sampling_ = o.split_sampling;
   m->fuse_rope_ = o.fuse_rope;
+  m->gemv_warp_tiles_ = o.gemv_warp_tiles;
   m->timing_skip_ops_ = o.timing_skip_ops;
   m->attention_min_split_tokens_ = o.attention_min_split_tokens;
   m->buckets_ = o.buckets;
@@ -490,7 +491,8 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
          .n = p.n,
          .k = p.k,
          .epilogue = p.accumulate ? k::GemvEpilogue::kAccumulate : k::GemvEpilogue::kStore,
-         .pdl = true},
+         .pdl = true,
+         .warp_tiles = gemv_warp_tiles_ ? k::GemvWarpTiles::kAuto : k::GemvWarpTiles::kNever},
         stream);
   }
   return gemm.Launch(p, stream);
@@ -598,6 +600,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     auto gemv = [&](const char* name, k::GemvParams p) {
       if (skipped(name)) return absl::OkStatus();
       p.m = rows;
+      p.warp_tiles = gemv_warp_tiles_ ? k::GemvWarpTiles::kAuto : k::GemvWarpTiles::kNever;
       p.pdl = true;  // nothing in the step writes weights; A and C are read after the wait
       return TimedOp(timer, name, stream, [&] { return k::LaunchGemv(p, stream); });
     };

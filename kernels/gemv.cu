@@ -62,18 +62,12 @@ __device__ __forceinline__ void StoreOutput(const GemvParams& p, int64_t e, floa
   }
 }
 
-// kRopeKv output of row i of A, pair (d, d + head_dim / 2) of head `head`: the warps' partial sums
-// of the lo row sit at red[.][e], of the hi row at red[.][e + 8].
+// kRopeKv output of row i of A, pair (d, d + head_dim / 2) of head `head`, from the fp32 sums x1
+// (row d of the head) and x2 (row d + head_dim / 2).
 __device__ __forceinline__ void RopeEpilogue(const GemvParams& p, int i, int32_t head, int32_t d,
-                                             const float (*red)[kGemvMaxM * kGemvTileN], int e) {
+                                             float x1, float x2) {
   const GemvRopeKv& r = p.rope;
   const KvLayout& l = r.layout;
-  float x1 = 0.f, x2 = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    x1 += red[w][e];
-    x2 += red[w][e + 8];
-  }
   x1 = RoundBf16(x1);  // the q/k/v Linear's bf16 output
   x2 = RoundBf16(x2);
   const int32_t hq = r.num_q_heads, hkv = l.num_kv_heads, half = l.head_dim / 2;
@@ -168,6 +162,12 @@ __host__ __device__ __forceinline__ int NormStride(int k) {
 // first two 4-byte words feed one MMA as its k {2t, 2t+1} and {2t+8, 2t+9}, the last two a second
 // MMA, and W and A agree because both are indexed by t alone. Rows of W past n and rows of A past
 // m are clamped to row 0 (loaded, never stored), which keeps the hot loop free of predicates.
+//
+// kWarpTiles: each warp owns whole tiles (tile = blockIdx.x * 8 + warp, stepping by 8 gridDim.x)
+// and streams all of K itself, so no tile needs the CTA's barrier and shared-memory reduction:
+// thread (g, t) holds the finished sums of W rows g and g + 8 for A rows 2t and 2t + 1 and stores
+// them directly. Chosen when tiles are plentiful (ChooseGemvWarpTiles; split_k = 1).
+template <bool kWarpTiles>
 __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* a_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [m][NormStride(k)]
@@ -233,17 +233,23 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
     }
   };
 
-  int32_t tile = blockIdx.x;
-  set_tile(tile);
-  int32_t b = b_begin + warp;
+  const int32_t b_first = kWarpTiles ? b_begin : b_begin + warp;
+  const int32_t b_step = kWarpTiles ? 1 : kWarps;
+  const int32_t tile_step = kWarpTiles ? gridDim.x * kWarps : gridDim.x;
+  int32_t tile = kWarpTiles ? blockIdx.x * kWarps + warp : blockIdx.x;
+  set_tile(tile < tiles ? tile : 0);
+  int32_t b = tile < tiles ? b_first : b_end;
   // The first batch of W is in flight across the wait (and the norm prologue).
   if (b < b_end) load_w(b);
   // A (and C, in the epilogue) may still be written by the preceding kernel until here.
   GridDepWait();
+  // Warp tiles end without a CTA-wide point; the trigger only lets the next kernel's CTAs launch
+  // (they wait for our completion before reading anything).
+  if constexpr (kWarpTiles) GridDepLaunchDependents();
   if (norm) NormalizeA(p, a_s, a_stride);
 
   __shared__ float red[kWarps][kGemvMaxM * kGemvTileN];
-  for (; tile < tiles; tile += gridDim.x) {
+  for (; tile < tiles; tile += tile_step) {
     // Two accumulators (first and second half of each 16-byte load) halve the MMA dependency
     // chain.
     float acc0[4] = {0.f, 0.f, 0.f, 0.f};
@@ -268,18 +274,42 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
         Mma16816(acc0, wl[u].x, wh[u].x, wl[u].y, wh[u].y, av[u].x, av[u].y);
         Mma16816(acc1, wl[u].z, wh[u].z, wl[u].w, wh[u].w, av[u].z, av[u].w);
       }
-      b += kWarps;
+      b += b_step;
       if (b < b_end) load_w(b);
     }
     // The next tile's first batch streams while this one is reduced and stored.
     const int32_t cur = tile;
-    if (tile + static_cast<int32_t>(gridDim.x) < tiles) {
-      set_tile(tile + gridDim.x);
-      b = b_begin + warp;
+    if (tile + tile_step < tiles) {
+      set_tile(tile + tile_step);
+      b = b_first;
       if (b < b_end) load_w(b);
-    } else {
+    } else if constexpr (!kWarpTiles) {
       // Our W reads are issued: the next kernel may start its own prologue.
       GridDepLaunchDependents();
+    }
+    if constexpr (kWarpTiles) {
+      // d layout: {(row g, A row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)}.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * t + h;
+        const float lo = acc0[h] + acc1[h], hi = acc0[2 + h] + acc1[2 + h];
+        if (i >= p.m) continue;
+        if (swiglu) {
+          const int32_t col = cur * 8 + g;
+          if (col < p.n) {
+            p.c[static_cast<int64_t>(i) * p.n + col] =
+                __float2bfloat16_rn(SiluMul(RoundBf16(lo), RoundBf16(hi)));
+          }
+        } else if (rope) {
+          RopeEpilogue(p, i, cur / rope_tiles_per_head, (cur % rope_tiles_per_head) * 8 + g, lo,
+                       hi);
+        } else {
+          const int32_t col = cur * kGemvTileN + g;
+          if (col < p.n) StoreOutput(p, static_cast<int64_t>(i) * p.n + col, lo);
+          if (col + 8 < p.n) StoreOutput(p, static_cast<int64_t>(i) * p.n + col + 8, hi);
+        }
+      }
+      continue;
     }
 
     // Fixed-order sum over the 8 warps. red[warp][i * 16 + r] = partial of row r of the tile.
@@ -304,9 +334,16 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
               __float2bfloat16_rn(SiluMul(RoundBf16(gate), RoundBf16(up)));
         }
       } else if (rope) {
-        if (r < 8)
-          RopeEpilogue(p, i, cur / rope_tiles_per_head, (cur % rope_tiles_per_head) * 8 + r, red,
-                       threadIdx.x);
+        if (r < 8) {
+          float x1 = 0.f, x2 = 0.f;
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) {
+            x1 += red[w][threadIdx.x];
+            x2 += red[w][threadIdx.x + 8];
+          }
+          RopeEpilogue(p, i, cur / rope_tiles_per_head, (cur % rope_tiles_per_head) * 8 + r, x1,
+                       x2);
+        }
       } else {
         const int32_t col = cur * kGemvTileN + r;
         if (col < p.n) {
@@ -388,6 +425,13 @@ absl::Status Validate(const GemvParams& p) {
     return absl::InvalidArgumentError("gemv.epilogue is not a GemvEpilogue");
   }
   if (p.epilogue == GemvEpilogue::kRopeKv) TS_RETURN_IF_ERROR(ValidateRope(p));
+  if (p.warp_tiles != GemvWarpTiles::kAuto && p.warp_tiles != GemvWarpTiles::kNever &&
+      p.warp_tiles != GemvWarpTiles::kAlways) {
+    return absl::InvalidArgumentError("gemv.warp_tiles is not a GemvWarpTiles");
+  }
+  if (p.warp_tiles == GemvWarpTiles::kAlways && p.split_k != 1) {
+    return absl::InvalidArgumentError("gemv.warp_tiles kAlways needs split_k = 1");
+  }
   if (p.epilogue == GemvEpilogue::kSiluMul && (p.c == nullptr || p.split_k != 1)) {
     return absl::InvalidArgumentError("gemv.epilogue kSiluMul needs a bf16 c and split_k = 1");
   }
@@ -440,8 +484,10 @@ absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
   if (smem > 48 * 1024) {
     // Opt in beyond the default 48 KB on the current device (a function attribute, not a stream
     // operation: legal while a graph is being captured).
-    TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        GemvKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvMaxNormSmemBytes));
+    for (auto* kernel : {GemvKernel<false>, GemvKernel<true>}) {
+      TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvMaxNormSmemBytes));
+    }
   }
   const int32_t tile = p.epilogue == GemvEpilogue::kSiluMul ? 8 : kGemvTileN;
   const int32_t tiles = (p.n + tile - 1) / tile;
@@ -450,16 +496,29 @@ absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
   TS_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   TS_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   TS_CUDA_RETURN_IF_ERROR(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GemvKernel, kThreads, smem));
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GemvKernel<false>, kThreads, smem));
   const int32_t resident = std::max(1, sms * per_sm);
+  const bool warp_tiles =
+      p.split_k == 1 &&
+      (p.warp_tiles == GemvWarpTiles::kAlways ||
+       (p.warp_tiles == GemvWarpTiles::kAuto && ChooseGemvWarpTiles(tiles, resident)));
+  if (warp_tiles) {
+    const int32_t ctas = std::min(resident, (tiles + kWarps - 1) / kWarps);
+    return Launch(GemvKernel<true>, dim3(ctas), p, smem, stream);
+  }
   const dim3 grid(std::min(tiles, resident), p.split_k);
-  TS_RETURN_IF_ERROR(Launch(GemvKernel, grid, p, smem, stream));
+  TS_RETURN_IF_ERROR(Launch(GemvKernel<false>, grid, p, smem, stream));
   if (p.split_k > 1) {
     const int64_t total = static_cast<int64_t>(p.m) * p.n;
     TS_RETURN_IF_ERROR(Launch(GemvSplitReduceKernel,
                               dim3(static_cast<uint32_t>((total + 255) / 256)), p, 0, stream));
   }
   return absl::OkStatus();
+}
+
+bool ChooseGemvWarpTiles(int32_t tiles, int32_t resident_ctas) {
+  return tiles >= 1 && resident_ctas >= 1 &&
+         int64_t{tiles} * 4 >= int64_t{resident_ctas} * kWarps * 3;
 }
 
 int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms) {

@@ -79,6 +79,14 @@ struct GemvRopeKv {
   int32_t num_q_heads = 0;
 };
 
+// Whether each warp streams whole tiles itself (no CTA barrier per tile) or the CTA's 8 warps
+// split each tile's K and reduce through shared memory.
+enum class GemvWarpTiles : int32_t {
+  kAuto,  // ChooseGemvWarpTiles on the device's resident CTA count
+  kNever,
+  kAlways,  // tests
+};
+
 struct GemvParams {
   const __nv_bfloat16* a = nullptr;  // [m, k] row-major, 16-byte aligned; written by no one here
   const __nv_bfloat16* w = nullptr;  // [n, k] row-major (kSiluMul: [2n, k]), 16-byte aligned
@@ -101,6 +109,7 @@ struct GemvParams {
   size_t workspace_bytes = 0;  // >= GemvWorkspaceBytes(m, n, split_k)
   bool pdl = false;            // programmatic dependent launch (see the header comment)
   GemvRopeKv rope{};           // kRopeKv only
+  GemvWarpTiles warp_tiles = GemvWarpTiles::kAuto;  // only with split_k = 1
 };
 
 // True when LaunchGemv accepts norm_weight for this (m, k).
@@ -114,6 +123,11 @@ absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream);
 // the matrix is large enough (>= 8 MiB) that the extra reduce kernel (~2 us node) pays off; then
 // enough splits for about one full wave, keeping >= 2048 k per split.
 int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms);
+
+// Host heuristic for GemvWarpTiles::kAuto: true when the tiles fill at least 3/4 of the resident
+// warps (8 per CTA), i.e. when whole tiles per warp still keep the GPU busy: on a 132-SM H200
+// (264 resident CTAs) that is Llama-8B's gate_up (1792 tiles) and larger.
+bool ChooseGemvWarpTiles(int32_t tiles, int32_t resident_ctas);
 
 // Bytes of fp32 workspace LaunchGemv needs for (m, n, split_k): 0 when split_k <= 1.
 size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k);

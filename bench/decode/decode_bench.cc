@@ -57,6 +57,8 @@ ABSL_FLAG(bool, fused, true,
           "decode at <= 8 rows with rmsnorm, residual add and silu * up inside the GEMVs");
 ABSL_FLAG(bool, split_sampling, true, "sampling's argmax pass over several CTAs per row");
 ABSL_FLAG(bool, fuse_rope, true, "with --fused, RoPE and the K/V write in the qkv GEMV epilogue");
+ABSL_FLAG(bool, gemv_warp_tiles, true,
+          "decode GEMVs with plenty of tiles stream whole tiles per warp");
 ABSL_FLAG(std::vector<std::string>, timing_skip, {},
           "ops left out of the fused decode graph (attention, qkv_rope_gemm, o_gemm, gate_up_gemm, "
           "down_gemm) to measure their in-graph cost by difference; tokens become meaningless");
@@ -221,6 +223,7 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
   o.fused_decode_layers = absl::GetFlag(FLAGS_fused);
   o.split_sampling = absl::GetFlag(FLAGS_split_sampling);
   o.fuse_rope = absl::GetFlag(FLAGS_fuse_rope);
+  o.gemv_warp_tiles = absl::GetFlag(FLAGS_gemv_warp_tiles);
   o.timing_skip_ops = absl::GetFlag(FLAGS_timing_skip);
   o.attention_min_split_tokens = absl::GetFlag(FLAGS_attn_min_split_tokens);
   std::fprintf(stderr, "== shape %s: building the backend\n", shape.c_str());
@@ -284,6 +287,7 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
                       {"fused", absl::GetFlag(FLAGS_fused)},
                       {"split_sampling", absl::GetFlag(FLAGS_split_sampling)},
                       {"fuse_rope", absl::GetFlag(FLAGS_fuse_rope)},
+                      {"gemv_warp_tiles", absl::GetFlag(FLAGS_gemv_warp_tiles)},
                       {"timing_skip", absl::GetFlag(FLAGS_timing_skip)},
                       {"attn_min_split_tokens", absl::GetFlag(FLAGS_attn_min_split_tokens)}};
     std::printf("%-4s %6d %10.3f %10.3f %10.3f %12.0f %10.3f %9.0f %7.1f%%\n", shape.c_str(), batch,
