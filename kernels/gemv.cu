@@ -20,10 +20,14 @@ constexpr int kStepK = 32;
 constexpr int kUnroll = 8;
 constexpr int kBatchK = kStepK * kUnroll;  // 256 k per warp per batch
 
-// W is streamed once: skip L1 (keeps A's lines there) and ask L2 to fetch 256-byte segments.
+// W is streamed once: skip L1 (keeps A's lines there). A quad's load covers half of a 128-byte
+// line and its next k-step the other half, so L2 is asked to fetch whole 128-byte lines: the
+// second half then hits L2. Measured on the H200 (bench/results/2026-11-29d-h200.md), batch-1
+// step: 8B 4.53 ms with 256-byte fetches, 4.34 with 128; 1B 0.99 and 0.97 ms. No hint, or 64
+// bytes, was slower than either (8B 4.75-4.80 ms, on a variant of this loop).
 __device__ __forceinline__ uint4 LoadStream(const __nv_bfloat16* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
