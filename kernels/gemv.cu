@@ -94,9 +94,24 @@ __device__ __forceinline__ void RopeEpilogue(const GemvParams& p, int i, int32_t
   dst[d + half] = __float2bfloat16_rn(x2);
 }
 
+// Starts copying norm_weight [k] into shared memory w_s (16 bytes per thread per step, bypassing
+// registers); NormalizeA waits for it. Issued before griddepcontrol.wait, like the first W batch:
+// no kernel of the step writes weights, and the copy takes a DRAM round trip off the prologue's
+// critical path (the normalise pass used to load the weights only after two barriers).
+__device__ __forceinline__ void StageNormWeight(const GemvParams& p, __nv_bfloat16* w_s) {
+  for (int v = threadIdx.x; v < p.k / 8; v += kThreads) {
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(w_s + v * 8));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(p.norm_weight + v * 8)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
 // The rows of A the CTA multiplies, normalised into shared memory (LlamaRMSNorm, see the header).
-// Row i lives at a_s[i * stride]; all threads take part (two __syncthreads).
-__device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride) {
+// Row i lives at a_s[i * stride]; all threads take part (two __syncthreads). w_s: norm_weight
+// staged by StageNormWeight, or nullptr to read it from global memory.
+__device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride,
+                           const __nv_bfloat16* w_s) {
   __shared__ float partial[kWarps][kGemvMaxM];
   __shared__ float inv_rms[kGemvMaxM];
   const int vecs = p.k / 8;
@@ -122,6 +137,8 @@ __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride) 
     const float s = WarpSum(ss[i]);
     if (lane == 0) partial[warp][i] = s;
   }
+  // This thread's weight copies have landed; the barrier shows everyone's to the whole CTA.
+  if (w_s != nullptr) asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
   if (threadIdx.x < kGemvMaxM) {
     float s = 0.f;
@@ -134,7 +151,8 @@ __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride) 
     const float inv = inv_rms[i];
     for (int v = threadIdx.x; v < vecs; v += kThreads) {
       Bf16x8* x = reinterpret_cast<Bf16x8*>(a_s + i * stride + v * 8);
-      const Bf16x8 w = LoadBf16x8(p.norm_weight + v * 8);
+      const Bf16x8 w = w_s != nullptr ? *reinterpret_cast<const Bf16x8*>(w_s + v * 8)
+                                      : LoadBf16x8(p.norm_weight + v * 8);
       Bf16x8 o;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -152,6 +170,12 @@ __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride) 
 // banks.
 __host__ __device__ __forceinline__ int NormStride(int k) {
   return k + ((32 - k % 64) + 64) % 64;
+}
+
+// Whether norm_weight is staged in shared memory behind A's rows: when both fit the opt-in size
+// (every Llama-1B/8B decode shape; not the largest k that the normalised A alone allows).
+__host__ __device__ __forceinline__ bool StagesNormWeight(int m, int k) {
+  return (static_cast<int64_t>(m) * NormStride(k) + k) * 2 <= kGemvMaxNormSmemBytes;
 }
 
 // grid: (min(tiles, resident CTAs), split_k), block: 256; tiles = ceil(n / 16) (kSiluMul:
@@ -177,6 +201,8 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
   __nv_bfloat16* a_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [m][NormStride(k)]
   const int a_stride = NormStride(p.k);
   const bool norm = p.norm_weight != nullptr;
+  // [k] norm_weight, right after A's rows (16-byte aligned: the stride is a multiple of 8).
+  __nv_bfloat16* w_s = norm && StagesNormWeight(p.m, p.k) ? a_s + p.m * a_stride : nullptr;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -245,12 +271,13 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
   int32_t b = tile < tiles ? b_first : b_end;
   // The first batch of W is in flight across the wait (and the norm prologue).
   if (b < b_end) load_w(b);
+  if (w_s != nullptr) StageNormWeight(p, w_s);
   // A (and C, in the epilogue) may still be written by the preceding kernel until here.
   GridDepWait();
   // Warp tiles end without a CTA-wide point; the trigger only lets the next kernel's CTAs launch
   // (they wait for our completion before reading anything).
   if constexpr (kWarpTiles) GridDepLaunchDependents();
-  if (norm) NormalizeA(p, a_s, a_stride);
+  if (norm) NormalizeA(p, a_s, a_stride, w_s);
 
   __shared__ float red[kWarps][kGemvMaxM * kGemvTileN];
   for (; tile < tiles; tile += tile_step) {
@@ -484,7 +511,10 @@ bool GemvCanFuseNorm(int32_t m, int32_t k) {
 
 absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(Validate(p));
-  const size_t smem = p.norm_weight != nullptr ? NormSmemBytes(p.m, p.k) : 0;
+  const size_t smem =
+      p.norm_weight == nullptr
+          ? 0
+          : NormSmemBytes(p.m, p.k) + (StagesNormWeight(p.m, p.k) ? size_t{2} * p.k : 0);
   if (smem > 48 * 1024) {
     // Opt in beyond the default 48 KB on the current device (a function attribute, not a stream
     // operation: legal while a graph is being captured).

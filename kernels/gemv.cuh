@@ -22,9 +22,10 @@
 // gets split_k = 1 on a 132-SM H200).
 //
 // Graph-capturable: no allocation, no sync. With `pdl`, the kernel(s) are launched with
-// programmatic stream serialization: each CTA issues its first W loads before
-// `griddepcontrol.wait`, so the weight stream starts while the preceding kernel drains (A and C
-// are touched only after the wait). Only valid when the preceding kernels do not write W.
+// programmatic stream serialization: each CTA issues its first W loads (and, with the norm
+// prologue, the copy of norm_weight into shared memory) before `griddepcontrol.wait`, so the
+// weight stream starts while the preceding kernel drains (A and C are touched only after the
+// wait). Only valid when the preceding kernels write neither W nor norm_weight.
 #pragma once
 
 #include <cuda_bf16.h>
