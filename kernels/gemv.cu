@@ -8,6 +8,7 @@
 #include "kernels/bf16_vec.cuh"
 #include "kernels/cuda_check.h"
 #include "kernels/pdl.cuh"
+#include "kernels/rope_kv.cuh"
 
 namespace ts::kernels {
 namespace {
@@ -410,25 +411,15 @@ absl::Status ValidateRope(const GemvParams& p) {
   if (p.c == nullptr || p.split_k != 1) {
     return absl::InvalidArgumentError("gemv.epilogue kRopeKv needs a bf16 c and split_k = 1");
   }
-  TS_RETURN_IF_ERROR(RequirePositive("gemv.rope.layout.num_blocks", l.num_blocks));
-  TS_RETURN_IF_ERROR(RequirePositive("gemv.rope.layout.block_size", l.block_size));
-  TS_RETURN_IF_ERROR(RequirePositive("gemv.rope.layout.num_kv_heads", l.num_kv_heads));
-  TS_RETURN_IF_ERROR(RequirePositive("gemv.rope.layout.head_dim", l.head_dim));
+  TS_RETURN_IF_ERROR(ValidateRopeKvTargets("gemv.rope", l, r.num_q_heads, r.positions,
+                                           r.slot_mapping, r.inv_freq, r.k_cache, r.v_cache,
+                                           r.error_flag));
   TS_RETURN_IF_ERROR(RequireMultipleOf("gemv.rope.layout.head_dim", l.head_dim, 16));
-  TS_RETURN_IF_ERROR(RequirePositive("gemv.rope.num_q_heads", r.num_q_heads));
   const int64_t want = (int64_t{r.num_q_heads} + 2 * int64_t{l.num_kv_heads}) * l.head_dim;
   if (p.n != want) {
     return absl::InvalidArgumentError(absl::StrCat(
         "gemv.n must be (rope.num_q_heads + 2 rope.layout.num_kv_heads) * head_dim = ", want,
         " for kRopeKv, got ", p.n));
-  }
-  TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.positions", r.positions, 4));
-  TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.slot_mapping", r.slot_mapping, 4));
-  TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.inv_freq", r.inv_freq, 4));
-  TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.k_cache", r.k_cache, alignof(__nv_bfloat16)));
-  TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.v_cache", r.v_cache, alignof(__nv_bfloat16)));
-  if (r.error_flag != nullptr) {
-    TS_RETURN_IF_ERROR(RequirePointer("gemv.rope.error_flag", r.error_flag, 4));
   }
   return absl::OkStatus();
 }

@@ -79,29 +79,40 @@ __global__ void __launch_bounds__(kThreads) RopeKvKernel(RopeKvParams p) {
 }
 
 absl::Status Validate(const RopeKvParams& p) {
-  const KvLayout& l = p.layout;
-  TS_RETURN_IF_ERROR(RequirePositive("rope_kv.layout.num_blocks", l.num_blocks));
-  TS_RETURN_IF_ERROR(RequirePositive("rope_kv.layout.block_size", l.block_size));
-  TS_RETURN_IF_ERROR(RequirePositive("rope_kv.layout.num_kv_heads", l.num_kv_heads));
-  TS_RETURN_IF_ERROR(RequirePositive("rope_kv.num_q_heads", p.num_q_heads));
-  if (p.num_q_heads % l.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rope_kv.num_q_heads (", p.num_q_heads,
-                     ") must be a multiple of rope_kv.layout.num_kv_heads (", l.num_kv_heads, ")"));
-  }
+  TS_RETURN_IF_ERROR(ValidateRopeKvTargets("rope_kv", p.layout, p.num_q_heads, p.positions,
+                                           p.slot_mapping, p.inv_freq, p.k_cache, p.v_cache,
+                                           p.error_flag));
   TS_RETURN_IF_ERROR(RequirePointer("rope_kv.qkv", p.qkv));
   if (p.q_out != nullptr) TS_RETURN_IF_ERROR(RequirePointer("rope_kv.q_out", p.q_out));
-  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.positions", p.positions, 4));
-  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.slot_mapping", p.slot_mapping, 4));
-  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.inv_freq", p.inv_freq, 4));
-  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.k_cache", p.k_cache));
-  TS_RETURN_IF_ERROR(RequirePointer("rope_kv.v_cache", p.v_cache));
-  if (p.error_flag != nullptr)
-    TS_RETURN_IF_ERROR(RequirePointer("rope_kv.error_flag", p.error_flag, 4));
   return absl::OkStatus();
 }
 
 }  // namespace
+
+absl::Status ValidateRopeKvTargets(const char* prefix, const KvLayout& layout, int32_t num_q_heads,
+                                   const int32_t* positions, const int32_t* slot_mapping,
+                                   const float* inv_freq, const __nv_bfloat16* k_cache,
+                                   const __nv_bfloat16* v_cache, const int32_t* error_flag) {
+  auto field = [&](const char* name) { return absl::StrCat(prefix, ".", name); };
+  TS_RETURN_IF_ERROR(RequirePositive(field("layout.num_blocks").c_str(), layout.num_blocks));
+  TS_RETURN_IF_ERROR(RequirePositive(field("layout.block_size").c_str(), layout.block_size));
+  TS_RETURN_IF_ERROR(RequirePositive(field("layout.num_kv_heads").c_str(), layout.num_kv_heads));
+  TS_RETURN_IF_ERROR(RequirePositive(field("num_q_heads").c_str(), num_q_heads));
+  if (num_q_heads % layout.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field("num_q_heads"), " (", num_q_heads, ") must be a multiple of ",
+                     field("layout.num_kv_heads"), " (", layout.num_kv_heads, ")"));
+  }
+  TS_RETURN_IF_ERROR(RequirePointer(field("positions").c_str(), positions, 4));
+  TS_RETURN_IF_ERROR(RequirePointer(field("slot_mapping").c_str(), slot_mapping, 4));
+  TS_RETURN_IF_ERROR(RequirePointer(field("inv_freq").c_str(), inv_freq, 4));
+  TS_RETURN_IF_ERROR(RequirePointer(field("k_cache").c_str(), k_cache));
+  TS_RETURN_IF_ERROR(RequirePointer(field("v_cache").c_str(), v_cache));
+  if (error_flag != nullptr) {
+    TS_RETURN_IF_ERROR(RequirePointer(field("error_flag").c_str(), error_flag, 4));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status LaunchRopeKv(const RopeKvParams& p, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(RequireNonNegative("rope_kv.rows", p.rows));

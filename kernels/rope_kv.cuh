@@ -46,6 +46,15 @@ struct RopeKvParams {
 // Graph-capturable: no allocation, no sync.
 absl::Status LaunchRopeKv(const RopeKvParams& p, cudaStream_t stream);
 
+// The checks every RoPE + K/V-write launcher shares (LaunchRopeKv, and the GEMV's kRopeKv
+// epilogue): a positive layout (head_dim is the caller's to check), num_q_heads a positive
+// multiple of num_kv_heads, and the positions, slot_mapping, inv_freq, cache and optional
+// error_flag pointers. InvalidArgument names the field under `prefix`, e.g. "rope_kv.inv_freq".
+absl::Status ValidateRopeKvTargets(const char* prefix, const KvLayout& layout, int32_t num_q_heads,
+                                   const int32_t* positions, const int32_t* slot_mapping,
+                                   const float* inv_freq, const __nv_bfloat16* k_cache,
+                                   const __nv_bfloat16* v_cache, const int32_t* error_flag);
+
 // inv_freq[i], i < head_dim / 2, exactly as transformers computes it in fp32:
 //   default: 1 / rope_theta^(2i / head_dim);
 //   llama3:  wavelengths longer than original_max_position_embeddings / low_freq_factor are

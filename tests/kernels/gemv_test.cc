@@ -652,6 +652,9 @@ TEST(GemvTest, RopeKvEpilogueRejectsBadParams) {
   p.rope.slot_mapping = nullptr;
   TS_EXPECT_INVALID(LaunchGemv(p, nullptr), "gemv.rope.slot_mapping");
   p = good;
+  p.rope.num_q_heads = 3;  // not a multiple of the 2 kv heads (checked before n)
+  TS_EXPECT_INVALID(LaunchGemv(p, nullptr), "gemv.rope.num_q_heads");
+  p = good;
   p.split_k = 2;
   TS_EXPECT_INVALID(LaunchGemv(p, nullptr), "kRopeKv");
   p = good;
