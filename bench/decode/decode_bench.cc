@@ -45,7 +45,9 @@ ABSL_FLAG(std::string, shapes, "1b,8b",
 ABSL_FLAG(std::string, batches, "1,8,16,32,64,128", "comma-separated batch sizes");
 ABSL_FLAG(int32_t, prompt_len, 128, "prompt tokens per request");
 ABSL_FLAG(int32_t, new_tokens, 256, "decode steps timed per batch (after the prefill's token)");
-ABSL_FLAG(std::string, out, "", "JSON lines output file (optional)");
+ABSL_FLAG(std::string, out, "",
+          "JSON lines output file, appended to (as bench/peer/peer_decode.py does), so the runs "
+          "of an A/B loop can share one file; optional");
 ABSL_FLAG(bool, profile, false, "also time each op of a step in isolation");
 ABSL_FLAG(std::string, profile_shape, "1b", "shape for --profile");
 ABSL_FLAG(int32_t, profile_batch, 16, "batch for --profile (must be in --batches)");
@@ -373,7 +375,11 @@ int Main() {
   std::printf("device-to-device copy: %.0f GB/s (read + write)\n", s.copy_gbps);
   std::unique_ptr<std::ofstream> out;
   if (!absl::GetFlag(FLAGS_out).empty()) {
-    out = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_out));
+    out = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_out), std::ios::app);
+    if (!out->good()) {
+      std::fprintf(stderr, "--out: cannot open %s\n", absl::GetFlag(FLAGS_out).c_str());
+      return 1;
+    }
     *out << json{{"copy_gbps", s.copy_gbps}}.dump() << "\n";
   }
   for (const std::string& shape : s.shapes) {
