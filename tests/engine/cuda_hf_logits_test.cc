@@ -5,9 +5,17 @@
 //
 // Both sides compute in bf16 with different kernels, so logits differ by bf16 rounding; what
 // must hold is that the top-1 token agrees almost everywhere. Reports max abs and relative
-// error per prompt.
+// error per prompt, and every disagreement with both sides' logits for the two tokens.
+//
+// With random weights the logits are flat (top-1 gap ~0.16 at logits ~4, where a bf16 ulp is
+// 1/64), so some rows are exact bf16 ties on one side or the other, and the first-index argmax
+// then reports a disagreement that is only tie order. The test therefore checks three things:
+// first-index top-1 agreement >= 99% (the literal target), the same with a row counted
+// as agreeing when either side's pick attains the other side's maximum exactly, and on every row
+// that our pick is within 2 bf16 ulps of transformers' maximum (a real bug moves it further).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -52,7 +60,7 @@ TEST(CudaHfLogitsTest, Llama1bShapeTeacherForcedLogitsAgreeWithTransformers) {
   ASSERT_TRUE(backend.ok()) << backend.status();
   const int32_t vocab = (*backend)->info().model.vocab_size;
 
-  int64_t rows = 0, agree = 0;
+  int64_t rows = 0, agree = 0, agree_or_tie = 0;
   double worst_rel = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
     const auto& p = prompts[i];
@@ -79,6 +87,21 @@ TEST(CudaHfLogitsTest, Llama1bShapeTeacherForcedLogitsAgreeWithTransformers) {
         if (w[v] > w[wa]) wa = v;
       }
       prompt_agree += ga == wa;
+      if (ga == wa) {
+        ++agree_or_tie;
+        continue;
+      }
+      // Exact ties: our pick attains transformers' max, or theirs attains ours.
+      agree_or_tie += w[ga] == w[wa] || g[wa] == g[ga];
+      std::printf(
+          "  row %zu: transformers picks %d (%.5f; ours %.5f), we pick %d (%.5f; ours "
+          "%.5f)\n",
+          r, wa, w[wa], g[wa], ga, w[ga], g[ga]);
+      // bf16 keeps 8 significant bits: one ulp at x is 2^(floor(log2 |x|) - 7).
+      const float ulp = std::ldexp(1.0f, std::ilogb(std::max(std::abs(w[wa]), 1e-30f)) - 7);
+      EXPECT_LE(w[wa] - w[ga], 2 * ulp)
+          << "prompt " << i << " row " << r << ": our top-1 is more than 2 bf16 ulps below "
+          << "transformers' maximum";
     }
     const double rel = std::sqrt(diff2 / ref2);
     worst_rel = std::max(worst_rel, rel);
@@ -88,9 +111,14 @@ TEST(CudaHfLogitsTest, Llama1bShapeTeacherForcedLogitsAgreeWithTransformers) {
                 p.size(), max_abs, rel, prompt_agree, p.size());
   }
   const double frac = static_cast<double>(agree) / static_cast<double>(rows);
-  std::printf("overall: top-1 agreement %.2f%% (%lld/%lld), worst rel err %.3e\n", 100 * frac,
-              static_cast<long long>(agree), static_cast<long long>(rows), worst_rel);
+  const double frac_ties = static_cast<double>(agree_or_tie) / static_cast<double>(rows);
+  std::printf(
+      "overall: top-1 agreement %.2f%% (%lld/%lld), %.2f%% counting exact bf16 ties (%lld), "
+      "worst rel err %.3e\n",
+      100 * frac, static_cast<long long>(agree), static_cast<long long>(rows), 100 * frac_ties,
+      static_cast<long long>(agree_or_tie), worst_rel);
   EXPECT_GE(frac, 0.99);
+  EXPECT_GE(frac_ties, 0.99);
   // A sanity bound far above bf16 rounding and far below a broken model (rel ~ 1).
   EXPECT_LT(worst_rel, 0.1);
 }
