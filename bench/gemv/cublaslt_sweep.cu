@@ -1,0 +1,175 @@
+// tailserve-cublaslt-sweep: is a better cuBLASLt configuration the lever for decode at batches
+// above the GEMV's 8 rows? For the Llama-3.2-1B and Llama-3.1-8B projections (qkv, o, gate_up,
+// down) at M = 8, 16, 32, 64, 128 it times every algorithm cuBLASLt's heuristic offers (up to 32
+// asked) and each one's split-K variants (2..16 splits, in-place and fp32 reduction, where
+// cublasLtMatmulAlgoCheck accepts them), and prints the heuristic's first choice, the fastest
+// candidate, and the HBM roof (W + A + C bytes at 4.3 TB/s).
+//
+// Method: each candidate is launched alone between two CUDA events, 3 warm-ups then the median of
+// 10; W rotates over 4 copies so L2 never holds it. Standalone launches carry launch latency
+// (a few us) that a graph hides, so small shapes read high; the comparison between candidates of
+// one shape is what this tool is for.
+//
+//   tailserve-cublaslt-sweep
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+namespace {
+
+void Check(int rc, const char* what, int line) {
+  if (rc == 0) return;
+  std::fprintf(stderr, "tailserve-cublaslt-sweep: %s failed (%d) at line %d\n", what, rc, line);
+  std::exit(1);
+}
+#define CHECK(x) Check(static_cast<int>(x), #x, __LINE__)
+
+struct Shape {
+  const char* name;
+  int n, k;
+};
+
+constexpr double kRoofBytesPerUs = 4.3e6;  // DESIGN §6
+constexpr int kCopies = 4;
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // as kernels/gemm.cuh's default
+
+struct Candidate {
+  cublasLtMatmulAlgo_t algo;
+  uint32_t splits;  // 0: the heuristic's own configuration
+};
+
+// The heuristic's algorithms plus their split-K variants that cuBLASLt accepts for this problem.
+std::vector<Candidate> Candidates(cublasLtHandle_t h, cublasLtMatmulDesc_t desc,
+                                  cublasLtMatrixLayout_t wl, cublasLtMatrixLayout_t al,
+                                  cublasLtMatrixLayout_t cl) {
+  cublasLtMatmulPreference_t pref;
+  CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  size_t ws = kWorkspaceBytes;
+  CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                             sizeof(ws)));
+  const uint32_t align = 16;  // as kernels/gemm.cu
+  for (auto attr :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
+  }
+  cublasLtMatmulHeuristicResult_t res[32];
+  int found = 0;
+  CHECK(cublasLtMatmulAlgoGetHeuristic(h, desc, wl, al, cl, cl, pref, 32, res, &found));
+  cublasLtMatmulPreferenceDestroy(pref);
+  std::vector<Candidate> out;
+  for (int i = 0; i < found; ++i) {
+    if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    out.push_back({res[i].algo, 0});
+    for (uint32_t splits : {2u, 3u, 4u, 6u, 8u, 12u, 16u}) {
+      for (uint32_t scheme : {static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_INPLACE),
+                              static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE)}) {
+        cublasLtMatmulAlgo_t a = res[i].algo;
+        cublasLtMatmulHeuristicResult_t check{};
+        if (cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
+                                                 sizeof(splits)) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                                 sizeof(scheme)) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulAlgoCheck(h, desc, wl, al, cl, cl, &a, &check) != CUBLAS_STATUS_SUCCESS ||
+            check.workspaceSize > kWorkspaceBytes) {
+          continue;
+        }
+        out.push_back({a, splits});
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int main() {
+  const std::vector<Shape> shapes = {{"8b.qkv", 6144, 4096},      {"8b.o", 4096, 4096},
+                                     {"8b.gate_up", 28672, 4096}, {"8b.down", 4096, 14336},
+                                     {"1b.qkv", 3072, 2048},      {"1b.o", 2048, 2048},
+                                     {"1b.gate_up", 16384, 2048}, {"1b.down", 2048, 8192}};
+  constexpr int kMaxM = 128;
+  size_t max_w = 0, max_k = 0, max_n = 0;
+  for (const Shape& s : shapes) {
+    max_w = std::max(max_w, size_t(s.n) * s.k);
+    max_k = std::max<size_t>(max_k, s.k);
+    max_n = std::max<size_t>(max_n, s.n);
+  }
+  cublasLtHandle_t h;
+  CHECK(cublasLtCreate(&h));
+  cublasLtMatmulDesc_t desc;
+  CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // Row-major C[m, n] = A[m, k] W[n, k]^T as kernels/gemm.cu lays it out for cuBLASLt.
+  const cublasOperation_t trans_w = CUBLAS_OP_T, trans_a = CUBLAS_OP_N;
+  CHECK(
+      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof(trans_w)));
+  CHECK(
+      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_a, sizeof(trans_a)));
+  void* ws;
+  __nv_bfloat16 *w, *a, *c;
+  CHECK(cudaMalloc(&ws, kWorkspaceBytes));
+  CHECK(cudaMalloc(&w, max_w * kCopies * sizeof(__nv_bfloat16)));
+  CHECK(cudaMalloc(&a, kMaxM * max_k * sizeof(__nv_bfloat16)));
+  CHECK(cudaMalloc(&c, kMaxM * max_n * sizeof(__nv_bfloat16)));
+  // 0x3c3c is bf16 0.0115: finite, non-zero products.
+  CHECK(cudaMemset(w, 0x3c, max_w * kCopies * sizeof(__nv_bfloat16)));
+  CHECK(cudaMemset(a, 0x3c, kMaxM * max_k * sizeof(__nv_bfloat16)));
+  cudaStream_t stream;
+  cudaEvent_t e0, e1;
+  CHECK(cudaStreamCreate(&stream));
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+
+  std::printf("%-11s %4s %9s %9s %9s %11s %s\n", "shape", "m", "top1_us", "best_us", "roof_us",
+              "best_splits", "candidates");
+  for (int m : {8, 16, 32, 64, 128}) {
+    for (const Shape& s : shapes) {
+      cublasLtMatrixLayout_t wl, al, cl;
+      CHECK(cublasLtMatrixLayoutCreate(&wl, CUDA_R_16BF, s.k, s.n, s.k));
+      CHECK(cublasLtMatrixLayoutCreate(&al, CUDA_R_16BF, s.k, m, s.k));
+      CHECK(cublasLtMatrixLayoutCreate(&cl, CUDA_R_16BF, s.n, m, s.n));
+      const std::vector<Candidate> cand = Candidates(h, desc, wl, al, cl);
+      std::vector<float> median(cand.size(), 1e30f);
+      for (size_t i = 0; i < cand.size(); ++i) {
+        const float alpha = 1.f, beta = 0.f;
+        std::vector<float> us;
+        for (int rep = 0; rep < 13; ++rep) {
+          const __nv_bfloat16* wp = w + size_t(rep % kCopies) * max_w;
+          CHECK(cudaEventRecord(e0, stream));
+          if (cublasLtMatmul(h, desc, &alpha, wp, wl, a, al, &beta, c, cl, c, cl, &cand[i].algo, ws,
+                             kWorkspaceBytes, stream) != CUBLAS_STATUS_SUCCESS) {
+            break;  // a candidate the check accepted but the launch refuses: skip it
+          }
+          CHECK(cudaEventRecord(e1, stream));
+          CHECK(cudaEventSynchronize(e1));
+          float ms = 0;
+          CHECK(cudaEventElapsedTime(&ms, e0, e1));
+          if (rep >= 3) us.push_back(ms * 1000);
+        }
+        if (us.size() < 10) continue;
+        std::sort(us.begin(), us.end());
+        median[i] = us[us.size() / 2];
+      }
+      const double roof =
+          (double(s.n) * s.k + double(m) * (s.k + s.n)) * sizeof(__nv_bfloat16) / kRoofBytesPerUs;
+      if (cand.empty()) {
+        std::printf("%-11s %4d  no algorithm\n", s.name, m);
+      } else {
+        const size_t best = std::min_element(median.begin(), median.end()) - median.begin();
+        std::printf("%-11s %4d %9.1f %9.1f %9.1f %11u %zu\n", s.name, m, median[0], median[best],
+                    roof, cand[best].splits, cand.size());
+      }
+      cublasLtMatrixLayoutDestroy(wl);
+      cublasLtMatrixLayoutDestroy(al);
+      cublasLtMatrixLayoutDestroy(cl);
+    }
+  }
+  CHECK(cudaDeviceSynchronize());
+  return 0;
+}
