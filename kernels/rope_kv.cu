@@ -93,25 +93,28 @@ absl::Status ValidateRopeKvTargets(const char* prefix, const KvLayout& layout, i
                                    const int32_t* positions, const int32_t* slot_mapping,
                                    const float* inv_freq, const __nv_bfloat16* k_cache,
                                    const __nv_bfloat16* v_cache, const int32_t* error_flag) {
-  auto field = [&](const char* name) { return absl::StrCat(prefix, ".", name); };
-  TS_RETURN_IF_ERROR(RequirePositive(field("layout.num_blocks").c_str(), layout.num_blocks));
-  TS_RETURN_IF_ERROR(RequirePositive(field("layout.block_size").c_str(), layout.block_size));
-  TS_RETURN_IF_ERROR(RequirePositive(field("layout.num_kv_heads").c_str(), layout.num_kv_heads));
-  TS_RETURN_IF_ERROR(RequirePositive(field("num_q_heads").c_str(), num_q_heads));
-  if (num_q_heads % layout.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field("num_q_heads"), " (", num_q_heads, ") must be a multiple of ",
-                     field("layout.num_kv_heads"), " (", layout.num_kv_heads, ")"));
-  }
-  TS_RETURN_IF_ERROR(RequirePointer(field("positions").c_str(), positions, 4));
-  TS_RETURN_IF_ERROR(RequirePointer(field("slot_mapping").c_str(), slot_mapping, 4));
-  TS_RETURN_IF_ERROR(RequirePointer(field("inv_freq").c_str(), inv_freq, 4));
-  TS_RETURN_IF_ERROR(RequirePointer(field("k_cache").c_str(), k_cache));
-  TS_RETURN_IF_ERROR(RequirePointer(field("v_cache").c_str(), v_cache));
-  if (error_flag != nullptr) {
-    TS_RETURN_IF_ERROR(RequirePointer(field("error_flag").c_str(), error_flag, 4));
-  }
-  return absl::OkStatus();
+  // The checks name the field without the prefix; it is prepended only on failure, so a valid
+  // launch (every eager prefill layer) builds no strings.
+  absl::Status st = [&]() -> absl::Status {
+    TS_RETURN_IF_ERROR(RequirePositive("layout.num_blocks", layout.num_blocks));
+    TS_RETURN_IF_ERROR(RequirePositive("layout.block_size", layout.block_size));
+    TS_RETURN_IF_ERROR(RequirePositive("layout.num_kv_heads", layout.num_kv_heads));
+    TS_RETURN_IF_ERROR(RequirePositive("num_q_heads", num_q_heads));
+    if (num_q_heads % layout.num_kv_heads != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("num_q_heads (", num_q_heads, ") must be a multiple of ", prefix,
+                       ".layout.num_kv_heads (", layout.num_kv_heads, ")"));
+    }
+    TS_RETURN_IF_ERROR(RequirePointer("positions", positions, 4));
+    TS_RETURN_IF_ERROR(RequirePointer("slot_mapping", slot_mapping, 4));
+    TS_RETURN_IF_ERROR(RequirePointer("inv_freq", inv_freq, 4));
+    TS_RETURN_IF_ERROR(RequirePointer("k_cache", k_cache));
+    TS_RETURN_IF_ERROR(RequirePointer("v_cache", v_cache));
+    if (error_flag != nullptr) TS_RETURN_IF_ERROR(RequirePointer("error_flag", error_flag, 4));
+    return absl::OkStatus();
+  }();
+  if (st.ok()) return st;
+  return absl::InvalidArgumentError(absl::StrCat(prefix, ".", st.message()));
 }
 
 absl::Status LaunchRopeKv(const RopeKvParams& p, cudaStream_t stream) {
