@@ -78,4 +78,42 @@ __host__ __device__ inline int32_t NumActiveSplits(const SplitGeometry& g, int32
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+#ifdef __CUDACC__
+// Device helpers of the tensor-core attention kernels (decode and prefill). mma fragment ownership
+// (PTX m16n8k16, bf16 in, fp32 accumulate), with lane = 4g + t: A rows g and g+8 at columns 2t,
+// 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3); B column g at rows 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1); C
+// rows g and g+8 at columns 2t, 2t+1.
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t PackBf16(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
+}
+
+// The warp holds an 8x8 bf16 matrix, lane 4g + t its row g at columns 2t, 2t+1; returns the same
+// lane's part of the transpose. Turns a C fragment into the matching B fragment of the next mma.
+__device__ __forceinline__ uint32_t TransposeBf16x8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Safe max for the exponent shift: an all -inf row shifts by 0 so 2^(-inf - 0) = 0, never NaN.
+__device__ __forceinline__ float SafeShift(float m) {
+  return m == -INFINITY ? 0.f : m;
+}
+#endif  // __CUDACC__
+
 }  // namespace ts::kernels::attention_internal

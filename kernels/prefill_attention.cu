@@ -12,6 +12,9 @@ namespace ts::kernels {
 namespace {
 
 using attention_internal::kLog2e;
+using attention_internal::MmaBf16;
+using attention_internal::PackBf16;
+using attention_internal::SafeShift;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
@@ -37,29 +40,6 @@ struct PrefillArgs {
   int32_t max_context;  // max_blocks_per_seq * block_size
   float scale_log2;
 };
-
-__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ uint32_t PackBf16(__nv_bfloat16 lo, __nv_bfloat16 hi) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
-         (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
-}
-
-__device__ __forceinline__ float SafeShift(float m) {
-  return m == -INFINITY ? 0.f : m;
-}
 
 // Rows are (token, query head in group) pairs flattened as token * group_size + head, so GQA
 // heads of one token share the K/V tile. mma fragment ownership (PTX m16n8k16): lane = 4*g + t
