@@ -1,6 +1,7 @@
 // Paged decode attention (one new query token per sequence) with GQA, split along the context
-// (flash-decoding). One tile = (sequence, kv head, split): it reads its K/V range once and serves
-// every query head of that kv head's group, keeping an fp32 online softmax. Tiles write normalised
+// (flash-decoding). One tile = (sequence, kv head, up to 8 query heads, split): it reads its K/V
+// range once for all of those heads, on the tensor cores (mma.sync bf16: S^T = K Q^T, O^T += V^T
+// P^T with P rounded to bf16, fp32 accumulation and an fp32 online softmax). Tiles write normalised
 // partial outputs and their log2-sum-exp to a workspace; attention_combine merges the splits.
 //
 // Two ways to cut the work, chosen by `mode`:
@@ -105,9 +106,9 @@ struct SplitChoiceInputs {
 absl::StatusOr<int32_t> DecodeAttentionCtasPerSm(int32_t head_dim, int32_t num_q_heads,
                                                  int32_t num_kv_heads);
 
-// Static-split count: enough tiles for two waves of resident CTAs, but splits of at least 128
-// tokens (the merge would cost more than it saves); when that leaves fewer tiles than SMs (batch
-// 1-2 at short contexts), up to one tile per SM with splits of at least min_split_tokens.
+// Static-split count: as many splits as fit in one wave of resident CTAs, but splits of at least
+// 128 tokens (the merge would cost more than it saves); when that leaves fewer tiles than SMs
+// (batch 1-2 at short contexts), up to one tile per SM with splits of at least min_split_tokens.
 // Result in [1, max_splits].
 int32_t ChooseNumSplits(const SplitChoiceInputs& in);
 

@@ -105,10 +105,11 @@ std::vector<int32_t> Contexts(int num_seqs, uint32_t seed) {
 
 class DecodeHarness {
  public:
-  DecodeHarness(Heads heads, int head_dim, std::vector<int32_t> ctx, uint32_t seed)
-      : heads_(heads), head_dim_(head_dim), ctx_(std::move(ctx)) {
+  DecodeHarness(Heads heads, int head_dim, std::vector<int32_t> ctx, uint32_t seed,
+                int block_size = kBlockSize)
+      : heads_(heads), head_dim_(head_dim), block_size_(block_size), ctx_(std::move(ctx)) {
     num_seqs_ = static_cast<int>(ctx_.size());
-    kv_ = MakePagedKv(ctx_, heads.kv, kBlockSize, head_dim, seed);
+    kv_ = MakePagedKv(ctx_, heads.kv, block_size, head_dim, seed);
     // |q| up to 4 makes the softmax peaked enough that a wrong max shift would show.
     q_ = HashedValues(static_cast<size_t>(num_seqs_) * heads.q * head_dim, seed + 7, 4.f);
     scale_ = 1.f / std::sqrt(static_cast<float>(head_dim));
@@ -144,7 +145,7 @@ class DecodeHarness {
     p.num_q_heads = heads_.q;
     p.num_kv_heads = heads_.kv;
     p.head_dim = head_dim_;
-    p.block_size = kBlockSize;
+    p.block_size = block_size_;
     p.num_blocks = kv_.num_blocks;
     p.max_blocks_per_seq = kv_.max_blocks_per_seq;
     p.scale = scale_;
@@ -201,10 +202,12 @@ class DecodeHarness {
   int max_context() const { return *std::max_element(ctx_.begin(), ctx_.end()); }
   int num_seqs() const { return num_seqs_; }
   Heads heads() const { return heads_; }
+  int block_size() const { return block_size_; }
 
  private:
   Heads heads_;
   int head_dim_;
+  int block_size_;
   std::vector<int32_t> ctx_;
   int num_seqs_ = 0;
   PagedKv kv_;
@@ -230,7 +233,7 @@ std::vector<ModeConfig> AllModes(const DecodeHarness& h) {
       DecodeAttentionCtasPerSm(h.head_dim(), h.heads().q, h.heads().kv);
   EXPECT_TRUE(per_sm.ok()) << per_sm.status();
   in.ctas_per_sm = per_sm.ok() ? *per_sm : 0;
-  const WorkQueueConfig wq = ChooseWorkQueueConfig(in, kBlockSize);
+  const WorkQueueConfig wq = ChooseWorkQueueConfig(in, h.block_size());
   using M = DecodeAttentionMode;
   return {
       {M::kStaticSplit, 1},
@@ -274,6 +277,19 @@ INSTANTIATE_TEST_SUITE_P(
       return absl::StrCat("Hq", info.param.heads.q, "_Hkv", info.param.heads.kv, "_D",
                           info.param.head_dim);
     });
+
+// The kernel walks each split in 16-key chunks and looks up every key's block: blocks of 4 and 8
+// split a chunk over several blocks, and 32 holds two chunks.
+TEST(DecodeAttentionTest, BlockSizesAroundTheKeyChunk) {
+  for (int block_size : {4, 8, 32}) {
+    for (int head_dim : {64, 128}) {
+      SCOPED_TRACE(absl::StrCat("block_size=", block_size, " head_dim=", head_dim));
+      const uint32_t seed = 300 + block_size + head_dim;
+      const DecodeHarness h({32, 8}, head_dim, Contexts(9, seed), seed, block_size);
+      for (const ModeConfig& m : AllModes(h)) h.RunAndCheck(m);
+    }
+  }
+}
 
 TEST(DecodeAttentionTest, EachEdgeLengthAlone) {
   for (int n : {1, 15, 16, 17, 255, 1000, 4000}) {
