@@ -270,6 +270,9 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   TS_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
 
   TS_ASSIGN_OR_RETURN(ModelDims dims, MakeModelDims(o.config));
+  TS_ASSIGN_OR_RETURN(
+      m->attention_ctas_per_sm_,
+      k::DecodeAttentionCtasPerSm(dims.head_dim, dims.num_heads, dims.num_kv_heads));
   // Attention partials: each bucket's split count at the longest context is its capacity.
   size_t attention_ws = 0;
   for (int32_t b : o.buckets) {
@@ -280,6 +283,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
                                                 .max_context_len = m->max_context_,
                                                 .num_sms = m->num_sms_,
                                                 .max_splits = 256,
+                                                .ctas_per_sm = m->attention_ctas_per_sm_,
                                                 .min_split_tokens = o.attention_min_split_tokens});
     m->max_splits_.push_back(splits);
     attention_ws = std::max(
@@ -447,6 +451,7 @@ int32_t CudaModel::NumSplits(int32_t bucket, int32_t max_context_len) const {
                            .max_context_len = std::min(max_context_len, max_context_),
                            .num_sms = num_sms_,
                            .max_splits = max_splits_[it - buckets_.begin()],
+                           .ctas_per_sm = attention_ctas_per_sm_,
                            .min_split_tokens = attention_min_split_tokens_});
 }
 

@@ -201,6 +201,7 @@ class CudaModel {
   bool gemv_warp_tiles_ = true;
   std::vector<std::string> timing_skip_ops_;
   int32_t attention_min_split_tokens_ = 64;
+  int32_t attention_ctas_per_sm_ = 0;  // resident decode-attention CTAs per SM (0: default)
   MemoryPlan plan_;
   std::vector<int32_t> buckets_;
   std::vector<int32_t> prefill_sizes_;  // planned prefill GEMM row counts, ascending

@@ -186,6 +186,16 @@ TEST(DecodeHeuristicsTest, SplitChoicesStayInRange) {
   in.num_seqs = 256;
   in.max_context_len = 8000;
   EXPECT_EQ(ChooseNumSplits(in), 1);  // 2048 tiles already fill the GPU
+  // One wave, not two: 64 x 8 tiles per split against 132 x 4 resident CTAs.
+  in.num_seqs = 64;
+  in.max_context_len = 384;
+  in.ctas_per_sm = 4;
+  EXPECT_EQ(ChooseNumSplits(in), 1);
+  in.num_seqs = 16;  // 128 tiles per split: 4 fit in one wave, but splits keep >= 128 tokens
+  EXPECT_EQ(ChooseNumSplits(in), 3);
+  in.max_context_len = 4096;
+  EXPECT_EQ(ChooseNumSplits(in), 4);
+  in.ctas_per_sm = 0;
   in.num_seqs = 32;
   const WorkQueueConfig wq = ChooseWorkQueueConfig(in, 16);
   EXPECT_EQ(wq.persistent_ctas, 3 * 132);  // ctas_per_sm 0 means 3
