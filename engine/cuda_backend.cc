@@ -47,6 +47,7 @@ CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& co
   m.split_sampling = o.split_sampling;
   m.fuse_rope = o.fuse_rope;
   m.gemv_warp_tiles = o.gemv_warp_tiles;
+  m.attention_skip_combine = o.attention_skip_combine;
   m.timing_skip_ops = o.timing_skip_ops;
   m.attention_min_split_tokens = o.attention_min_split_tokens;
   return m;

@@ -38,12 +38,13 @@ struct CudaBackendOptions {
   int device = 0;
   int32_t prefill_chunk_tokens = 2048;
   uint32_t ring_capacity = 1024;
-  bool log_progress = true;         // memory budget and graph capture progress on stderr
-  bool small_m_gemv = true;         // see CudaModelOptions::small_m_gemv
-  bool fused_decode_layers = true;  // see CudaModelOptions::fused_decode_layers
-  bool split_sampling = true;       // see CudaModelOptions::split_sampling
-  bool fuse_rope = true;            // see CudaModelOptions::fuse_rope
-  bool gemv_warp_tiles = true;      // see CudaModelOptions::gemv_warp_tiles
+  bool log_progress = true;            // memory budget and graph capture progress on stderr
+  bool small_m_gemv = true;            // see CudaModelOptions::small_m_gemv
+  bool fused_decode_layers = true;     // see CudaModelOptions::fused_decode_layers
+  bool split_sampling = true;          // see CudaModelOptions::split_sampling
+  bool fuse_rope = true;               // see CudaModelOptions::fuse_rope
+  bool gemv_warp_tiles = true;         // see CudaModelOptions::gemv_warp_tiles
+  bool attention_skip_combine = true;  // see CudaModelOptions::attention_skip_combine
   std::vector<std::string> timing_skip_ops = {};  // benchmarks only, see CudaModelOptions
   int32_t attention_min_split_tokens = 64;        // see CudaModelOptions
 };

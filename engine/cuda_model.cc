@@ -252,6 +252,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   m->fused_decode_layers_ = o.fused_decode_layers;
   m->split_sampling_ = o.split_sampling;
   m->fuse_rope_ = o.fuse_rope;
+  m->attention_skip_combine_ = o.attention_skip_combine;
   m->gemv_warp_tiles_ = o.gemv_warp_tiles;
   m->timing_skip_ops_ = o.timing_skip_ops;
   m->attention_min_split_tokens_ = o.attention_min_split_tokens;
@@ -538,6 +539,9 @@ absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
     p.max_splits = at.max_splits;
     p.num_splits = at.num_splits;
     p.pdl = true;
+    // A bucket whose split count is 1 even at the longest context (the large batches) needs no
+    // combine node in any regime; decided per bucket, so exec updates never change the nodes.
+    p.no_combine = attention_skip_combine_ && at.max_splits == 1;
     return k::LaunchDecodeAttention(p, stream);
   }
   k::PrefillAttentionParams p;

@@ -70,6 +70,9 @@ struct CudaModelOptions {
   // Decode GEMVs with plenty of tiles let each warp stream whole tiles (kernels/gemv.cuh
   // ChooseGemvWarpTiles); false keeps the CTA's warps sharing each tile.
   bool gemv_warp_tiles = true;
+  // Decode attention skips its combine node in buckets that always run one split (the split
+  // kernel writes the output; kernels/decode_attention.cuh no_combine).
+  bool attention_skip_combine = true;
   // Benchmarks only: ops of the fused decode step ("attention", "qkv_rope_gemm", "o_gemm",
   // "gate_up_gemm", "down_gemm") left out of the captured graph, so each op's cost inside the
   // graph can be measured by difference (no profiler sees graph nodes on the GPU machine). The
@@ -198,6 +201,7 @@ class CudaModel {
   bool fused_decode_layers_ = true;
   bool split_sampling_ = true;
   bool fuse_rope_ = true;
+  bool attention_skip_combine_ = true;
   bool gemv_warp_tiles_ = true;
   std::vector<std::string> timing_skip_ops_;
   int32_t attention_min_split_tokens_ = 64;

@@ -36,6 +36,7 @@ struct DecodeArgs {
   const __nv_bfloat16* v_cache;  // [num_blocks, num_kv_heads, block_size, D]
   const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq]
   const int32_t* context_lens;   // [num_seqs]
+  __nv_bfloat16* out;            // [num_seqs, num_q_heads, D]; no_combine only
   float* partial_out;            // [num_seqs, num_q_heads, max_splits, D]
   float* partial_lse;            // [num_seqs, num_q_heads, max_splits]
   uint32_t* counters;            // [2]: next tile, CTAs finished
@@ -49,6 +50,7 @@ struct DecodeArgs {
   int32_t max_splits;
   int32_t tiles_per_claim;
   int32_t work_queue;  // 0: static split (tile from blockIdx), 1: persistent work queue
+  int32_t no_combine;  // static, one split: tiles write the final output
   float scale_log2;    // scale * log2(e): scores live in the log2 domain
   SplitGeometry geo;
 };
@@ -142,6 +144,10 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
   const int nh = min(kHeads, a.group_size - h_first);
   const int64_t row0 = static_cast<int64_t>(seq) * a.num_q_heads + kvh * a.group_size + h_first;
   if (t_begin >= t_end) {  // CTA-uniform: nothing to attend to in this split
+    if (a.no_combine) {    // the only split of an empty sequence: its output is zero
+      for (int i = threadIdx.x; i < nh * D; i += kThreads) a.out[row0 * D + i] = 0.f;
+      return;
+    }
     if (threadIdx.x < nh) a.partial_lse[(row0 + threadIdx.x) * a.max_splits + split] = -INFINITY;
     return;
   }
@@ -274,7 +280,8 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
     }
   }
   __syncthreads();
-  // Merge the warps and write this split's normalised output and log2-sum-exp.
+  // Merge the warps and write this split's normalised output and log2-sum-exp (with no_combine,
+  // the final output: the same value the combine kernel would write for a single split).
   for (int idx = threadIdx.x; idx < nh * D; idx += kThreads) {
     const int h = idx / D;
     const int d = idx % D;
@@ -289,8 +296,13 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
       lsum += sm.l[w][h] * wgt;
       osum += sm.acc[w][h][d] * wgt;
     }
+    const float o = lsum > 0.f ? osum / lsum : 0.f;
+    if (a.no_combine) {
+      a.out[(row0 + h) * D + d] = __float2bfloat16_rn(o);
+      continue;
+    }
     const int64_t slot = (row0 + h) * a.max_splits + split;
-    a.partial_out[slot * D + d] = lsum > 0.f ? osum / lsum : 0.f;
+    a.partial_out[slot * D + d] = o;
     if (d == 0) a.partial_lse[slot] = lsum > 0.f ? mx + log2f(lsum) : -INFINITY;
   }
   __syncthreads();  // the shared merge buffers are reused by the CTA's next tile
@@ -443,9 +455,12 @@ absl::Status ValidateMode(const DecodeAttentionParams& p) {
       return Invalid(
           "num_splits",
           absl::StrCat("= ", p.num_splits, " must be in [1, max_splits = ", p.max_splits, "]"));
+    if (p.no_combine && p.num_splits != 1)
+      return Invalid("no_combine", absl::StrCat("needs num_splits = 1, not ", p.num_splits));
     return absl::OkStatus();
   }
   if (p.mode != DecodeAttentionMode::kWorkQueue) return Invalid("mode", "is not a known mode");
+  if (p.no_combine) return Invalid("no_combine", "needs mode kStaticSplit");
   if (p.num_seqs > kMaxWorkQueueSeqs)
     return Invalid("num_seqs", absl::StrCat("= ", p.num_seqs, " exceeds the work queue's limit of ",
                                             kMaxWorkQueueSeqs));
@@ -588,6 +603,8 @@ absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t 
   a.max_splits = p.max_splits;
   a.tiles_per_claim = p.tiles_per_claim;
   a.work_queue = queue ? 1 : 0;
+  a.no_combine = p.no_combine ? 1 : 0;
+  a.out = p.out;
   a.scale_log2 = p.scale * kLog2e;
   const int32_t chunk =
       queue ? (p.chunk_tokens + p.block_size - 1) / p.block_size * p.block_size : 1;
@@ -597,6 +614,7 @@ absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t 
   TS_RETURN_IF_ERROR(attention_internal::DispatchHeadDim(
       p.head_dim, "DecodeAttentionParams.head_dim",
       [&](auto d) { return LaunchSplitKernel<decltype(d)::value>(p, a, stream); }));
+  if (p.no_combine) return absl::OkStatus();
 
   AttentionCombineParams c;
   c.partial_out = a.partial_out;

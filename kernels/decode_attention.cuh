@@ -12,11 +12,11 @@
 //    prefix-sums the per-sequence chunk counts itself (num_seqs is small), which saves a graph
 //    node.
 //
-// Graph capture: LaunchDecodeAttention enqueues exactly two kernels (split + combine), allocates
-// nothing and never reads device memory on the host. The work-queue counters live in the workspace
-// and are reset by the last CTA of each launch, so a captured graph can be replayed any number of
-// times. num_splits / chunk_tokens are ordinary kernel parameters, so cudaGraphExecUpdate can
-// change them when the context-length regime changes.
+// Graph capture: LaunchDecodeAttention enqueues exactly two kernels (split + combine; only the
+// split kernel with no_combine), allocates nothing and never reads device memory on the host. The
+// work-queue counters live in the workspace and are reset by the last CTA of each launch, so a
+// captured graph can be replayed any number of times. num_splits / chunk_tokens are ordinary kernel
+// parameters, so cudaGraphExecUpdate can change them when the context-length regime changes.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -71,6 +71,11 @@ struct DecodeAttentionParams {
   // Programmatic dependent launch of both kernels (kernels/pdl.cuh): each may start while the
   // kernel before it finishes, and waits for it before reading anything.
   bool pdl = false;
+  // kStaticSplit with num_splits == 1 only: the split kernel writes the final output itself and
+  // no combine kernel is launched (one graph node instead of two, and no round trip of the
+  // partials through the workspace). For a batch whose split count is 1 at every context length
+  // (ChooseNumSplits at the longest context), so a captured graph never needs the combine node.
+  bool no_combine = false;
 };
 
 // Workspace layout: [kDecodeAttentionCounterBytes: two uint32 work-queue counters, rest padding]

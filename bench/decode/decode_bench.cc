@@ -67,6 +67,8 @@ ABSL_FLAG(std::vector<std::string>, timing_skip, {},
 ABSL_FLAG(int32_t, attn_min_split_tokens, 64,
           "decode attention's shortest split when a batch leaves SMs idle (128: never shorter "
           "than the large-batch floor)");
+ABSL_FLAG(bool, attn_skip_combine, true,
+          "decode attention without its combine node in buckets that always run one split");
 ABSL_FLAG(bool, gemv, true, "decode GEMMs with <= 8 rows and small weights through kernels/gemv");
 
 namespace ts::bench {
@@ -226,6 +228,7 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
   o.split_sampling = absl::GetFlag(FLAGS_split_sampling);
   o.fuse_rope = absl::GetFlag(FLAGS_fuse_rope);
   o.gemv_warp_tiles = absl::GetFlag(FLAGS_gemv_warp_tiles);
+  o.attention_skip_combine = absl::GetFlag(FLAGS_attn_skip_combine);
   o.timing_skip_ops = absl::GetFlag(FLAGS_timing_skip);
   o.attention_min_split_tokens = absl::GetFlag(FLAGS_attn_min_split_tokens);
   std::fprintf(stderr, "== shape %s: building the backend\n", shape.c_str());
@@ -290,6 +293,7 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
                       {"split_sampling", absl::GetFlag(FLAGS_split_sampling)},
                       {"fuse_rope", absl::GetFlag(FLAGS_fuse_rope)},
                       {"gemv_warp_tiles", absl::GetFlag(FLAGS_gemv_warp_tiles)},
+                      {"attn_skip_combine", absl::GetFlag(FLAGS_attn_skip_combine)},
                       {"timing_skip", absl::GetFlag(FLAGS_timing_skip)},
                       {"attn_min_split_tokens", absl::GetFlag(FLAGS_attn_min_split_tokens)}};
     std::printf("%-4s %6d %10.3f %10.3f %10.3f %12.0f %10.3f %9.0f %7.1f%%\n", shape.c_str(), batch,

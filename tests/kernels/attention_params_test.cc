@@ -87,6 +87,12 @@ TEST(DecodeAttentionParamsTest, RejectsEachBadField) {
   p.chunk_tokens = 256;
   p.tiles_per_claim = 0;
   ExpectInvalid(LaunchDecodeAttention(p, nullptr), "tiles_per_claim");
+  p.tiles_per_claim = 1;
+  p.no_combine = true;  // the work queue always needs its combine kernel
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "no_combine");
+  p = ValidDecode();
+  p.no_combine = true;  // num_splits 4: the partials must be merged
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "no_combine");
 }
 
 TEST(AttentionCombineParamsTest, RejectsBadFields) {

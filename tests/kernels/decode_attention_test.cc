@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -34,13 +35,14 @@ struct Heads {
 
 struct ModeConfig {
   DecodeAttentionMode mode;
-  int num_splits = 1;    // static
-  int chunk_tokens = 0;  // queue
-  int ctas = 0;          // queue
-  int claim = 1;         // queue
+  int num_splits = 1;       // static
+  int chunk_tokens = 0;     // queue
+  int ctas = 0;             // queue
+  int claim = 1;            // queue
+  bool no_combine = false;  // static, one split
   std::string Name() const {
     return mode == DecodeAttentionMode::kStaticSplit
-               ? absl::StrCat("static splits=", num_splits)
+               ? absl::StrCat("static splits=", num_splits, no_combine ? " no combine" : "")
                : absl::StrCat("queue chunk=", chunk_tokens, " ctas=", ctas, " claim=", claim);
   }
 };
@@ -155,6 +157,7 @@ class DecodeHarness {
     p.chunk_tokens = m.chunk_tokens;
     p.persistent_ctas = m.ctas;
     p.tiles_per_claim = m.claim;
+    p.no_combine = m.no_combine;
     return p;
   }
 
@@ -241,6 +244,7 @@ std::vector<ModeConfig> AllModes(const DecodeHarness& h) {
       {M::kStaticSplit, 16},  // more splits than blocks for the short sequences
       {M::kStaticSplit, kMaxSplits},
       {M::kStaticSplit, ChooseNumSplits(in)},
+      {M::kStaticSplit, 1, 0, 0, 1, /*no_combine=*/true},
       // Tiny chunks force the "more tiles than max_splits" widening; few CTAs force many claims.
       {M::kWorkQueue, 1, 16, 7, 4},
       {M::kWorkQueue, 1, 256, 4 * sms, 1},
@@ -339,6 +343,24 @@ TEST(DecodeAttentionTest, WorkQueueGraphReplaysAreIdentical) {
   }
   h.ExpectGuards();
   cudaStreamDestroy(stream);
+}
+
+// With one split the split kernel's own normalisation is what the combine kernel would compute
+// (a weight of exactly 1), so skipping the combine must not change a single bit. The poisoned
+// workspace also shows that nothing reads partials that were never written.
+TEST(DecodeAttentionTest, NoCombineIsBitwiseTheCombinedOutput) {
+  for (int head_dim : {16, 64, 128}) {
+    SCOPED_TRACE(absl::StrCat("head_dim ", head_dim));
+    const DecodeHarness h({32, 8}, head_dim, Contexts(33, 40 + head_dim), 40 + head_dim);
+    ModeConfig m{DecodeAttentionMode::kStaticSplit, 1};
+    h.RunAndCheck(m);
+    const std::vector<float> combined = h.Output();
+    m.no_combine = true;
+    h.RunAndCheck(m);
+    const std::vector<float> direct = h.Output();
+    ASSERT_EQ(direct.size(), combined.size());
+    EXPECT_EQ(std::memcmp(direct.data(), combined.data(), direct.size() * sizeof(float)), 0);
+  }
 }
 
 // The graph cache changes num_splits (a grid dimension and a kernel argument) with
