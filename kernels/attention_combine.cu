@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) AttentionCombineKernel(Com
   const int seq = row / a.num_heads;
   const int ctx = ClampedContext(a.geo, a.context_lens[seq]);
   const int n = ctx > 0 ? NumActiveSplits(a.geo, ctx) : 0;
+  if (a.geo.num_splits == 1 && n == 1) return;  // the split kernel wrote this row itself
   const float* lse = a.partial_lse + static_cast<int64_t>(row) * a.max_splits;
 
   float m = -INFINITY;

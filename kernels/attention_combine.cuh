@@ -1,7 +1,9 @@
 // Merges the per-split partial results of split (flash-decoding) attention into the final output:
 // out[s, h, :] = sum_i w_i * partial_out[s, h, i, :] / sum_i w_i, with w_i = 2^(lse_i - max lse).
 // Which splits of a sequence are valid is recomputed from context_lens with the same geometry the
-// split kernel used, so splits that were never written are never read.
+// split kernel used, so splits that were never written are never read. With num_splits == 1 the
+// split kernel writes every non-empty row's output itself (no partials), and this kernel only
+// zeroes the rows of empty sequences.
 #pragma once
 
 #include <cuda_bf16.h>

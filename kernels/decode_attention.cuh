@@ -112,8 +112,9 @@ absl::StatusOr<int32_t> DecodeAttentionCtasPerSm(int32_t head_dim, int32_t num_q
                                                  int32_t num_kv_heads);
 
 // Static-split count: as many splits as fit in one wave of resident CTAs, but splits of at least
-// 128 tokens (the merge would cost more than it saves); when that leaves fewer tiles than SMs
-// (batch 1-2 at short contexts), up to one tile per SM with splits of at least min_split_tokens.
+// 128 tokens (the merge would cost more than it saves) and at most 1024 (the longest sequences of
+// a ragged batch would finish last); when that leaves fewer tiles than SMs (batch 1-2 at short
+// contexts), up to one tile per SM with splits of at least min_split_tokens.
 // Result in [1, max_splits].
 int32_t ChooseNumSplits(const SplitChoiceInputs& in);
 

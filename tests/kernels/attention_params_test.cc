@@ -191,7 +191,9 @@ TEST(DecodeHeuristicsTest, SplitChoicesStayInRange) {
   EXPECT_EQ(ChooseNumSplits(in), 4);
   in.num_seqs = 256;
   in.max_context_len = 8000;
-  EXPECT_EQ(ChooseNumSplits(in), 1);  // 2048 tiles already fill the GPU
+  EXPECT_EQ(ChooseNumSplits(in), 8);  // 2048 tiles fill the GPU, but splits stay <= 1024 tokens
+  in.max_context_len = 1024;
+  EXPECT_EQ(ChooseNumSplits(in), 1);
   // One wave, not two: 64 x 8 tiles per split against 132 x 4 resident CTAs.
   in.num_seqs = 64;
   in.max_context_len = 384;
