@@ -66,6 +66,31 @@ struct MergeSmem {
   float acc[kWarps][kHeads][D];
 };
 
+// Loads kWords 32-bit words of one row for this lane from element `off` of `row`: one or two
+// words in a single load, otherwise 16-byte pieces kStride elements apart. Zeros when !valid
+// (nothing is read).
+template <int kWords, int kStride>
+__device__ __forceinline__ void LoadWords(const __nv_bfloat16* row, int off, bool valid,
+                                          uint32_t (&w)[kWords]) {
+  if constexpr (kWords == 1) {
+    w[0] = valid ? __ldg(reinterpret_cast<const uint32_t*>(row + off)) : 0u;
+  } else if constexpr (kWords == 2) {
+    const uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(row + off)) : make_uint2(0, 0);
+    w[0] = v.x;
+    w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kWords / 4; ++i) {
+      const uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(row + kStride * i + off))
+                            : make_uint4(0, 0, 0, 0);
+      w[4 * i] = v.x;
+      w[4 * i + 1] = v.y;
+      w[4 * i + 2] = v.z;
+      w[4 * i + 3] = v.w;
+    }
+  }
+}
+
 // Dot products are invariant under any permutation of the head dimension applied to both q and k,
 // so each lane reads contiguous K (and q) pieces instead of the mma's column pairs. Lane t of a
 // quad holds D/4 of a row's dims as D/8 words; word 2s feeds mma k-step s at columns 2t, 2t+1 and
@@ -74,21 +99,7 @@ struct MergeSmem {
 template <int D>
 __device__ __forceinline__ void LoadKRow(const __nv_bfloat16* row, int t, bool valid,
                                          uint32_t (&w)[D / 8]) {
-  if constexpr (D == 16) {
-    const uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(row + 4 * t)) : make_uint2(0, 0);
-    w[0] = v.x;
-    w[1] = v.y;
-  } else {
-#pragma unroll
-    for (int i = 0; i < D / 32; ++i) {
-      const uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(row + 32 * i + 8 * t))
-                            : make_uint4(0, 0, 0, 0);
-      w[4 * i] = v.x;
-      w[4 * i + 1] = v.y;
-      w[4 * i + 2] = v.z;
-      w[4 * i + 3] = v.w;
-    }
-  }
+  LoadWords<D / 8, 32>(row, (D == 16 ? 4 : 8) * t, valid, w);
 }
 
 // O^T's rows are output dims, also permuted: lane group g owns D/8 contiguous dims of every V row
@@ -106,19 +117,7 @@ __host__ __device__ __forceinline__ int VDim(int g, int j) {
 template <int D>
 __device__ __forceinline__ void LoadVRow(const __nv_bfloat16* row, int g, bool valid,
                                          uint32_t (&w)[D / 16]) {
-  if constexpr (D == 16) {
-    w[0] = valid ? __ldg(reinterpret_cast<const uint32_t*>(row + 2 * g)) : 0u;
-  } else {
-#pragma unroll
-    for (int i = 0; i < D / 64; ++i) {
-      const uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(row + 64 * i + 8 * g))
-                            : make_uint4(0, 0, 0, 0);
-      w[4 * i] = v.x;
-      w[4 * i + 1] = v.y;
-      w[4 * i + 2] = v.z;
-      w[4 * i + 3] = v.w;
-    }
-  }
+  LoadWords<D / 16, 64>(row, (D == 16 ? 2 : 8) * g, valid, w);
 }
 
 // One tile: query heads [hc*kHeads, hc*kHeads + nh) of kv head `kvh`'s group, tokens of split
