@@ -285,10 +285,12 @@ int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
   }
 
   const std::chrono::seconds drain_timeout(absl::GetFlag(FLAGS_drain_timeout_s));
+  // Drain before saying so: whoever reads the line (a supervisor, the e2e test) may check health
+  // at once, and must see NOT_SERVING.
+  server.BeginDrain();
   std::fprintf(stderr, "tailserve draining: got %s, %d streams open, waiting up to %llds\n",
                strsignal(sig), server.service().active_streams(),
                static_cast<long long>(drain_timeout.count()));
-  server.BeginDrain();
   const auto deadline = Clock::now() + drain_timeout;
   while (!server.Drained() && Clock::now() < deadline) {
     if (WaitSignal(signals, std::chrono::milliseconds(50)) != 0) {
