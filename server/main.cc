@@ -240,21 +240,13 @@ class Watchdog {
       last_steps_ = s.steps;
       last_progress_ = now;
     }
-    const bool stalled = limit_.count() > 0 && now - last_progress_ > limit_;
-    if (stalled != stalled_) {
-      std::fprintf(stderr, "tailserve watchdog: %s\n",
-                   stalled ? "no step completed while requests wait; NOT_SERVING"
-                           : "progress resumed; SERVING");
-      stalled_ = stalled;
-    }
-    return !stalled;
+    return limit_.count() == 0 || now - last_progress_ <= limit_;
   }
 
  private:
   const std::chrono::seconds limit_;
   uint64_t last_steps_ = 0;
   Clock::time_point last_progress_ = Clock::now();
-  bool stalled_ = false;
 };
 
 int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
@@ -275,7 +267,11 @@ int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
     }
     const bool healthy = watchdog.Check(engine.stats());
     if (healthy != serving) {
+      // Set, then log: a reader of the line must find the health it names.
       server.SetServing(healthy);
+      std::fprintf(stderr, "tailserve watchdog: %s\n",
+                   healthy ? "progress resumed; SERVING"
+                           : "no step completed while requests wait; NOT_SERVING");
       serving = healthy;
     }
     if (stats_every.count() > 0 && Clock::now() >= next_stats) {

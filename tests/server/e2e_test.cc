@@ -553,6 +553,28 @@ TEST(ServerDrainTest, SigtermFinishesOpenStreamsRejectsNewOnesAndExitsZero) {
   EXPECT_TRUE(server->process().WaitForLine("tailserve stopped", 1s).ok());
 }
 
+TEST(ServerWatchdogTest, StalledStepGoesNotServingAndItsEndRestoresServing) {
+  const Reference ref = LoadReference();
+  // One 4 s step against a 1 s watchdog: NOT_SERVING from ~1 s until the step ends at ~4 s, and
+  // nothing left to run after it, so each state holds for seconds while the test checks it.
+  std::unique_ptr<Server> server = Server::Launch({"--watchdog_s=1", "--debug_step_delay_ms=4000"});
+  ASSERT_NE(server, nullptr);
+  ASSERT_EQ(server->Health(), health::HealthCheckResponse::SERVING);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(kRpcTimeout));
+  auto reader = server->stub().Generate(&ctx, Greedy(ref.prompts[0], 1));
+
+  ASSERT_TRUE(server->process().WaitForLine("NOT_SERVING", 10s).ok()) << server->process().Output();
+  EXPECT_EQ(server->Health(), health::HealthCheckResponse::NOT_SERVING);
+  // A stall is reported, not acted on: the request still finishes with the right token.
+  StreamResult r;
+  ReadAll(reader.get(), &r);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_THAT(r.tokens, ElementsAreArray(Tokens(ref.greedy[0].begin(), ref.greedy[0].begin() + 1)));
+  ASSERT_TRUE(server->process().WaitForLine("progress resumed; SERVING", 10s).ok());
+  EXPECT_EQ(server->Health(), health::HealthCheckResponse::SERVING);
+}
+
 TEST(ServerStartupTest, BadFlagsFailWithAClearMessage) {
   struct Case {
     std::vector<std::string> argv;
