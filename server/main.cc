@@ -26,8 +26,8 @@
 #endif
 #include "engine/engine.h"
 #include "models/config.h"
+#include "server/debug_backend.h"
 #include "server/server.h"
-#include "server/step_delay_backend.h"
 
 ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on (0.0.0.0 or :: for all).");
 ABSL_FLAG(int32_t, port, 0, "Port to listen on; 0 picks a free port (printed at startup).");
@@ -56,6 +56,9 @@ ABSL_FLAG(int32_t, watchdog_s, 30,
           "Report NOT_SERVING while requests wait and no step completed for this long; 0 = off.");
 ABSL_FLAG(int32_t, debug_step_delay_ms, 0,
           "Testing only: sleep this long before every decode step (simulates a slow device).");
+ABSL_FLAG(int64_t, debug_fail_step, 0,
+          "Testing only: decode step N and every later one fail with INTERNAL (simulates a sticky "
+          "device error); 0 = never.");
 
 namespace ts::server {
 namespace {
@@ -150,9 +153,10 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
     TS_ASSIGN_OR_RETURN(backend, MakeCpuBackend(buckets, context, block, max_batch));
   }
   const int32_t delay_ms = absl::GetFlag(FLAGS_debug_step_delay_ms);
-  if (delay_ms > 0) {
-    backend =
-        std::make_unique<StepDelayBackend>(std::move(backend), std::chrono::milliseconds(delay_ms));
+  const int64_t fail_step = absl::GetFlag(FLAGS_debug_fail_step);
+  if (delay_ms > 0 || fail_step > 0) {
+    backend = std::make_unique<DebugBackend>(std::move(backend),
+                                             std::chrono::milliseconds(delay_ms), fail_step);
   }
   return backend;
 }

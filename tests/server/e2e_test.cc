@@ -575,6 +575,28 @@ TEST(ServerWatchdogTest, StalledStepGoesNotServingAndItsEndRestoresServing) {
   EXPECT_EQ(server->Health(), health::HealthCheckResponse::SERVING);
 }
 
+TEST(ServerFailureTest, StickyBackendErrorEndsStreamsWithInternalAndExitsNonZero) {
+  const Reference ref = LoadReference();
+  std::unique_ptr<Server> server =
+      Server::Launch({"--debug_step_delay_ms=20", "--debug_fail_step=5"});
+  ASSERT_NE(server, nullptr);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(kRpcTimeout));
+  auto reader = server->stub().Generate(&ctx, Greedy(ref.prompts[0], 32));
+  StreamResult r;
+  ReadAll(reader.get(), &r);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INTERNAL) << r.status.error_message();
+  EXPECT_THAT(r.status.error_message(), HasSubstr("injected failure at step 5"));
+  // The tokens streamed before the failure are the right ones, and the stream ended early.
+  ASSERT_LT(r.tokens.size(), 32u);
+  EXPECT_THAT(r.tokens, ElementsAreArray(Tokens(ref.greedy[0].begin(),
+                                                ref.greedy[0].begin() + r.tokens.size())));
+  // Staying up would only answer errors: the process exits non-zero for its supervisor.
+  EXPECT_EQ(server->process().WaitExit(30s), std::optional<int>(1));
+  EXPECT_TRUE(server->process().WaitForLine("tailserve: backend failed, exiting", 1s).ok())
+      << server->process().Output();
+}
+
 TEST(ServerStartupTest, BadFlagsFailWithAClearMessage) {
   struct Case {
     std::vector<std::string> argv;
