@@ -38,7 +38,8 @@ ABSL_FLAG(std::string, model_name, "",
 ABSL_FLAG(std::string, backend, "cpu", "Decoder backend: cpu (fp32 reference) or cuda.");
 ABSL_FLAG(int32_t, max_batch, 16, "Concurrent decoding requests.");
 ABSL_FLAG(std::string, buckets, "",
-          "Comma list of batch-size buckets, ascending; default: powers of two up to max_batch.");
+          "Comma list of batch-size buckets, ascending; default: 1,2,4,8,16,24,32,48,64,96,128 "
+          "below max_batch, then max_batch.");
 ABSL_FLAG(int32_t, queue_limit, 256,
           "Queued requests beyond which Generate is RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int32_t, max_context, 0, "Prompt + new tokens per request; 0 = the model's maximum.");
@@ -68,7 +69,11 @@ using Clock = std::chrono::steady_clock;
 absl::StatusOr<std::vector<int32_t>> ParseBuckets(const std::string& text, int32_t max_batch) {
   std::vector<int32_t> buckets;
   if (text.empty()) {
-    for (int32_t b = 1; b < max_batch; b *= 2) buckets.push_back(b);
+    // The engine's list (1, 2, 4, 8, 16, 24, 32, 48, ...): steps of at most 1.5x above 16 pad a
+    // batch by at most a third, where powers of two pad by up to half.
+    for (int32_t b : EngineOptions{}.buckets) {
+      if (b < max_batch) buckets.push_back(b);
+    }
     buckets.push_back(max_batch);
     return buckets;
   }

@@ -597,6 +597,24 @@ TEST(ServerFailureTest, StickyBackendErrorEndsStreamsWithInternalAndExitsNonZero
       << server->process().Output();
 }
 
+TEST(ServerStartupTest, DefaultBucketsFollowTheEngineListUpToMaxBatch) {
+  const std::vector<std::pair<int32_t, std::vector<int32_t>>> cases = {
+      {48, {1, 2, 4, 8, 16, 24, 32, 48}},
+      {20, {1, 2, 4, 8, 16, 20}},
+  };
+  for (const auto& [max_batch, want] : cases) {
+    SCOPED_TRACE(max_batch);
+    std::unique_ptr<Server> server = Server::Launch({absl::StrCat("--max_batch=", max_batch)});
+    ASSERT_NE(server, nullptr);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(In(10s));
+    pb::ModelInfo info;
+    ASSERT_TRUE(server->stub().GetModelInfo(&ctx, pb::GetModelInfoRequest(), &info).ok());
+    EXPECT_EQ(info.max_batch(), max_batch);
+    EXPECT_THAT(info.buckets(), ElementsAreArray(want));
+  }
+}
+
 TEST(ServerStartupTest, BadFlagsFailWithAClearMessage) {
   struct Case {
     std::vector<std::string> argv;
