@@ -1,0 +1,404 @@
+// CudaModel's forward pass: the kernels of one decode step (also reused by prefill's chunks), in
+// data-flow order, each launched with the parameters a graph node keeps.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "engine/backend.h"
+#include "engine/cuda_model.h"
+#include "kernels/cuda_check.h"
+#include "kernels/decode_attention.cuh"
+#include "kernels/embedding.cuh"
+#include "kernels/gemv.cuh"
+#include "kernels/postprocess.cuh"
+#include "kernels/prefill_attention.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "kernels/rope_kv.cuh"
+#include "kernels/sampling.cuh"
+#include "kernels/silu_mul.cuh"
+
+namespace ts {
+
+using bf16 = __nv_bfloat16;
+namespace k = ::ts::kernels;
+namespace ci = ::ts::cuda_model_internal;
+
+namespace {
+
+// Brackets one op with the timer's events when profiling.
+template <typename Fn>
+absl::Status TimedOp(OpTimer* timer, const char* name, cudaStream_t stream, Fn&& fn) {
+  if (timer != nullptr) TS_RETURN_IF_ERROR(timer->Begin(name, stream));
+  TS_RETURN_IF_ERROR(fn());
+  if (timer != nullptr) TS_RETURN_IF_ERROR(timer->End(stream));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p,
+                                     cudaStream_t stream) const {
+  // Measured on the H200 (bench/results/2026-11-29-h200.md, tailserve-gemv-bench): at m <= 8 the
+  // GEMV streams the 8-50 MB matrices (qkv, o, down) 10-35% faster than cuBLASLt, while
+  // cuBLASLt stays at the roof on the large ones (gate_up of 8B, lm_head), so only small W moves.
+  constexpr int64_t kGemvMaxWeightBytes = int64_t{64} << 20;
+  const int64_t weight_bytes = int64_t{p.n} * p.k * 2;
+  if (small_m_gemv_ && p.m <= k::kGemvMaxM && weight_bytes <= kGemvMaxWeightBytes && p.k % 8 == 0 &&
+      k::ChooseGemvSplitK(p.m, p.n, p.k, num_sms_) == 1) {
+    // pdl: the GEMV starts streaming W while the kernel before it finishes; nothing in the step
+    // writes weights, and A and C are touched only after griddepcontrol.wait.
+    return k::LaunchGemv(
+        {.a = p.a,
+         .w = p.w,
+         .c = p.c,
+         .m = p.m,
+         .n = p.n,
+         .k = p.k,
+         .epilogue = p.accumulate ? k::GemvEpilogue::kAccumulate : k::GemvEpilogue::kStore,
+         .pdl = true,
+         .warp_tiles = gemv_warp_tiles_ ? k::GemvWarpTiles::kAuto : k::GemvWarpTiles::kNever},
+        stream);
+  }
+  return gemm.Launch(p, stream);
+}
+
+bool CudaModel::FusedDecodeLayers(int32_t rows) const {
+  const ModelDims& d = dims();
+  return small_m_gemv_ && fused_decode_layers_ && rows <= k::kGemvMaxM &&
+         k::GemvCanFuseNorm(rows, d.hidden) && d.hidden % 8 == 0 && d.q_dim() % 8 == 0 &&
+         d.intermediate_padded % 8 == 0;
+}
+
+absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
+                                         const LayerBuffers& layer, const Attention& at,
+                                         cudaStream_t stream) const {
+  const ModelDims& d = dims();
+  const ArenaShape& s = plan_.shape;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
+  if (at.decode) {
+    k::DecodeAttentionParams p;
+    p.q = f.q;
+    p.k_cache = layer.k_cache;
+    p.v_cache = layer.v_cache;
+    p.block_tables = at.block_tables;
+    p.context_lens = at.context_lens;
+    p.out = f.attn;
+    p.workspace = dev_.attention_workspace;
+    p.workspace_bytes = plan_.attention_workspace_bytes;
+    p.num_seqs = rows;
+    p.num_q_heads = d.num_heads;
+    p.num_kv_heads = d.num_kv_heads;
+    p.head_dim = d.head_dim;
+    p.block_size = s.kv_block_size;
+    p.num_blocks = s.num_kv_blocks;
+    p.max_blocks_per_seq = s.max_blocks_per_seq;
+    p.scale = scale;
+    p.mode = k::DecodeAttentionMode::kStaticSplit;
+    p.max_splits = at.max_splits;
+    p.num_splits = at.num_splits;
+    p.pdl = true;
+    // A bucket whose split count is 1 even at the longest context (the large batches) needs no
+    // combine node in any regime; decided per bucket, so exec updates never change the nodes.
+    p.no_combine = attention_skip_combine_ && at.max_splits == 1;
+    return k::LaunchDecodeAttention(p, stream);
+  }
+  k::PrefillAttentionParams p;
+  p.q = f.q;
+  p.k_cache = layer.k_cache;
+  p.v_cache = layer.v_cache;
+  p.block_tables = at.block_tables;
+  p.cu_seqlens = at.cu_seqlens;
+  p.start_pos = at.start_pos;
+  p.out = f.attn;
+  p.num_seqs = at.num_seqs;
+  p.total_tokens = at.total_tokens;
+  p.max_q_len = at.max_q_len;
+  p.num_q_heads = d.num_heads;
+  p.num_kv_heads = d.num_kv_heads;
+  p.head_dim = d.head_dim;
+  p.block_size = s.kv_block_size;
+  p.num_blocks = s.num_kv_blocks;
+  p.max_blocks_per_seq = s.max_blocks_per_seq;
+  p.scale = scale;
+  return k::LaunchPrefillAttention(p, stream);
+}
+
+// Both paths round where transformers' bf16 Llama rounds (kernels/bf16_vec.cuh): every Linear's
+// output is bf16 before the residual add, the add is rounded, and so on.
+absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& at,
+                                      const k::Gemm& gemm, cudaStream_t stream,
+                                      OpTimer* timer) const {
+  const ModelDims& d = dims();
+  const ArenaShape& s = plan_.shape;
+  const float eps = config_.rms_norm_eps;
+  const bool fused = at.decode && FusedDecodeLayers(rows);
+  const k::KvLayout kv_layout{s.num_kv_blocks, d.num_kv_heads, s.kv_block_size, d.head_dim};
+  auto rope_kv = [&](const LayerBuffers& layer) {
+    return TimedOp(timer, "rope_kv", stream, [&] {
+      k::RopeKvParams p;
+      p.qkv = f.qkv;
+      p.q_out = f.q;
+      p.positions = f.positions;
+      p.slot_mapping = f.slot_mapping;
+      p.inv_freq = dev_.inv_freq;
+      p.k_cache = layer.k_cache;
+      p.v_cache = layer.v_cache;
+      p.error_flag = host_dev_.error_flag;
+      p.layout = kv_layout;
+      p.rows = rows;
+      p.num_q_heads = d.num_heads;
+      p.pdl = true;  // launches while the qkv GEMM drains; waits for it before reading
+      return k::LaunchRopeKv(p, stream);
+    });
+  };
+  auto attention = [&](const LayerBuffers& layer) {
+    return TimedOp(timer, "attention", stream,
+                   [&] { return EnqueueAttention(f, rows, layer, at, stream); });
+  };
+  auto skipped = [&](std::string_view op) {
+    return std::find(timing_skip_ops_.begin(), timing_skip_ops_.end(), op) !=
+           timing_skip_ops_.end();
+  };
+
+  if (fused) {
+    // Decode at m <= 8: four GEMV nodes per layer carry the norms, the residual adds, SwiGLU and
+    // (fuse_rope_) RoPE with the K/V write, so a layer is 6 graph nodes with the attention's split
+    // and combine, instead of 10 (each node costs ~1.7 us at batch 1, DESIGN §6).
+    auto gemv = [&](const char* name, k::GemvParams p) {
+      if (skipped(name)) return absl::OkStatus();
+      p.m = rows;
+      p.warp_tiles = gemv_warp_tiles_ ? k::GemvWarpTiles::kAuto : k::GemvWarpTiles::kNever;
+      p.pdl = true;  // nothing in the step writes weights; A and C are read after the wait
+      return TimedOp(timer, name, stream, [&] { return k::LaunchGemv(p, stream); });
+    };
+    for (const LayerBuffers& layer : dev_.layers) {
+      k::GemvParams qkv{.a = f.h,
+                        .w = layer.qkv,
+                        .c = f.qkv,
+                        .n = d.qkv_dim(),
+                        .k = d.hidden,
+                        .norm_weight = layer.attn_norm,
+                        .norm_eps = eps};
+      if (fuse_rope_ && d.head_dim % 16 == 0) {
+        qkv.c = f.q;  // rotated q only; k and v go straight to the cache
+        qkv.epilogue = k::GemvEpilogue::kRopeKv;
+        qkv.rope = {.positions = f.positions,
+                    .slot_mapping = f.slot_mapping,
+                    .inv_freq = dev_.inv_freq,
+                    .k_cache = layer.k_cache,
+                    .v_cache = layer.v_cache,
+                    .error_flag = host_dev_.error_flag,
+                    .layout = kv_layout,
+                    .num_q_heads = d.num_heads};
+        TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", qkv));
+      } else {
+        TS_RETURN_IF_ERROR(gemv("qkv_gemm", qkv));
+        TS_RETURN_IF_ERROR(rope_kv(layer));
+      }
+      if (!skipped("attention")) TS_RETURN_IF_ERROR(attention(layer));
+      TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
+                                         .w = layer.o,
+                                         .c = f.h,
+                                         .n = d.hidden,
+                                         .k = d.q_dim(),
+                                         .epilogue = k::GemvEpilogue::kAccumulate}));
+      TS_RETURN_IF_ERROR(gemv("gate_up_gemm", {.a = f.h,
+                                               .w = layer.gate_up,
+                                               .c = f.act,
+                                               .n = d.intermediate_padded,
+                                               .k = d.hidden,
+                                               .epilogue = k::GemvEpilogue::kSiluMul,
+                                               .norm_weight = layer.mlp_norm,
+                                               .norm_eps = eps}));
+      TS_RETURN_IF_ERROR(gemv("down_gemm", {.a = f.act,
+                                            .w = layer.down,
+                                            .c = f.h,
+                                            .n = d.hidden,
+                                            .k = d.intermediate_padded,
+                                            .epilogue = k::GemvEpilogue::kAccumulate}));
+    }
+    return absl::OkStatus();
+  }
+
+  // cuBLASLt path (prefill, larger batches). o_proj and down_proj write their bf16 output to xn
+  // and the next rmsnorm adds it into the residual (x), as transformers rounds: bf16(h +
+  // bf16(o)). down_proj's output is added by the next layer's attn_norm.
+  auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
+    return TimedOp(timer, name, stream, [&] {
+      return k::LaunchRmsNorm({.x = pending,
+                               .residual = f.h,
+                               .weight = weight,
+                               .out = f.xn,
+                               .rows = rows,
+                               .hidden = d.hidden,
+                               .eps = eps},
+                              stream);
+    });
+  };
+  const bf16* pending = nullptr;  // xn once a down_proj output waits to be added
+  for (const LayerBuffers& layer : dev_.layers) {
+    TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "qkv_gemm", stream, [&] {
+      return LaunchLinear(
+          gemm, {.a = f.xn, .w = layer.qkv, .c = f.qkv, .m = rows, .n = d.qkv_dim(), .k = d.hidden},
+          stream);
+    }));
+    TS_RETURN_IF_ERROR(rope_kv(layer));
+    TS_RETURN_IF_ERROR(attention(layer));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "o_gemm", stream, [&] {
+      return LaunchLinear(
+          gemm, {.a = f.attn, .w = layer.o, .c = f.xn, .m = rows, .n = d.hidden, .k = d.q_dim()},
+          stream);
+    }));
+    TS_RETURN_IF_ERROR(norm("mlp_norm", f.xn, layer.mlp_norm));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "gate_up_gemm", stream, [&] {
+      return LaunchLinear(gemm,
+                          {.a = f.xn,
+                           .w = layer.gate_up,
+                           .c = f.gate_up,
+                           .m = rows,
+                           .n = 2 * d.intermediate_padded,
+                           .k = d.hidden},
+                          stream);
+    }));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "silu_mul", stream, [&] {
+      return k::LaunchSiluMul(
+          {.in = f.gate_up, .out = f.act, .rows = rows, .intermediate = d.intermediate_padded},
+          stream);
+    }));
+    TS_RETURN_IF_ERROR(TimedOp(timer, "down_gemm", stream, [&] {
+      return LaunchLinear(gemm,
+                          {.a = f.act,
+                           .w = layer.down,
+                           .c = f.xn,
+                           .m = rows,
+                           .n = d.hidden,
+                           .k = d.intermediate_padded},
+                          stream);
+    }));
+    pending = f.xn;
+  }
+  // The last down_proj output joins the residual here, so callers (the prefill's row gather, the
+  // final norm) see the finished hidden state in h; the norm output itself is discarded.
+  if (pending == nullptr) return absl::OkStatus();
+  return norm("residual_add", pending, dev_.final_norm);
+}
+
+absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
+                                      const ci::LogitsGemm& gemm, cudaStream_t stream,
+                                      OpTimer* timer) const {
+  const ModelDims& d = dims();
+  TS_RETURN_IF_ERROR(TimedOp(timer, "final_norm", stream, [&] {
+    return k::LaunchRmsNorm({.x = nullptr,
+                             .residual = hidden_in,
+                             .weight = dev_.final_norm,
+                             .out = head.normed,
+                             .rows = padded_rows,
+                             .hidden = d.hidden,
+                             .eps = config_.rms_norm_eps},
+                            stream);
+  }));
+  return TimedOp(timer, "lm_head_gemm", stream, [&] {
+    return gemm.Launch(head.normed, dev_.lm_head, head.logits_f32, padded_rows, d.vocab, d.hidden,
+                       stream);
+  });
+}
+
+absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows,
+                                             cudaStream_t stream, OpTimer* timer) const {
+  const ModelDims& d = dims();
+  const ArenaShape& s = plan_.shape;
+  TS_RETURN_IF_ERROR(TimedOp(timer, "sampling", stream, [&] {
+    k::SamplingKernelParams p;
+    p.logits = head.logits_f32;
+    p.params = head.params;
+    p.row_slots = head.sample_slots;
+    p.output_counts = dev_.output_counts;
+    p.prompt_mask = dev_.prompt_mask;
+    p.tokens = head.sampled;
+    p.error_flag = host_dev_.error_flag;
+    p.rows = rows;
+    p.vocab = d.vocab;
+    p.num_slots = s.count_rows();
+    p.params_by_slot = false;
+    p.update_counts = false;        // postprocess counts only tokens it emits
+    p.round_logits_to_bf16 = true;  // the model's dtype: greedy agrees with transformers' argmax
+    // Enough CTAs per row to spread a small batch's argmax over the GPU.
+    p.split =
+        split_sampling_ ? std::clamp(num_sms_ / std::max(rows, 1), 1, k::kSamplingMaxSplit) : 1;
+    p.split_best = head.split_best;
+    p.split_best_id = head.split_best_id;
+    p.split_done = head.split_done;
+    return k::LaunchSampling(p, stream);
+  }));
+  return TimedOp(timer, "postprocess", stream, [&] {
+    k::PostprocessParams p;
+    p.row_slots = head.row_slots;
+    p.tokens = head.sampled;
+    p.slots = dev_.slots;
+    p.cancel = host_dev_.cancel;
+    p.done = host_dev_.done;
+    p.rings = host_dev_.rings;
+    p.output_counts = dev_.output_counts;
+    p.num_eos = static_cast<int32_t>(config_.eos_token_ids.size());
+    for (int32_t i = 0; i < p.num_eos; ++i) p.eos_ids[i] = config_.eos_token_ids[i];
+    p.rows = rows;
+    p.num_slots = s.max_slots;
+    p.vocab = d.vocab;
+    p.ring_capacity = s.ring_capacity;
+    return k::LaunchPostprocess(p, stream);
+  });
+}
+
+absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
+                                          OpTimer* timer) const {
+  const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), bucket);
+  if (it == buckets_.end() || *it != bucket) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("decode step: bucket ", bucket, " is not one of the planned buckets"));
+  }
+  const ArenaShape& s = plan_.shape;
+  const ForwardBuffers& f = dev_.decode;
+  const HeadBuffers& head = dev_.decode_head;
+  TS_RETURN_IF_ERROR(TimedOp(timer, "prepare", stream, [&] {
+    ci::PrepareDecodeParams p;
+    p.row_slots = head.row_slots;
+    p.slots = dev_.slots;
+    p.slot_block_tables = dev_.slot_block_tables;
+    p.tokens = f.tokens;
+    p.positions = f.positions;
+    p.slot_mapping = f.slot_mapping;
+    p.context_lens = dev_.decode_context_lens;
+    p.block_tables = dev_.decode_block_tables;
+    p.sampling = head.params;
+    p.sample_slots = head.sample_slots;
+    p.rows = bucket;
+    p.num_slots = s.max_slots;
+    p.max_blocks = s.max_blocks_per_seq;
+    p.block_size = s.kv_block_size;
+    return ci::LaunchPrepareDecode(p, stream);
+  }));
+  TS_RETURN_IF_ERROR(TimedOp(timer, "embedding", stream, [&] {
+    return k::LaunchEmbedding({.tokens = f.tokens,
+                               .table = dev_.embed,
+                               .out = f.h,
+                               .error_flag = host_dev_.error_flag,
+                               .rows = bucket,
+                               .hidden = dims().hidden,
+                               .vocab = dims().vocab},
+                              stream);
+  }));
+  Attention at;
+  at.decode = true;
+  at.num_splits = num_splits;
+  at.max_splits = max_splits_[it - buckets_.begin()];
+  at.context_lens = dev_.decode_context_lens;
+  at.block_tables = dev_.decode_block_tables;
+  TS_RETURN_IF_ERROR(EnqueueLayers(f, bucket, at, *decode_gemm_, stream, timer));
+  TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, timer));
+  return EnqueueSampleAndPost(head, bucket, stream, timer);
+}
+
+}  // namespace ts
