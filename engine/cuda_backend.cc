@@ -385,6 +385,85 @@ absl::StatusOr<std::vector<float>> CudaBackend::PromptLogits(std::span<const int
   return logits;
 }
 
+absl::StatusOr<std::vector<std::vector<float>>> CudaBackend::DecodeLogits(
+    std::span<const std::vector<int32_t>> prompts, int32_t prefill_len) {
+  if (num_active() > 0) return absl::FailedPreconditionError("DecodeLogits: slots are active");
+  const int32_t n = prompts.empty() ? 0 : static_cast<int32_t>(prompts[0].size());
+  if (prompts.empty() || prompts.size() > static_cast<size_t>(info_.max_slots)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeLogits: ", prompts.size(), " prompts; must be in [1, max_slots]"));
+  }
+  if (prefill_len < 1 || prefill_len >= n) {
+    return absl::InvalidArgumentError(absl::StrCat("DecodeLogits: prefill_len ", prefill_len,
+                                                   " must be in [1, prompt length ", n, ")"));
+  }
+  const int32_t steps = n - prefill_len;
+  // The prefill samples one token and each step one more: the last step ends on max_new_tokens.
+  const int32_t max_new = steps + 1;
+  const int32_t blocks = (n + 1 + info_.kv_block_size - 1) / info_.kv_block_size;
+  if (static_cast<int64_t>(blocks) * static_cast<int64_t>(prompts.size()) > info_.num_kv_blocks) {
+    return absl::InvalidArgumentError("DecodeLogits: the prompts do not fit the KV pool");
+  }
+  std::vector<std::vector<int32_t>> tables(prompts.size());
+  std::vector<SlotInit> inits(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    if (static_cast<int32_t>(prompts[i].size()) != n) {
+      return absl::InvalidArgumentError("DecodeLogits: prompts of different lengths");
+    }
+    tables[i].resize(blocks);
+    for (int32_t b = 0; b < blocks; ++b) tables[i][b] = static_cast<int32_t>(i) * blocks + b;
+    SlotInit& in = inits[i];
+    in.slot = static_cast<SlotId>(i);
+    in.prompt = std::span<const int32_t>(prompts[i]).first(prefill_len);
+    in.block_table = tables[i];
+    in.sampling.temperature = 0.0f;
+    in.stop.max_new_tokens = max_new;
+    in.stop.ignore_eos = true;
+  }
+  TS_RETURN_IF_ERROR(Prefill(inits));
+
+  const int32_t vocab = info_.model.vocab_size;
+  std::vector<std::vector<float>> out(prompts.size(),
+                                      std::vector<float>(static_cast<size_t>(steps) * vocab));
+  for (int32_t step = 0; step < steps; ++step) {
+    // The teacher's token replaces the one the last step sampled (the slot row's only field the
+    // next step reads as its input). Pageable sources: the copies are staged before returning.
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const int32_t token = prompts[i][prefill_len + step];
+      if (token < 0 || token >= vocab) {
+        return absl::InvalidArgumentError(absl::StrCat("DecodeLogits: prompt ", i, " token ",
+                                                       prefill_len + step, " outside the vocab"));
+      }
+      TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&model_->dev().slots[i].last_token, &token,
+                                              sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    }
+    TS_RETURN_IF_ERROR(Run(RunMode::kOneStep));
+    if (last_.active != static_cast<int32_t>(prompts.size())) {
+      return absl::InternalError(absl::StrCat("DecodeLogits: step ", step, " decoded ",
+                                              last_.active, " rows, not ", prompts.size()));
+    }
+    // Row r of the step is slot r: StageRows lists the active slots in ascending order. Run
+    // synchronised the stream, so the step's logits are complete.
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      TS_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(out[i].data() + static_cast<size_t>(step) * vocab,
+                     model_->dev().decode_head.logits_f32 + i * static_cast<size_t>(vocab),
+                     static_cast<size_t>(vocab) * sizeof(float), cudaMemcpyDeviceToHost));
+    }
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    if (slots_[i].state != SlotState::kFinished) {
+      return absl::InternalError(absl::StrCat("DecodeLogits: slot ", i, " did not finish"));
+    }
+    Release(static_cast<SlotId>(i));
+  }
+  // The values the sampler uses, as PromptLogits returns them.
+  for (std::vector<float>& rows : out) {
+    for (float& v : rows) v = Bf16ToF32(F32ToBf16(v));
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Slots
 

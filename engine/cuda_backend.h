@@ -84,6 +84,14 @@ class CudaBackend : public Backend {
   absl::StatusOr<std::vector<std::pair<std::string, float>>> ProfileStep();
   // Teacher-forced logits [tokens.size(), vocab] of one prompt (tests); needs no active slot.
   absl::StatusOr<std::vector<float>> PromptLogits(std::span<const int32_t> tokens);
+  // Teacher-forced logits through the decode graphs (tests). Prompt i's first `prefill_len`
+  // tokens are prefilled into slot i; then each later token of it is fed as the slot's input in
+  // place of the sampled one, one captured decode step per position, every prompt in the same
+  // step (the bucket that holds prompts.size() rows). Returns per prompt the logits
+  // [len - prefill_len, vocab] of positions prefill_len .. len - 1, rounded to bf16 as the
+  // sampler reads them. Prompts of one length; needs no active slot and leaves none.
+  absl::StatusOr<std::vector<std::vector<float>>> DecodeLogits(
+      std::span<const std::vector<int32_t>> prompts, int32_t prefill_len);
 
  private:
   enum class SlotState : uint8_t { kFree, kActive, kFinished };

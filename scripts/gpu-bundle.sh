@@ -2,12 +2,14 @@
 # Builds the GPU tests and benchmarks on this (GPU-less) machine and collects them, with their
 # non-system shared libraries (found with ldd), into .bundle/ for the device machine, which has the
 # CUDA toolkit but no gRPC, abseil or GoogleTest. tests/gpu/run-bundle.sh runs them there.
-#   TARGETS="..." overrides the list; BUILD_DIR defaults to build-bundle.
+#   TARGETS="..." overrides the list; BUILD_DIR defaults to build-bundle, BUILD_TYPE to Release
+#   (an existing RelWithDebInfo tree can be bundled as it is: its device code is the same, and the
+#   binaries are stripped of debug info on the way into the bundle).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=/usr/local/cuda/bin:$PATH
 BUILD_DIR=${BUILD_DIR:-build-bundle}
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} >/dev/null
 if [ -z "${TARGETS:-}" ]; then
   # Every gpu-labelled test plus the benchmarks (ctest knows the labels once built targets exist).
   TARGETS=$(ninja -C "$BUILD_DIR" -t targets all | sed -n 's/^\([A-Za-z0-9_-]*\): phony$/\1/p' |
@@ -18,7 +20,7 @@ cmake --build "$BUILD_DIR" -j "${JOBS:-2}" --target $TARGETS
 rm -rf .bundle && mkdir -p .bundle/bin .bundle/lib
 for t in $TARGETS; do
   f=$(find "$BUILD_DIR" -type f -name "$t" -perm -u+x | head -1)
-  [ -n "$f" ] && cp "$f" .bundle/bin/
+  [ -n "$f" ] && cp "$f" .bundle/bin/ && strip --strip-debug ".bundle/bin/$t"
 done
 # Libraries the device lacks: everything ldd resolves except glibc/libstdc++, the CUDA driver and
 # the CUDA 13 toolkit libraries (cudart, cuBLAS, NCCL), which the device has in the same version.
@@ -27,6 +29,12 @@ for b in .bundle/bin/*; do
 done | sort -u | grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*|libcuda|libcudart|libcublas|libcublasLt|libnccl)\.so' |
   grep -v '^/usr/local/cuda' |
   while read -r lib; do cp -L "$lib" .bundle/lib/; done
-# Which tests are gpu-labelled, so the device runs exactly those.
-(cd "$BUILD_DIR" && ctest -N -L gpu | sed -n 's/^ *Test *#[0-9]*: //p') > .bundle/gpu-tests.txt
+# Which tests are gpu-labelled, so the device runs exactly those, each with the TIMEOUT that
+# tailserve_add_test registered (one line each: name, seconds).
+(cd "$BUILD_DIR" && ctest -L gpu --show-only=json-v1) | python3 -c '
+import json, sys
+for t in json.load(sys.stdin)["tests"]:
+    props = {p["name"]: p["value"] for p in t.get("properties", [])}
+    print(t["name"], int(float(props.get("TIMEOUT", 600))))
+' > .bundle/gpu-tests.txt
 du -sh .bundle

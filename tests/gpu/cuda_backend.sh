@@ -26,7 +26,7 @@ fi
 
 if has hf; then
   if [ -f "$LLAMA1B_DIR/reference_logits.safetensors" ] ||
-     python3 tests/gpu/make_llama1b_reference.py --out "$LLAMA1B_DIR" \
+     python3 tests/gpu/make_llama_reference.py --shape 1b --out "$LLAMA1B_DIR" \
        >"$OUT/llama1b-reference.log" 2>&1; then
     (cd "$BUILD_DIR" && TS_LLAMA1B_DIR="$LLAMA1B_DIR" ctest -R engine_cuda_hf_logits_test -V \
       --timeout 600) >"$OUT/cuda-hf-logits.log" 2>&1

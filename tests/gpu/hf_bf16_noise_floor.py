@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How closely does transformers agree with itself on the Llama-1B-shape reference? Loads <dir>
-(written by make_llama1b_reference.py) and runs the same prompts teacher-forced in several
+(written by make_llama_reference.py --shape 1b) and runs the same prompts teacher-forced in several
 configurations that all round to bf16 at the same points as the stored reference (transformers
 bf16, sdpa, on the GPU) but differ in kernels or in precision:
 

@@ -1,39 +1,92 @@
 #!/usr/bin/env bash
 # Runs on the device machine over a bundle from scripts/gpu-bundle.sh (carry: .bundle): every
-# gpu-labelled test binary, then the benchmarks named in BENCH (default: none). Full logs under $OUT
-# in two files (tests.log, bench.log), since only a few files come back from the device machine.
-#   TS_LLAMA1B_DIR: when set and missing, tests/gpu/make_llama1b_reference.py writes it first.
+# gpu-labelled test binary, each under the TIMEOUT CTest registers for it, then the benchmarks
+# named in BENCH (default: none). Full logs under $OUT (tests.log, bench.log), since only a few
+# files come back from the device machine; a table of every binary's result and seconds is printed
+# last.
+#   TS_LLAMA1B_DIR, TS_LLAMA8B_DIR: when set and missing, tests/gpu/make_llama_reference.py writes
+#     them first (the 1B and 8B shapes for engine_cuda_hf_logits_test).
+#   SANITIZE="memcheck racecheck initcheck": instead of the plain run, run the tests under each
+#     compute-sanitizer tool in turn (log: sanitize-<tool>.log). A binary passes when it passes and
+#     the tool reports no error (--error-exitcode). SANITIZE_TESTS narrows the binaries (a regex),
+#     SANITIZE_GTEST_ARGS passes gtest arguments (e.g. a --gtest_filter for the slower tools),
+#     SANITIZE_TIMEOUT caps each binary (default: its CTest TIMEOUT).
+#   TESTS: a regex of the binaries to run (default: all).
+# TS_REQUIRE_GPU=1 turns "no CUDA device" into a failure: on this machine a skip would hide a
+# broken device (tests/common/gpu_main.cc).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.bundle/lib:${LD_LIBRARY_PATH:-}
 export TS_SOURCE_DIR=$PWD TS_BINARY_DIR=$PWD/.bundle TS_TAILSERVE_BIN=$PWD/.bundle/bin/tailserve
+export TS_REQUIRE_GPU=1
+export PATH=/usr/local/cuda/bin:$PATH
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-if [ -n "${TS_LLAMA1B_DIR:-}" ] && [ ! -f "$TS_LLAMA1B_DIR/reference_logits.safetensors" ]; then
-  t0=$(date +%s)
-  PYTHONUNBUFFERED=1 python3 tests/gpu/make_llama1b_reference.py --out "$TS_LLAMA1B_DIR" \
-    > "$OUT/llama1b-reference.log" 2>&1 || { echo "llama1b reference FAILED"; tail -20 "$OUT/llama1b-reference.log"; }
-  echo "llama1b reference: $(( $(date +%s) - t0 )) s"
+
+make_reference() {  # shape dir
+  [ -n "$2" ] || return 0
+  [ -f "$2/reference_logits.safetensors" ] && return 0
+  local t0=$(date +%s)
+  PYTHONUNBUFFERED=1 python3 tests/gpu/make_llama_reference.py --shape "$1" --out "$2" \
+    > "$OUT/llama$1-reference.log" 2>&1 || { echo "llama$1 reference FAILED"; tail -20 "$OUT/llama$1-reference.log"; }
+  echo "llama$1 reference: $(( $(date +%s) - t0 )) s"
+  grep -E "^variant|^rerun" "$OUT/llama$1-reference.log"
+}
+if [ -z "${SANITIZE:-}" ]; then
+  make_reference 1b "${TS_LLAMA1B_DIR:-}"
+  make_reference 8b "${TS_LLAMA8B_DIR:-}"
 fi
-export TS_LLAMA1B_DIR=${TS_LLAMA1B_DIR:-}
+export TS_LLAMA1B_DIR=${TS_LLAMA1B_DIR:-} TS_LLAMA8B_DIR=${TS_LLAMA8B_DIR:-}
+
+table=()
 pass=0; fail=0; skip=0; failed=()
-for t in $(cat .bundle/gpu-tests.txt); do
-  [ -x ".bundle/bin/$t" ] || { echo "missing $t"; fail=$((fail+1)); failed+=("$t(missing)"); continue; }
-  echo "==== $t" >> "$OUT/tests.log"
-  timeout 300 ".bundle/bin/$t" ${GTEST_ARGS:-} > "$OUT/last.log" 2>&1
-  rc=$?
-  cat "$OUT/last.log" >> "$OUT/tests.log"
-  if [ $rc -eq 0 ]; then pass=$((pass+1));
-  elif [ $rc -eq 77 ]; then skip=$((skip+1));
-  else fail=$((fail+1)); failed+=("$t(rc=$rc)"); grep -E "Failure|FAILED|error|Expected|Which is|actual" "$OUT/last.log" | head -12; fi
-done
+# run_one <log> <name> <timeout> <command...>
+run_one() {
+  local log=$1 name=$2 limit=$3; shift 3
+  echo "==== $name" >> "$log"
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/last.log" 2>&1
+  local rc=$? secs=$(( $(date +%s) - t0 ))
+  cat "$OUT/last.log" >> "$log"
+  local verdict
+  if [ $rc -eq 0 ]; then verdict=pass; pass=$((pass+1));
+  elif [ $rc -eq 77 ]; then verdict=skip; skip=$((skip+1));
+  else
+    verdict="FAIL rc=$rc"; [ $rc -eq 124 ] && verdict="TIMEOUT ${limit}s"
+    fail=$((fail+1)); failed+=("$name")
+    grep -E "Failure|FAILED|ERROR SUMMARY: [1-9]|Invalid|Race|Uninitialized|error|Expected|Which is|actual" "$OUT/last.log" | head -12
+  fi
+  table+=("$(printf '%-44s %-16s %5s s' "$name" "$verdict" "$secs")")
+}
+
+while read -r t limit; do
+  [ -n "$t" ] || continue
+  [[ -z "${TESTS:-}" || "$t" =~ ${TESTS} ]] || continue
+  if [ ! -x ".bundle/bin/$t" ]; then
+    fail=$((fail+1)); failed+=("$t(missing)"); table+=("$(printf '%-44s missing' "$t")"); continue
+  fi
+  if [ -z "${SANITIZE:-}" ]; then
+    run_one "$OUT/tests.log" "$t" "${limit:-600}" ".bundle/bin/$t" ${GTEST_ARGS:-}
+  else
+    [[ -z "${SANITIZE_TESTS:-}" || "$t" =~ ${SANITIZE_TESTS} ]] || continue
+    for tool in $SANITIZE; do
+      run_one "$OUT/sanitize-$tool.log" "$t [$tool]" "${SANITIZE_TIMEOUT:-${limit:-600}}" \
+        compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
+        ".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-}
+    done
+  fi
+done < .bundle/gpu-tests.txt
+
 for b in ${BENCH:-}; do
   echo "==== $b"
   echo "==== $b" >> "$OUT/bench.log"
   timeout 400 .bundle/bin/$b ${BENCH_ARGS:-} > "$OUT/last.log" 2>&1
   echo "rc=$?"; cat "$OUT/last.log" >> "$OUT/bench.log"; tail -${BENCH_TAIL:-30} "$OUT/last.log"
 done
-echo "==== gpu tests: $pass passed, $fail failed, $skip skipped"
-printf '  failed: %s\n' "${failed[@]}"
 rm -f "$OUT/last.log"
+echo "==== gpu tests${SANITIZE:+ under compute-sanitizer ($SANITIZE)}"
+printf '%s\n' "${table[@]}"
+echo "==== $pass passed, $fail failed, $skip skipped"
+[ ${#failed[@]} -eq 0 ] || printf '  failed: %s\n' "${failed[@]}"
+[ "$fail" -eq 0 ]

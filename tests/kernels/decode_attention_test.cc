@@ -461,14 +461,20 @@ TEST(DecodeAttentionTest, PdlReadsTheCurrentTokenOnlyAfterTheWait) {
       cudaGraphExec_t exec = nullptr;
       ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
       for (int replay = 0; replay < 10; ++replay) {
-        ASSERT_EQ(cudaMemset(h.q_device(), 0xFF, h.q().size() * sizeof(__nv_bfloat16)),
+        // The poison goes on the graph's own stream. A plain cudaMemset runs on the legacy
+        // default stream, which a cudaStreamNonBlocking stream does not wait for: the last
+        // sequence's memsets could land after rope_kv's writes (seen under compute-sanitizer
+        // initcheck, which slows memsets down: "row 4 wrong on replay 1").
+        ASSERT_EQ(cudaMemsetAsync(h.q_device(), 0xFF, h.q().size() * sizeof(__nv_bfloat16), stream),
                   cudaSuccess);
         for (int s = 0; s < n; ++s) {
           const int cur = h.contexts()[s] - 1;
           for (int kvh = 0; kvh < heads.kv; ++kvh) {
             const size_t off = kv.Offset(s, kvh, cur);
-            ASSERT_EQ(cudaMemset(h.k_device() + off, 0xFF, d * sizeof(__nv_bfloat16)), cudaSuccess);
-            ASSERT_EQ(cudaMemset(h.v_device() + off, 0xFF, d * sizeof(__nv_bfloat16)), cudaSuccess);
+            ASSERT_EQ(cudaMemsetAsync(h.k_device() + off, 0xFF, d * sizeof(__nv_bfloat16), stream),
+                      cudaSuccess);
+            ASSERT_EQ(cudaMemsetAsync(h.v_device() + off, 0xFF, d * sizeof(__nv_bfloat16), stream),
+                      cudaSuccess);
           }
         }
         h.Poison(stream);
