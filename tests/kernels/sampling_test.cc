@@ -9,7 +9,9 @@
 //    top-k/top-p/min-p (computed here in fp64) within 4.5 sigma, and filtered-out tokens never
 //    appear;
 //  - penalties move the result exactly as the reference's do; update_counts counts the draw;
-//    counts are uint32 (past 65535 they still penalise, and they saturate instead of wrapping).
+//    counts are uint32 (past 65535 they still penalise, and they saturate instead of wrapping);
+//  - the production combination, bf16-rounded fp32 logits with a split first pass, matches the
+//    reference on the rounded logits.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -378,6 +380,92 @@ std::vector<float> RoundedToBf16(const std::vector<float>& v) {
   std::vector<float> out(v.size());
   std::transform(v.begin(), v.end(), out.begin(), testing::RoundBf16);
   return out;
+}
+
+// The production combination (EnqueueSampleAndPost in engine/cuda_model_forward.cc): fp32
+// lm_head logits read rounded to bf16, the first pass split over num_sms / rows CTAs (1..32),
+// padding rows sampling greedily from a scratch slot past the live ones, penalties and seeds.
+// The reference samples the same logits rounded to bf16 on the host. Every row's max is a bf16
+// near-tie between two ids in different slices (the higher id larger in fp32): with the
+// rounding the lower id ranks first, without it the higher one, so a lost rounding or a bad
+// merge of the slices picks another token.
+TEST(SamplingTest, Bf16RoundingWithSplitsMatchesCpuOnRoundedLogits) {
+  int num_sms = 0;
+  TS_ASSERT_CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  int total = 0, mismatches = 0;
+  for (int vocab : {32000, 50257, 128256}) {
+    for (int rows : {1, 3, 8, 24, 64}) {
+      const int live = rows - rows / 5;  // the rest are a bucket's padding rows
+      std::mt19937 gen(vocab + rows);
+      RunOptions o;
+      o.num_slots = live + 1;  // as count_rows(): the last slot is the padding rows' scratch
+      o.round_logits_to_bf16 = true;
+      o.slots.resize(live);
+      std::iota(o.slots.begin(), o.slots.end(), 0);
+      std::shuffle(o.slots.begin(), o.slots.end(), gen);
+      o.slots.resize(rows, live);
+      std::vector<RowCase> cases(rows);
+      std::vector<int32_t> lo(rows), hi(rows);
+      for (int r = 0; r < rows; ++r) {
+        RowCase& c = cases[r];
+        c.gpu_logits = RandomLogits(vocab, vocab * 7 + r, 3.0f, /*bf16=*/false);
+        lo[r] = int32_t(gen() % (vocab / 4));
+        hi[r] = vocab - 1 - int32_t(gen() % (vocab / 4));
+        const float top =
+            testing::RoundBf16(*std::max_element(c.gpu_logits.begin(), c.gpu_logits.end()) + 1.0f);
+        c.gpu_logits[lo[r]] = top;
+        c.gpu_logits[hi[r]] = top * (1.0f + 1.0f / 1024);
+        ASSERT_EQ(testing::RoundBf16(c.gpu_logits[hi[r]]), top);
+        c.logits = RoundedToBf16(c.gpu_logits);
+        c.position = gen() % 100000;
+        c.params = Params(0.0f, 0, 1.0f, 0.0f, 0);  // a padding row's params
+        if (r >= live) continue;
+        RandomHistory(c, vocab, vocab + 13 * r);
+        for (auto* h : {&c.prompt, &c.output}) {  // the tie stays unpenalised
+          std::erase_if(*h, [&](int32_t t) { return t == lo[r] || t == hi[r]; });
+        }
+        const float temps[] = {0.5f, 0.8f, 1.0f, 1.3f};
+        const int ks[] = {0, 0, 40, 1000};
+        const float ps[] = {1.0f, 0.95f, 0.8f};
+        const float min_ps[] = {0.0f, 0.0f, 0.02f};
+        if (r % 3 != 0) {
+          c.params = Params(temps[gen() % 4], ks[gen() % 4], ps[gen() % 3], min_ps[gen() % 3],
+                            gen() | (uint64_t(gen()) << 32));
+        }
+        if (r % 4 != 3) AddPenalties(c.params);
+        if (r % 4 == 1 && r % 3 != 0) {  // negative ones raise the repeated tokens
+          c.params.presence_penalty = -0.4f;
+          c.params.frequency_penalty = -0.1f;
+        }
+      }
+      std::vector<int> splits = {std::clamp(num_sms / rows, 1, kSamplingMaxSplit), 3,
+                                 kSamplingMaxSplit};
+      for (int split : splits) {
+        o.split = split;
+        const auto gpu = RunGpu(cases, vocab, o);
+        for (int r = 0; r < rows; ++r) {
+          ++total;
+          mismatches +=
+              ExpectSameDraw(cases[r], gpu.tokens[r],
+                             "vocab=" + std::to_string(vocab) + " rows=" + std::to_string(rows) +
+                                 " split=" + std::to_string(split) + " row " + std::to_string(r) +
+                                 (r >= live ? " (padding)" : ""));
+        }
+      }
+      // The same launch reading fp32 picks the higher id of each greedy row's tie: the data can
+      // tell a rounded read from an unrounded one.
+      o.split = splits[0];
+      o.round_logits_to_bf16 = false;
+      const auto raw = RunGpu(cases, vocab, o);
+      for (int r = 0; r < rows; ++r) {
+        if (cases[r].params.temperature != 0.0f) continue;
+        EXPECT_EQ(raw.tokens[r], hi[r]) << "unrounded, vocab=" << vocab << " row " << r;
+        EXPECT_EQ(CpuToken(cases[r]), lo[r]) << "reference, vocab=" << vocab << " row " << r;
+      }
+    }
+  }
+  std::printf("bf16 + split draws: reference token differs in %d of %d (all within its rounding)\n",
+              mismatches, total);
 }
 
 // Counts past 65535 (a long generation repeating one token) penalise by their full value, as the
