@@ -221,9 +221,9 @@ absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index) {
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.prompt_mask + slot * words, mask,
                                           words * sizeof(uint32_t), cudaMemcpyHostToDevice,
                                           stream_));
-  TS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.output_counts + slot * s.dims.vocab, 0,
-                                          static_cast<size_t>(s.dims.vocab) * sizeof(uint16_t),
-                                          stream_));
+  TS_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(d.output_counts + slot * s.dims.vocab, 0,
+                      static_cast<size_t>(s.dims.vocab) * sizeof(*d.output_counts), stream_));
   // The GPU reads these through the mapped alias at the prefill's postprocess and later steps;
   // the stream has not reached that kernel yet (nothing of this Prefill was enqueued before).
   std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(0, std::memory_order_relaxed);

@@ -122,7 +122,7 @@ DeviceLayout Carve(const ArenaShape& s, void* base, Categories* cats, size_t* to
 
   l.slots = c.Take<kernels::SlotRow>(slots, &cats->state);
   l.slot_block_tables = c.Take<int32_t>(slots * blocks, &cats->state);
-  l.output_counts = c.Take<uint16_t>(static_cast<size_t>(s.count_rows()) * d.vocab, &cats->state);
+  l.output_counts = c.Take<uint32_t>(static_cast<size_t>(s.count_rows()) * d.vocab, &cats->state);
   l.prompt_mask =
       c.Take<uint32_t>(static_cast<size_t>(s.count_rows()) * s.mask_words(), &cats->state);
   l.attention_workspace = c.Take<char>(s.attention_workspace_bytes, &cats->attention);
@@ -330,7 +330,7 @@ std::string MemoryPlan::Summary() const {
   absl::StrAppend(&out, "  activations  ", Bytes(activation_bytes), " (decode rows ",
                   shape.max_bucket, ", prefill rows ", shape.prefill_rows, ")\n");
   absl::StrAppend(&out, "  state        ", Bytes(state_bytes), " (slot table, block tables, ",
-                  "sampling counts and prompt masks for ", shape.max_slots, " slots)\n");
+                  "uint32 sampling counts and prompt masks for ", shape.max_slots, " slots)\n");
   absl::StrAppend(&out, "  workspace    ",
                   Bytes(gemm_workspace_bytes + logits_workspace_bytes + attention_workspace_bytes),
                   " (cuBLASLt ", Bytes(gemm_workspace_bytes + logits_workspace_bytes),

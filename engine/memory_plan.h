@@ -174,7 +174,7 @@ struct DeviceLayout {
 
   kernels::SlotRow* slots = nullptr;         // [max_slots]
   int32_t* slot_block_tables = nullptr;      // [max_slots, max_blocks_per_seq]
-  uint16_t* output_counts = nullptr;         // [max_slots + 1, vocab]
+  uint32_t* output_counts = nullptr;         // [max_slots + 1, vocab]
   uint32_t* prompt_mask = nullptr;           // [max_slots + 1, mask_words]
   void* attention_workspace = nullptr;       // [attention_workspace_bytes], 256-B aligned
   void* decode_logits_workspace = nullptr;   // [logits_workspace_bytes] cuBLASLt, lm_head

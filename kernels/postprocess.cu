@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kThreads) PostprocessKernel(PostprocessParams 
   } else {
     reason = StopReason(s, p, token, s.generated);
     if (token >= 0 && token < p.vocab) {
-      uint16_t* c = p.output_counts + static_cast<int64_t>(slot) * p.vocab + token;
-      if (*c != 0xFFFFu) *c = static_cast<uint16_t>(*c + 1);
+      uint32_t* c = p.output_counts + static_cast<int64_t>(slot) * p.vocab + token;
+      if (*c != UINT32_MAX) *c += 1;
     }
     s.generated += 1;
     s.last_token = token;
@@ -92,7 +92,7 @@ absl::Status LaunchPostprocess(const PostprocessParams& p, cudaStream_t stream) 
   TS_RETURN_IF_ERROR(RequirePointer("postprocess.slots", p.slots, 16));
   TS_RETURN_IF_ERROR(RequirePointer("postprocess.cancel", p.cancel, 4));
   TS_RETURN_IF_ERROR(RequirePointer("postprocess.rings", p.rings, 16));
-  TS_RETURN_IF_ERROR(RequirePointer("postprocess.output_counts", p.output_counts, 2));
+  TS_RETURN_IF_ERROR(RequirePointer("postprocess.output_counts", p.output_counts, 4));
   if (p.done != nullptr) TS_RETURN_IF_ERROR(RequirePointer("postprocess.done", p.done, 4));
   const int blocks = (p.rows + kThreads - 1) / kThreads;
   PostprocessKernel<<<blocks, kThreads, 0, stream>>>(p);

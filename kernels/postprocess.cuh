@@ -74,9 +74,10 @@ struct PostprocessParams {
   // learns which slots are done without scanning rings. Optional.
   int32_t* done = nullptr;
   RingRecord* rings = nullptr;  // [num_slots][ring_capacity] host-mapped
-  // [count_slots, vocab] occurrences of each token in the slot's output (saturating at 65535),
-  // read by the sampling penalties. The emitted token's count is incremented here.
-  uint16_t* output_counts = nullptr;
+  // [count_slots, vocab] occurrences of each token in the slot's output, read by the sampling
+  // penalties. The emitted token's count is incremented here, saturating at UINT32_MAX: uint32,
+  // like the CPU reference's int counts, so a long generation's penalties never diverge.
+  uint32_t* output_counts = nullptr;
   int32_t eos_ids[kMaxEosIds] = {};  // by value: a few ids, baked into a captured graph
   int32_t num_eos = 0;               // [0, kMaxEosIds]
   int32_t rows = 0;                  // >= 0; 0 launches nothing

@@ -65,7 +65,7 @@ struct Smem {
 // scratch copy of the row, and keeps the logits read-only).
 struct Row {
   const float* logits;     // [vocab]
-  const uint16_t* counts;  // [vocab], only when penalize
+  const uint32_t* counts;  // [vocab], only when penalize
   const uint32_t* mask;    // [ceil(vocab / 32)], only when penalize
   int32_t vocab;
   bool penalize;
@@ -424,8 +424,8 @@ __global__ void __launch_bounds__(kThreads, 1) SamplingKernel(SamplingKernelPara
   if (threadIdx.x == 0) {
     p.tokens[row] = token;
     if (p.update_counts && slot_ok) {
-      uint16_t* c = p.output_counts + static_cast<int64_t>(slot) * p.vocab + token;
-      if (*c != 0xFFFFu) *c = static_cast<uint16_t>(*c + 1);
+      uint32_t* c = p.output_counts + static_cast<int64_t>(slot) * p.vocab + token;
+      if (*c != UINT32_MAX) *c += 1;
     }
   }
 }
@@ -444,7 +444,7 @@ absl::Status LaunchSampling(const SamplingKernelParams& p, cudaStream_t stream) 
   TS_RETURN_IF_ERROR(RequirePointer("sampling.logits", p.logits, 4));
   TS_RETURN_IF_ERROR(RequirePointer("sampling.params", p.params, 8));
   TS_RETURN_IF_ERROR(RequirePointer("sampling.row_slots", p.row_slots, 4));
-  TS_RETURN_IF_ERROR(RequirePointer("sampling.output_counts", p.output_counts, 2));
+  TS_RETURN_IF_ERROR(RequirePointer("sampling.output_counts", p.output_counts, 4));
   TS_RETURN_IF_ERROR(RequirePointer("sampling.prompt_mask", p.prompt_mask, 4));
   TS_RETURN_IF_ERROR(RequirePointer("sampling.tokens", p.tokens, 4));
   if (p.error_flag != nullptr) {

@@ -61,9 +61,9 @@ struct SamplingKernelParams {
   const SamplingRow* params = nullptr;
   const int32_t* row_slots = nullptr;  // [rows] slot of each row, in [0, num_slots)
   // [num_slots, vocab] how often each token occurs in the slot's output so far (saturates at
-  // 65535). Read for the penalties; when update_counts the drawn token's count is incremented,
-  // so rows of one launch must then map to distinct slots.
-  uint16_t* output_counts = nullptr;
+  // UINT32_MAX). Read for the penalties; when update_counts the drawn token's count is
+  // incremented, so rows of one launch must then map to distinct slots.
+  uint32_t* output_counts = nullptr;
   // [num_slots, ceil(vocab / 32)] bit (t % 32) of word t / 32 set when token t is in the prompt.
   const uint32_t* prompt_mask = nullptr;
   int32_t* tokens = nullptr;  // [rows] out

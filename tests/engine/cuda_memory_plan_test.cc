@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -96,6 +97,29 @@ TEST(CudaMemoryPlanTest, WeightsAndKvFollowTheShape) {
   EXPECT_FALSE(plan->Summary().empty());
 }
 
+// The state category, byte for byte: the slot table, the block tables, and per slot (plus the
+// padding rows' scratch slot) a 4-byte count per token and a prompt bit per token. Counts were
+// uint16 once and saturated at 65535, so long generations' penalties diverged from the CPU's.
+TEST(CudaMemoryPlanTest, StateHoldsUint32CountsPerSlot) {
+  const ModelConfig c = Llama1b();
+  auto plan = PlanMemory(Options(c));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto padded = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const size_t slots = 64, count_rows = slots + 1, vocab = 128256;
+  const size_t slot_table = padded(slots * sizeof(kernels::SlotRow));
+  const size_t block_tables = padded(slots * (8192 / 16) * 4);
+  const size_t counts = padded(count_rows * vocab * 4);
+  const size_t masks = padded(count_rows * ((vocab + 31) / 32) * 4);
+  EXPECT_EQ(plan->state_bytes, slot_table + block_tables + counts + masks)
+      << "counts alone should take " << counts << " bytes";
+  // The counts are the bulk of it: 65 x 128256 x 4 = 33.3 MB.
+  EXPECT_EQ(counts, 33346560u);
+  const DeviceLayout l = CarveArena(plan->shape, reinterpret_cast<char*>(uintptr_t{1} << 40));
+  EXPECT_EQ(
+      reinterpret_cast<const char*>(l.prompt_mask) - reinterpret_cast<const char*>(l.output_counts),
+      static_cast<std::ptrdiff_t>(counts));
+}
+
 TEST(CudaMemoryPlanTest, KvPoolTakesWhatTheBudgetLeaves) {
   MemoryPlanOptions o = Options(Llama1b());
   o.max_context = 131072;  // 64 full-length sequences would need 256 GiB
@@ -162,7 +186,7 @@ TEST(CudaMemoryPlanTest, CarvedBuffersAreAlignedDisjointAndInside) {
       {l.decode.h, size_t(plan->shape.max_bucket) * d.hidden * bf},
       {l.prefill.gate_up, size_t(plan->shape.prefill_rows) * 2 * d.intermediate_padded * bf},
       {l.decode_head.logits_f32, size_t(plan->shape.max_bucket) * d.vocab * 4},
-      {l.output_counts, size_t(plan->shape.count_rows()) * d.vocab * 2},
+      {l.output_counts, size_t(plan->shape.count_rows()) * d.vocab * 4},
       {l.attention_workspace, plan->attention_workspace_bytes},
       {l.decode_logits_workspace, plan->shape.logits_workspace_bytes},
       {l.prefill_logits_workspace, plan->shape.logits_workspace_bytes}};

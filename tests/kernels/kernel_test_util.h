@@ -1,6 +1,6 @@
-// Helpers for kernel tests: guarded and poisoned device buffers, bf16 conversion on the host,
-// random non-zero data, error metrics, and capture into a CUDA graph. Header-only so any test
-// binary (ours or the attention tests) can include it without a library.
+// Helpers for kernel tests: guarded and poisoned device and host-mapped buffers, bf16 conversion
+// on the host, random non-zero data, error metrics, and capture into a CUDA graph. Header-only so
+// any test binary (ours or the attention tests) can include it without a library.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -153,6 +153,66 @@ class GuardedBuffer {
  private:
   size_t n_;
   void* base_ = nullptr;
+};
+
+// ---- Host-mapped buffers, as the engine's rings and flags are ----
+// [guard | data | guard] in pinned memory allocated cudaHostAllocMapped: kernels get device(),
+// the host reads and writes host() directly (after syncing the stream that writes it). The data
+// is poisoned with 0xFF bytes and the guards hold kGuardByte, as in GuardedBuffer.
+template <typename T>
+class HostMappedBuffer {
+ public:
+  static constexpr size_t kGuardBytes = 256;
+  static constexpr unsigned char kGuardByte = 0x5A;
+
+  explicit HostMappedBuffer(size_t n) : n_(n) {
+    const size_t bytes = kGuardBytes * 2 + n * sizeof(T);
+    if (cudaHostAlloc(&base_, bytes, cudaHostAllocMapped) != cudaSuccess) {
+      ADD_FAILURE() << "cudaHostAlloc(" << bytes << ", mapped) failed";
+      base_ = nullptr;
+      return;
+    }
+    std::memset(base_, kGuardByte, bytes);
+    Poison();
+    void* dev = nullptr;
+    if (cudaHostGetDevicePointer(&dev, base_, 0) != cudaSuccess) {
+      ADD_FAILURE() << "cudaHostGetDevicePointer failed";
+    }
+    dev_base_ = static_cast<char*>(dev);
+  }
+  ~HostMappedBuffer() {
+    if (base_ != nullptr) cudaFreeHost(base_);
+  }
+  HostMappedBuffer(const HostMappedBuffer&) = delete;
+  HostMappedBuffer& operator=(const HostMappedBuffer&) = delete;
+
+  T* host() const {
+    return base_ == nullptr ? nullptr
+                            : reinterpret_cast<T*>(static_cast<char*>(base_) + kGuardBytes);
+  }
+  T* device() const {
+    return dev_base_ == nullptr ? nullptr : reinterpret_cast<T*>(dev_base_ + kGuardBytes);
+  }
+  size_t size() const { return n_; }
+
+  void Poison() {
+    if (base_ != nullptr) std::memset(static_cast<void*>(host()), 0xFF, n_ * sizeof(T));
+  }
+  ::testing::AssertionResult GuardsIntact() const {
+    if (base_ == nullptr) return ::testing::AssertionFailure() << "no buffer";
+    const unsigned char* head = static_cast<const unsigned char*>(base_);
+    const unsigned char* tail = head + kGuardBytes + n_ * sizeof(T);
+    for (size_t i = 0; i < kGuardBytes; ++i) {
+      if (head[i] != kGuardByte) return ::testing::AssertionFailure() << "guard before, byte " << i;
+      if (tail[i] != kGuardByte) return ::testing::AssertionFailure() << "guard after, byte " << i;
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+ private:
+  size_t n_;
+  void* base_ = nullptr;
+  char* dev_base_ = nullptr;
 };
 
 // ---- Error metrics ----

@@ -8,11 +8,15 @@
 //  - over many seeds, token frequencies on a small vocab match the probabilities after
 //    top-k/top-p/min-p (computed here in fp64) within 4.5 sigma, and filtered-out tokens never
 //    appear;
-//  - penalties move the result exactly as the reference's do; update_counts counts the draw.
+//  - penalties move the result exactly as the reference's do; update_counts counts the draw;
+//    counts are uint32 (past 65535 they still penalise, and they saturate instead of wrapping);
+//  - the production combination, bf16-rounded fp32 logits with a split first pass, matches the
+//    reference on the rounded logits.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -35,7 +39,8 @@ using testing::GuardedBuffer;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 struct RowCase {
-  std::vector<float> logits;  // [vocab]
+  std::vector<float> logits;      // [vocab] what the reference reads
+  std::vector<float> gpu_logits;  // [vocab] what the GPU reads, when not empty (before rounding)
   ts::SamplingParams params;
   std::vector<int32_t> prompt, output;
   uint64_t position = 0;
@@ -71,7 +76,7 @@ int32_t CpuToken(const RowCase& c) {
 
 struct GpuResult {
   std::vector<int32_t> tokens;
-  std::vector<uint16_t> counts;  // [num_slots, vocab] after the launch
+  std::vector<uint32_t> counts;  // [num_slots, vocab] after the launch
   int32_t flag = 0;
 };
 
@@ -82,6 +87,8 @@ struct RunOptions {
   bool update_counts = false;
   bool round_logits_to_bf16 = false;
   int split = 1;  // CTAs per row for the first pass
+  // {slot, token, count} written over the histories' counts (values no history could reach).
+  std::vector<std::array<uint32_t, 3>> set_counts;
 };
 
 // One launch over `rows`. Slots not used by any row get random histories, so a kernel reading
@@ -97,7 +104,7 @@ GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {})
   const int words = (vocab + 31) / 32;
   std::vector<float> logits(size_t(n) * vocab);
   std::vector<SamplingRow> params(o.params_by_slot ? o.num_slots : n);
-  std::vector<uint16_t> counts(size_t(o.num_slots) * vocab);
+  std::vector<uint32_t> counts(size_t(o.num_slots) * vocab);
   std::vector<uint32_t> mask(size_t(o.num_slots) * words);
   std::mt19937 junk(12345);
   for (auto& c : counts) c = junk() % 3;
@@ -105,7 +112,8 @@ GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {})
   std::vector<char> reset(o.num_slots, 0);
   for (int r = 0; r < n; ++r) {
     const RowCase& c = rows[r];
-    std::copy(c.logits.begin(), c.logits.end(), logits.begin() + size_t(r) * vocab);
+    const std::vector<float>& l = c.gpu_logits.empty() ? c.logits : c.gpu_logits;
+    std::copy(l.begin(), l.end(), logits.begin() + size_t(r) * vocab);
     const int s = o.slots[r];
     if (s < 0 || s >= o.num_slots) continue;
     params[o.params_by_slot ? s : r] = MakeSamplingRow(c.params, c.position);
@@ -117,10 +125,12 @@ GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {})
       for (int32_t t : c.prompt) mask[size_t(s) * words + t / 32] |= 1u << (t % 32);
     }
   }
+  for (const auto& [slot, token, count] : o.set_counts)
+    counts[size_t(slot) * vocab + token] = count;
   GuardedBuffer<float> d_logits(logits.size());
   GuardedBuffer<SamplingRow> d_params(params.size());
   GuardedBuffer<int32_t> d_slots(n), d_tokens(n), d_flag(1);
-  GuardedBuffer<uint16_t> d_counts(counts.size());
+  GuardedBuffer<uint32_t> d_counts(counts.size());
   GuardedBuffer<uint32_t> d_mask(mask.size());
   d_logits.Upload(logits);
   d_params.Upload(params);
@@ -366,6 +376,160 @@ TEST(SamplingTest, SeededDrawsAgreeWithCpu) {
               mismatches, total);
 }
 
+std::vector<float> RoundedToBf16(const std::vector<float>& v) {
+  std::vector<float> out(v.size());
+  std::transform(v.begin(), v.end(), out.begin(), testing::RoundBf16);
+  return out;
+}
+
+// The production combination (EnqueueSampleAndPost in engine/cuda_model_forward.cc): fp32
+// lm_head logits read rounded to bf16, the first pass split over num_sms / rows CTAs (1..32),
+// padding rows sampling greedily from a scratch slot past the live ones, penalties and seeds.
+// The reference samples the same logits rounded to bf16 on the host. Every row's max is a bf16
+// near-tie between two ids in different slices (the higher id larger in fp32): with the
+// rounding the lower id ranks first, without it the higher one, so a lost rounding or a bad
+// merge of the slices picks another token.
+TEST(SamplingTest, Bf16RoundingWithSplitsMatchesCpuOnRoundedLogits) {
+  int num_sms = 0;
+  TS_ASSERT_CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  int total = 0, mismatches = 0;
+  for (int vocab : {32000, 50257, 128256}) {
+    for (int rows : {1, 3, 8, 24, 64}) {
+      const int live = rows - rows / 5;  // the rest are a bucket's padding rows
+      std::mt19937 gen(vocab + rows);
+      RunOptions o;
+      o.num_slots = live + 1;  // as count_rows(): the last slot is the padding rows' scratch
+      o.round_logits_to_bf16 = true;
+      o.slots.resize(live);
+      std::iota(o.slots.begin(), o.slots.end(), 0);
+      std::shuffle(o.slots.begin(), o.slots.end(), gen);
+      o.slots.resize(rows, live);
+      std::vector<RowCase> cases(rows);
+      std::vector<int32_t> lo(rows), hi(rows);
+      for (int r = 0; r < rows; ++r) {
+        RowCase& c = cases[r];
+        c.gpu_logits = RandomLogits(vocab, vocab * 7 + r, 3.0f, /*bf16=*/false);
+        lo[r] = int32_t(gen() % (vocab / 4));
+        hi[r] = vocab - 1 - int32_t(gen() % (vocab / 4));
+        const float top =
+            testing::RoundBf16(*std::max_element(c.gpu_logits.begin(), c.gpu_logits.end()) + 1.0f);
+        c.gpu_logits[lo[r]] = top;
+        c.gpu_logits[hi[r]] = top * (1.0f + 1.0f / 1024);
+        ASSERT_EQ(testing::RoundBf16(c.gpu_logits[hi[r]]), top);
+        c.logits = RoundedToBf16(c.gpu_logits);
+        c.position = gen() % 100000;
+        c.params = Params(0.0f, 0, 1.0f, 0.0f, 0);  // a padding row's params
+        if (r >= live) continue;
+        RandomHistory(c, vocab, vocab + 13 * r);
+        for (auto* h : {&c.prompt, &c.output}) {  // the tie stays unpenalised
+          std::erase_if(*h, [&](int32_t t) { return t == lo[r] || t == hi[r]; });
+        }
+        const float temps[] = {0.5f, 0.8f, 1.0f, 1.3f};
+        const int ks[] = {0, 0, 40, 1000};
+        const float ps[] = {1.0f, 0.95f, 0.8f};
+        const float min_ps[] = {0.0f, 0.0f, 0.02f};
+        if (r % 3 != 0) {
+          c.params = Params(temps[gen() % 4], ks[gen() % 4], ps[gen() % 3], min_ps[gen() % 3],
+                            gen() | (uint64_t(gen()) << 32));
+        }
+        if (r % 4 != 3) AddPenalties(c.params);
+        if (r % 4 == 1 && r % 3 != 0) {  // negative ones raise the repeated tokens
+          c.params.presence_penalty = -0.4f;
+          c.params.frequency_penalty = -0.1f;
+        }
+      }
+      std::vector<int> splits = {std::clamp(num_sms / rows, 1, kSamplingMaxSplit), 3,
+                                 kSamplingMaxSplit};
+      for (int split : splits) {
+        o.split = split;
+        const auto gpu = RunGpu(cases, vocab, o);
+        for (int r = 0; r < rows; ++r) {
+          ++total;
+          mismatches +=
+              ExpectSameDraw(cases[r], gpu.tokens[r],
+                             "vocab=" + std::to_string(vocab) + " rows=" + std::to_string(rows) +
+                                 " split=" + std::to_string(split) + " row " + std::to_string(r) +
+                                 (r >= live ? " (padding)" : ""));
+        }
+      }
+      // The same launch reading fp32 picks the higher id of each greedy row's tie: the data can
+      // tell a rounded read from an unrounded one.
+      o.split = splits[0];
+      o.round_logits_to_bf16 = false;
+      const auto raw = RunGpu(cases, vocab, o);
+      for (int r = 0; r < rows; ++r) {
+        if (cases[r].params.temperature != 0.0f) continue;
+        EXPECT_EQ(raw.tokens[r], hi[r]) << "unrounded, vocab=" << vocab << " row " << r;
+        EXPECT_EQ(CpuToken(cases[r]), lo[r]) << "reference, vocab=" << vocab << " row " << r;
+      }
+    }
+  }
+  std::printf("bf16 + split draws: reference token differs in %d of %d (all within its rounding)\n",
+              mismatches, total);
+}
+
+// Counts past 65535 (a long generation repeating one token) penalise by their full value, as the
+// reference's int counts do. 100 - 0.001 * 70000 = 30 < 33: B wins; a count saturated at 65535
+// (100 - 65.5) or wrapped in 16 bits (70000 - 65536) would leave A the winner.
+TEST(SamplingTest, CountsAbove65535KeepPenalizing) {
+  constexpr int kVocab = 1000, kA = 321, kB = 654;
+  RowCase c;
+  c.gpu_logits = RandomLogits(kVocab, 9, 1.0f, /*bf16=*/false);
+  c.gpu_logits[kA] = 100.0f;
+  c.gpu_logits[kB] = 33.0f;
+  c.logits = RoundedToBf16(c.gpu_logits);
+  c.params = Params(0.0f, 0, 1.0f, 0.0f, 0);
+  c.params.frequency_penalty = 0.001f;
+  c.output.assign(70000, kA);
+  c.position = 70010;
+  ASSERT_EQ(CpuToken(c), kB);
+  RowCase saturated = c;
+  saturated.output.assign(65535, kA);
+  ASSERT_EQ(CpuToken(saturated), kA) << "the data must separate 65535 from 70000";
+  RowCase sampled = c;
+  sampled.params.temperature = 2.0f;  // 15 vs 16.5: both tokens keep mass
+  sampled.params.seed = 77;
+  RunOptions o;
+  o.slots = {1, 0};
+  o.num_slots = 2;
+  o.split = 4;
+  o.round_logits_to_bf16 = true;
+  const auto gpu = RunGpu({c, sampled}, kVocab, o);
+  EXPECT_EQ(gpu.tokens[0], kB);
+  ExpectSameDraw(sampled, gpu.tokens[1], "sampled");
+  for (uint64_t seed = 0; seed < 64; ++seed) {  // and A's share of the draws is the reference's
+    sampled.params.seed = seed;
+    ExpectSameDraw(sampled, RunGpu({c, sampled}, kVocab, o).tokens[1],
+                   "seed " + std::to_string(seed));
+  }
+}
+
+// update_counts past the old uint16 limit, and saturating at UINT32_MAX instead of wrapping.
+TEST(SamplingTest, UpdateCountsCrossesUint16AndSaturates) {
+  constexpr int kVocab = 777;
+  const uint32_t start[] = {65535u, UINT32_MAX - 1, UINT32_MAX};
+  const uint32_t want[] = {65536u, UINT32_MAX, UINT32_MAX};
+  std::vector<RowCase> rows(3);
+  RunOptions o;
+  o.update_counts = true;
+  o.slots = {2, 0, 1};
+  o.num_slots = 3;
+  std::vector<int32_t> top(3);
+  for (int r = 0; r < 3; ++r) {
+    rows[r].logits = RandomLogits(kVocab, 40 + r, 2.0f, true);
+    rows[r].params = Params(0.0f, 0, 1.0f, 0.0f, 0);
+    top[r] = CpuToken(rows[r]);
+    o.set_counts.push_back({uint32_t(o.slots[r]), uint32_t(top[r]), start[r]});
+  }
+  const auto gpu = RunGpu(rows, kVocab, o);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(gpu.tokens[r], top[r]) << "row " << r;
+    const uint32_t* counts = gpu.counts.data() + size_t(o.slots[r]) * kVocab;
+    EXPECT_EQ(counts[top[r]], want[r]) << "row " << r << " from " << start[r];
+    EXPECT_EQ(std::count(counts, counts + kVocab, 0u), kVocab - 1) << "row " << r;
+  }
+}
+
 // Eight rows with every feature in play, vocab 128256, bf16 logits.
 std::vector<RowCase> MixedRows(int vocab) {
   std::vector<RowCase> rows(8);
@@ -561,12 +725,12 @@ TEST(SamplingTest, CapturesInGraph) {
   GuardedBuffer<float> d_logits(logits.size());
   GuardedBuffer<SamplingRow> d_params(kRows);
   GuardedBuffer<int32_t> d_slots(kRows), d_tokens(kRows);
-  GuardedBuffer<uint16_t> d_counts(size_t(kRows) * kVocab);
+  GuardedBuffer<uint32_t> d_counts(size_t(kRows) * kVocab);
   GuardedBuffer<uint32_t> d_mask(size_t(kRows) * kVocab / 32);
   d_logits.Upload(logits);
   d_params.Upload(params);
   d_slots.Upload({0, 1, 2});
-  d_counts.Upload(std::vector<uint16_t>(d_counts.size(), 0));
+  d_counts.Upload(std::vector<uint32_t>(d_counts.size(), 0));
   d_mask.Upload(std::vector<uint32_t>(d_mask.size(), 0));
   SamplingKernelParams p;
   p.logits = d_logits.get();
@@ -595,7 +759,7 @@ TEST(SamplingTest, RejectsBadParams) {
   GuardedBuffer<float> logits(64);
   GuardedBuffer<SamplingRow> params(1);
   GuardedBuffer<int32_t> slots(1), tokens(1);
-  GuardedBuffer<uint16_t> counts(64);
+  GuardedBuffer<uint32_t> counts(64);
   GuardedBuffer<uint32_t> mask(2);
   SamplingKernelParams good;
   good.logits = logits.get();
