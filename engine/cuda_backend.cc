@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "graphs/device_guard.h"
 #include "kernels/cuda_check.h"
 #include "kernels/postprocess.cuh"
 #include "models/checkpoint.h"
@@ -70,6 +71,8 @@ absl::Status ValidateOptions(const CudaBackendOptions& o) {
 CudaBackend::CudaBackend(const CudaBackendOptions& options) : options_(options) {}
 
 CudaBackend::~CudaBackend() {
+  // The engine destroys the backend on its own thread, whose current device may be another.
+  const graphs::DeviceGuard guard = graphs::DeviceGuard::SetOrIgnore(options_.device);
   // Nothing may still run on our stream when the graphs and the arena go away.
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   graphs_.reset();
@@ -82,8 +85,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
   TS_RETURN_IF_ERROR(ValidateOptions(o));
   TS_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(o.model_dir));
   TS_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(o.model_dir));
+  // Declared before the backend, so a failed Create destroys it still on o.device; the caller's
+  // current device is restored on return.
+  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(o.device));
   std::unique_ptr<CudaBackend> b(new CudaBackend(o));
-  TS_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device));
   TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
   TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(ModelOptions(o, config)));
   TS_RETURN_IF_ERROR(model->UploadWeights(*ckpt, b->stream_));
@@ -94,8 +99,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::CreateRandom(
     const CudaBackendOptions& o, const RandomWeightsSpec& spec) {
   TS_RETURN_IF_ERROR(ValidateOptions(o));
+  // Declared before the backend, so a failed Create destroys it still on o.device; the caller's
+  // current device is restored on return.
+  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(o.device));
   std::unique_ptr<CudaBackend> b(new CudaBackend(o));
-  TS_CUDA_RETURN_IF_ERROR(cudaSetDevice(o.device));
   TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
   TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
                       CudaModel::Create(ModelOptions(o, spec.config)));
@@ -234,6 +241,7 @@ absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index) {
 
 absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
   if (inits.empty()) return absl::OkStatus();
+  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
   if (inits.size() > static_cast<size_t>(info_.max_slots)) {
     return absl::InvalidArgumentError("prefill: more slots than max_slots");
   }
@@ -303,6 +311,8 @@ absl::Status CudaBackend::MaybeUpdateRegime() {
 }
 
 absl::Status CudaBackend::Run(RunMode mode) {
+  // The engine thread that calls Run is not the thread that created the backend.
+  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
   do {
     TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
     if (index < 0) {
@@ -350,6 +360,7 @@ absl::Status CudaBackend::CheckErrorFlag(const char* where) const {
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, float>>> CudaBackend::ProfileStep() {
+  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
   TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
   if (index < 0) return absl::FailedPreconditionError("ProfileStep: no active slot");
   const int32_t bucket = options_.buckets[index];
@@ -369,6 +380,7 @@ absl::StatusOr<std::vector<std::pair<std::string, float>>> CudaBackend::ProfileS
 
 absl::StatusOr<std::vector<float>> CudaBackend::PromptLogits(std::span<const int32_t> tokens) {
   if (num_active() > 0) return absl::FailedPreconditionError("PromptLogits: slots are active");
+  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] >= info_.model.vocab_size) {
       return absl::InvalidArgumentError(
@@ -467,6 +479,8 @@ absl::StatusOr<std::vector<std::vector<float>>> CudaBackend::DecodeLogits(
 // ---------------------------------------------------------------------------------------------
 // Slots
 
+// Cancel, Ring and Release touch only host memory (the mapped cancel/done flags, the rings) and
+// make no CUDA call, so they need no current device and stay cheap for any thread.
 void CudaBackend::Cancel(SlotId slot) {
   TS_CHECK_GE(slot, 0);
   TS_CHECK_LT(slot, info_.max_slots);

@@ -9,6 +9,11 @@
 // Attention splits follow the context-length regime: when the longest active context crosses a
 // regime boundary, the backend calls GraphCache::UpdateRegime (exec update in place, never a
 // re-instantiation).
+//
+// Threading: one caller at a time, on any thread. Every entry that makes a CUDA call (Create,
+// Prefill, Run, ProfileStep, PromptLogits, the destructor) makes options.device current for its
+// duration and restores the caller's device: the engine thread that decodes is not the thread
+// that created the backend, and on a multi-GPU host its current device is not ours.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "graphs/device_guard.h"
 #include "kernels/cuda_check.h"
 
 namespace ts::graphs {
@@ -29,29 +30,6 @@ using GraphPtr = std::unique_ptr<CUgraph_st, GraphDeleter>;
 struct CapturedGraph {
   GraphPtr graph;
   int64_t nodes = 0;
-};
-
-// Build and UpdateRegime run on options.device and leave the caller's current device as it was.
-class DeviceGuard {
- public:
-  static absl::StatusOr<DeviceGuard> Set(int32_t device) {
-    int previous = 0;
-    TS_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous));
-    if (previous != device) TS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-    return DeviceGuard(previous, previous != device);
-  }
-  DeviceGuard(DeviceGuard&& o) noexcept : previous_(o.previous_), restore_(o.restore_) {
-    o.restore_ = false;
-  }
-  DeviceGuard& operator=(DeviceGuard&&) = delete;
-  ~DeviceGuard() {
-    if (restore_) (void)cudaSetDevice(previous_);
-  }
-
- private:
-  DeviceGuard(int previous, bool restore) : previous_(previous), restore_(restore) {}
-  int previous_;
-  bool restore_;
 };
 
 const char* NodeTypeName(cudaGraphNodeType t) {
@@ -166,6 +144,8 @@ GraphCache::GraphCache(GraphCacheOptions options)
 GraphCache::~GraphCache() {
   // cudaGraphExecDestroy defers the release of an exec that is still in flight; cudaFree of the
   // table waits for the device. Errors are ignored: a destructor has no one to report to.
+  // The owner may destroy the cache on a thread whose current device is another one.
+  const DeviceGuard guard = DeviceGuard::SetOrIgnore(options_.device);
   for (Bucket& b : buckets_) {
     for (cudaGraphExec_t& e : b.execs) {
       if (e != nullptr) (void)cudaGraphExecDestroy(e);
@@ -401,6 +381,8 @@ absl::Status GraphCache::Launch(int32_t bucket_index, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(EnsureBuilt("Launch"));
   TS_RETURN_IF_ERROR(CheckBucketIndex(bucket_index));
   const Bucket& b = buckets_[bucket_index];
+  // The exec belongs to options_.device; the calling thread may have another device current.
+  TS_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Set(options_.device));
   TS_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(b.execs[b.current], stream));
   return absl::OkStatus();
 }

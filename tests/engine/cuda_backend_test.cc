@@ -4,23 +4,31 @@
 //     runs include padding rows of a bucket), and equal the CPU backend's streams;
 //   - teacher-forced logits stay close to transformers' fp32 logits (diagnoses a failing stream);
 //   - stop rules (stop ids, min_new_tokens, EOS, max_new_tokens) cut the stream where CheckStop
-//     says, like the CPU backend;
+//     says, like the CPU backend, including greedy paths that really meet each EOS id;
 //   - seeded sampled streams (with penalties) are reproducible, and identical alone (bucket 1)
 //     and among 7 other requests (bucket 8);
 //   - Cancel finishes a slot at the next step with a finish-only record, the others go on;
 //   - a long request crosses a context regime boundary: the graphs are updated, never
-//     re-instantiated;
+//     re-instantiated; when it finishes the regime shrinks and a short request beside it decodes
+//     exactly as alone;
+//   - the backend runs from threads other than its creator's, and on device 1 from a thread
+//     whose current device is 0 (two GPUs);
 //   - the memory plan refuses a KV budget that cannot hold one max-length sequence.
 #include "engine/cuda_backend.h"
 
 #include <gtest/gtest.h>
 
+#include <cuda_runtime.h>
+
+#include <unistd.h>
 #include <cmath>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include "engine/cpu_backend.h"
 #include "models/checkpoint.h"
+#include "models/cpu_model.h"
 #include "nlohmann/json.hpp"
 #include "tests/common/test_paths.h"
 #include "tests/engine/cuda_test_driver.h"
@@ -30,8 +38,11 @@ namespace {
 
 using ::ts::testing::DriverRequest;
 using ::ts::testing::DriverResult;
+using ::ts::testing::EosPath;
 using ::ts::testing::ExpectedAlongPath;
 using ::ts::testing::GreedyRequest;
+using ::ts::testing::PickEosPath;
+using ::ts::testing::ReferencePath;
 using ::ts::testing::RunTogether;
 
 constexpr int32_t kMaxContext = 256;  // the fixtures' max_position_embeddings
@@ -225,6 +236,81 @@ TEST_P(CudaBackendFixtureTest, StopRulesCutTheGreedyPath) {
   }
 }
 
+// The reference prompts' greedy streams hold one EOS (tiny-gqa-untied prompt 1, index 14), so the
+// CPU reference searches every single-token prompt for greedy paths that meet an EOS id, one per
+// id: on a model with several, a postprocess that checks only the first would pass with one.
+// Only steps whose fp32 top1-top2 gap is >= 0.1 are held to exact equality (the fixtures' rule
+// for paths a bf16 engine reproduces, tests/fixtures/README.md).
+TEST_P(CudaBackendFixtureTest, StopsOnEachEosIdWhereTheReferenceDoes) {
+  constexpr int32_t kSearch = 24;
+  constexpr float kMinMargin = 0.1f;
+  auto cpu_model = CpuModel::Load(::ts::testing::FixtureDir() / GetParam());
+  ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
+  const std::vector<int32_t>& eos = backend_->info().model.eos_token_ids;
+  ASSERT_FALSE(eos.empty());
+  std::vector<std::vector<int32_t>> prompts;
+  for (int32_t t = 0; t < backend_->info().model.vocab_size; ++t) prompts.push_back({t});
+  const std::vector<ReferencePath> paths =
+      ::ts::testing::CpuGreedyPaths(**cpu_model, prompts, kSearch);
+  std::unique_ptr<Backend> cpu = MakeCpu(GetParam(), 8);
+  ASSERT_NE(cpu, nullptr);
+  int32_t found = 0, found_later_id = 0;
+  for (size_t e = 0; e < eos.size(); ++e) {
+    // An EOS at index >= 1 is sampled by a decode graph, not by the prefill.
+    const std::optional<EosPath> hit =
+        PickEosPath(paths, eos, kMinMargin, 1, [&](int32_t t) { return t == eos[e]; });
+    if (!hit.has_value()) continue;
+    ++found;
+    found_later_id += e > 0;
+    const std::vector<int32_t>& path = hit->path.tokens;
+    const int32_t j = hit->eos_index, robust = hit->robust_len;
+    std::printf("%s eos id %d: prompt {%d} meets it at index %d, exact for %d tokens\n",
+                GetParam().c_str(), eos[e], hit->path.prompt[0], j, robust);
+    const std::vector<int32_t> exact(path.begin(), path.begin() + robust);
+    std::vector<StopParams> cases;
+    cases.push_back({.stop_token_ids = {}, .max_new_tokens = robust});
+    // The EOS is the stop id's token too, but the reason is EOS unless EOS is ignored.
+    cases.push_back({.stop_token_ids = {eos[e]}, .max_new_tokens = robust, .ignore_eos = true});
+    if (robust > j + 1) {
+      cases.push_back({.stop_token_ids = {}, .max_new_tokens = robust, .min_new_tokens = j + 1});
+      cases.push_back({.stop_token_ids = {}, .max_new_tokens = robust, .ignore_eos = true});
+    }
+    std::vector<DriverRequest> reqs;
+    for (const StopParams& stop : cases) {
+      DriverRequest r = GreedyRequest(hit->path.prompt, 1);
+      r.stop = stop;
+      reqs.push_back(r);
+    }
+    const std::vector<DriverResult> got = RunTogether(*backend_, reqs, kMaxContext);
+    const std::vector<DriverResult> twin = RunTogether(*cpu, reqs, kMaxContext);
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const DriverResult want = ExpectedAlongPath(exact, cases[c], eos);
+      if (c == 0) {
+        ASSERT_EQ(want.reason, FinishReason::kEos);  // the case this test exists for
+      }
+      if (c == 1) {
+        ASSERT_EQ(want.reason, FinishReason::kStopToken);
+      }
+      EXPECT_EQ(got[c].tokens, want.tokens) << GetParam() << " eos " << eos[e] << " case " << c;
+      EXPECT_EQ(got[c].reason, want.reason)
+          << GetParam() << " eos " << eos[e] << " case " << c << ": "
+          << FinishReasonName(got[c].reason) << " vs " << FinishReasonName(want.reason);
+      EXPECT_EQ(twin[c].tokens, want.tokens)
+          << GetParam() << " CPU eos " << eos[e] << " case " << c;
+      EXPECT_EQ(twin[c].reason, want.reason)
+          << GetParam() << " CPU eos " << eos[e] << " case " << c;
+    }
+  }
+  ASSERT_GE(found, 1) << GetParam() << ": no single-token prompt's greedy path meets an EOS id "
+                      << "within " << kSearch << " tokens with margins >= " << kMinMargin;
+  // tiny-oldstyle-sharded's greedy paths meet its third id (6). tiny-llama3-rope's never emit
+  // its second (7): none of 1,280 one- and two-token prompts does within 32 tokens.
+  if (GetParam() == "tiny-oldstyle-sharded") {
+    EXPECT_GE(found_later_id, 1) << GetParam() << " has " << eos.size()
+                                 << " EOS ids but no path meets one other than the first";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaBackendFixtureTest,
                          ::testing::Values("tiny-mha-tied", "tiny-gqa-untied", "tiny-llama3-rope",
                                            "tiny-oldstyle-sharded"),
@@ -306,6 +392,126 @@ TEST(CudaBackendTest, LongRequestCrossesARegimeWithoutReinstantiating) {
   const std::vector<DriverResult> again =
       RunTogether(*backend, {GreedyRequest(ref.prompts[0], 32)}, kMaxContext);
   EXPECT_EQ(again[0].tokens, ref.greedy[0]);
+}
+
+// A copy of tiny-gqa-untied that admits `max_positions` tokens. Its default RoPE does not depend on
+// max_position_embeddings, so the reference paths still hold. At 256 the regimes are 128 and 256
+// only, and the shrink (two levels, 4x) can never happen.
+std::filesystem::path LongContextCopy(int32_t max_positions) {
+  const std::filesystem::path src = ::ts::testing::FixtureDir() / "tiny-gqa-untied";
+  const std::filesystem::path dst =
+      std::filesystem::path(::testing::TempDir()) /
+      ("tiny-gqa-untied-" + std::to_string(max_positions) + "-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dst);
+  for (const char* f : {"model.safetensors", "generation_config.json"}) {
+    std::filesystem::copy_file(src / f, dst / f, std::filesystem::copy_options::overwrite_existing);
+  }
+  std::ifstream in(src / "config.json");
+  nlohmann::json config = nlohmann::json::parse(in);
+  config["max_position_embeddings"] = max_positions;
+  std::ofstream(dst / "config.json") << config.dump(2);
+  return dst;
+}
+
+TEST(CudaBackendTest, RegimeShrinksWhenTheLongRequestFinishes) {
+  constexpr int32_t kLong = 2048;
+  const Reference ref = LoadReference("tiny-gqa-untied");
+  CudaBackendOptions o = Options("tiny-gqa-untied", 8);
+  o.model_dir = LongContextCopy(kLong);
+  o.max_context = kLong;
+  auto created = CudaBackend::Create(o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  CudaBackend& backend = **created;
+  const graphs::GraphCache& cache = backend.graph_cache();
+  const int32_t n = static_cast<int32_t>(ref.greedy[0].size());
+  const DriverRequest short_req = GreedyRequest(ref.prompts[0], n);
+  const int32_t first = cache.regime().max_context_len;
+  ASSERT_EQ(first, 128);
+  const std::vector<DriverResult> alone = RunTogether(backend, {short_req}, kLong);
+  EXPECT_EQ(alone[0].tokens, ref.greedy[0]);
+  EXPECT_EQ(cache.regime().max_context_len, first) << "a 33-token context left the first regime";
+
+  // A 600-token prompt (regime 1024) that finishes after 8 tokens while the short one goes on.
+  std::vector<int32_t> long_prompt;
+  for (int32_t i = 0; i < 600; ++i) long_prompt.push_back((i * 37 + 11) % 311);
+  constexpr int32_t kLongNew = 8;
+  const int64_t updates = cache.update_count(), inst = cache.instantiation_count();
+  std::vector<int32_t> regimes;  // the regime each decode step ran in
+  const std::vector<DriverResult> together = RunTogether(
+      backend, {short_req, GreedyRequest(long_prompt, kLongNew)}, kLong, {}, [&](int32_t step) {
+        if (step >= 0) regimes.push_back(cache.regime().max_context_len);
+      });
+  ASSERT_EQ(together[1].tokens.size(), static_cast<size_t>(kLongNew));
+  EXPECT_EQ(together[0].tokens, alone[0].tokens);
+  EXPECT_EQ(together[0].tokens, ref.greedy[0]);
+  // Steps 0..6 decode the long request's tokens 2..8 (contexts 601..607: regime 1024). From
+  // step 7 only the short one runs (context 9): the regime drops to 128 at once and stays.
+  ASSERT_EQ(regimes.size(), static_cast<size_t>(n - 1));
+  for (int32_t step = 0; step < n - 1; ++step) {
+    EXPECT_EQ(regimes[step], step < kLongNew - 1 ? 1024 : first) << "step " << step;
+  }
+  EXPECT_EQ(cache.update_count() - updates, 2) << "one grow and one shrink";
+  EXPECT_EQ(cache.instantiation_count(), inst);
+  EXPECT_EQ(backend.max_active_context(), 0);
+}
+
+// The engine decodes on its own thread, not the one that created the backend (DESIGN §2).
+TEST(CudaBackendTest, RunsFromAThreadOtherThanItsCreator) {
+  const Reference ref = LoadReference("tiny-gqa-untied");
+  std::unique_ptr<CudaBackend> backend = MakeCuda("tiny-gqa-untied");
+  ASSERT_NE(backend, nullptr);
+  std::vector<DriverRequest> reqs;
+  for (const auto& p : ref.prompts) reqs.push_back(GreedyRequest(p, 32));
+  std::vector<DriverResult> got;
+  std::thread engine([&] {
+    got = RunTogether(*backend, reqs, kMaxContext);
+    backend.reset();  // the destructor too runs off the creating thread
+  });
+  engine.join();
+  ASSERT_EQ(got.size(), reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i].tokens, ref.greedy[i]) << i;
+}
+
+// --device N: created on device 1, driven by a thread whose current device is 0. Before every
+// entry set the device itself, prefill and decode launched onto device 1's stream from device 0.
+TEST(CudaBackendTest, OnDeviceOneRunsFromAThreadOnDeviceZero) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  if (count < 2) {
+    GTEST_SKIP() << "needs 2 GPUs to put the backend on device 1 (this machine has " << count
+                 << "); the one-GPU case is RunsFromAThreadOtherThanItsCreator";
+  }
+  const Reference ref = LoadReference("tiny-gqa-untied");
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  CudaBackendOptions o = Options("tiny-gqa-untied", 8);
+  o.device = 1;
+  auto created = CudaBackend::Create(o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<CudaBackend> backend = std::move(*created);
+  int current = -1;
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, 0) << "Create left the caller's current device changed";
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, backend->model().dev().slots), cudaSuccess);
+  EXPECT_EQ(attr.device, 1) << "the arena is not on device 1";
+
+  std::vector<DriverRequest> reqs;
+  for (const auto& p : ref.prompts) reqs.push_back(GreedyRequest(p, 32));
+  std::vector<DriverResult> got;
+  absl::Status logits_status;
+  int thread_device = -1;
+  std::thread engine([&] {
+    if (cudaSetDevice(0) != cudaSuccess) return;
+    got = RunTogether(*backend, reqs, kMaxContext);
+    logits_status = backend->PromptLogits(ref.prompts[2]).status();
+    backend.reset();
+    (void)cudaGetDevice(&thread_device);
+  });
+  engine.join();
+  ASSERT_EQ(got.size(), reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i].tokens, ref.greedy[i]) << i;
+  EXPECT_TRUE(logits_status.ok()) << logits_status;
+  EXPECT_EQ(thread_device, 0) << "the backend left the engine thread on another device";
 }
 
 TEST(CudaBackendTest, RefusesAKvBudgetBelowOneSequence) {
