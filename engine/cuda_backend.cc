@@ -400,6 +400,7 @@ absl::StatusOr<std::vector<float>> CudaBackend::PromptLogits(std::span<const int
 absl::StatusOr<std::vector<std::vector<float>>> CudaBackend::DecodeLogits(
     std::span<const std::vector<int32_t>> prompts, int32_t prefill_len) {
   if (num_active() > 0) return absl::FailedPreconditionError("DecodeLogits: slots are active");
+  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
   const int32_t n = prompts.empty() ? 0 : static_cast<int32_t>(prompts[0].size());
   if (prompts.empty() || prompts.size() > static_cast<size_t>(info_.max_slots)) {
     return absl::InvalidArgumentError(
