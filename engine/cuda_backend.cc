@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "kernels/cuda_check.h"
+#include "kernels/kv_layout.cuh"
 #include "kernels/postprocess.cuh"
 #include "models/checkpoint.h"
 #include "models/sampling.h"
@@ -206,7 +207,7 @@ absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index) {
   int32_t* table = h.slot_block_tables + index * mb;
   const size_t copy = std::min(in.block_table.size(), mb);
   std::copy_n(in.block_table.begin(), copy, table);
-  std::fill(table + copy, table + mb, 0);
+  std::fill(table + copy, table + mb, k::kInvalidKvBlock);  // block 0 is someone's live block
 
   const size_t words = s.mask_words();
   uint32_t* mask = h.prompt_mask + index * words;
