@@ -1,6 +1,7 @@
 // Host-side paged KV cache for the attention tests: random bf16-exact K/V, block tables drawn from
 // a shuffled permutation (so a sequence's blocks are never contiguous), unused table entries set to
-// an id far outside the pool (reading one is an illegal address, not a silent pass), and
+// kInvalidKvBlock as the engine pads them (an illegal address if dereferenced, and the attention
+// kernels flag it if looked up), and
 // PoisonPastContexts to put NaN wherever no sequence's context reaches.
 #pragma once
 
@@ -12,11 +13,10 @@
 #include <random>
 #include <vector>
 
+#include "kernels/kv_layout.cuh"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace ts::kernels::testing {
-
-inline constexpr int32_t kUnusedBlock = 0x3FFFFFFF;
 
 // Fast deterministic values in [-amp, amp], never closer to zero than amp/64, bf16-exact.
 inline std::vector<float> HashedValues(size_t n, uint64_t seed, float amp) {
@@ -85,7 +85,7 @@ inline PagedKv MakePagedKv(const std::vector<int32_t>& tokens, int32_t num_kv_he
   std::iota(perm.begin(), perm.end(), 0);
   std::mt19937 gen(seed);
   std::shuffle(perm.begin(), perm.end(), gen);
-  kv.tables.assign(tokens.size() * kv.max_blocks_per_seq, kUnusedBlock);
+  kv.tables.assign(tokens.size() * kv.max_blocks_per_seq, kInvalidKvBlock);
   size_t next = 0;
   for (size_t s = 0; s < tokens.size(); ++s) {
     const int32_t blocks = (tokens[s] + block_size - 1) / block_size;

@@ -160,6 +160,7 @@ class DecodeHarness {
     dtables_ = std::make_unique<GuardedBuffer<int32_t>>(kv_.tables.size());
     dctx_ = std::make_unique<GuardedBuffer<int32_t>>(ctx_.size());
     dout_ = std::make_unique<GuardedBuffer<__nv_bfloat16>>(q_.size());
+    dflag_ = std::make_unique<GuardedBuffer<int32_t>>(1);
     ws_bytes_ = DecodeAttentionWorkspaceBytes(num_seqs_, heads.q, head_dim, kMaxSplits);
     dws_ = std::make_unique<GuardedBuffer<uint8_t>>(ws_bytes_);
     dq_->Upload(ToBf16(q_));
@@ -167,6 +168,7 @@ class DecodeHarness {
     dv_->Upload(ToBf16(kv_.v));
     dtables_->Upload(kv_.tables);
     dctx_->Upload(ctx_);
+    dflag_->Upload({0});
     EXPECT_TRUE(ResetDecodeAttentionWorkspace(dws_->get(), ws_bytes_, nullptr).ok());
   }
 
@@ -180,6 +182,7 @@ class DecodeHarness {
     p.out = dout_->get();
     p.workspace = dws_->get();
     p.workspace_bytes = ws_bytes_;
+    p.error_flag = dflag_->get();
     p.num_seqs = num_seqs_;
     p.num_q_heads = heads_.q;
     p.num_kv_heads = heads_.kv;
@@ -229,6 +232,7 @@ class DecodeHarness {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const ::testing::AssertionResult match = Matches(Output());
     EXPECT_TRUE(match);
+    EXPECT_EQ(Flag(), 0) << "a block-table entry within a context was flagged invalid";
     if (report && match) {
       std::printf("  longest context %d, %s: %s\n", max_context(), m.Name().c_str(),
                   match.message());
@@ -237,10 +241,22 @@ class DecodeHarness {
     if (m.mode == DecodeAttentionMode::kWorkQueue) ExpectCountersReset();
   }
 
+  int32_t Flag() const { return dflag_->Download()[0]; }
+
+  // Overwrites table entry `block` of sequence `seq` on the device only (the reference keeps the
+  // real one).
+  void SetDeviceTableEntry(int seq, int block, int32_t id) const {
+    std::vector<int32_t> t = kv_.tables;
+    t[static_cast<size_t>(seq) * kv_.max_blocks_per_seq + block] = id;
+    dtables_->Upload(t);
+  }
+
   ::testing::AssertionResult Matches(const std::vector<float>& out) const {
     return ElementsWithin(out, ref_.out, ref_.tol, head_dim_);
   }
   const std::vector<double>& ref() const { return ref_.out; }
+  const std::vector<double>& tol() const { return ref_.tol; }
+  void ResetFlag() const { dflag_->Upload({0}); }
   const std::vector<float>& q() const { return q_; }
   const PagedKv& kv() const { return kv_; }
   const std::vector<int32_t>& contexts() const { return ctx_; }
@@ -265,7 +281,7 @@ class DecodeHarness {
   DecodeRef ref_;
   size_t ws_bytes_ = 0;
   std::unique_ptr<GuardedBuffer<__nv_bfloat16>> dq_, dk_, dv_, dout_;
-  std::unique_ptr<GuardedBuffer<int32_t>> dtables_, dctx_;
+  std::unique_ptr<GuardedBuffer<int32_t>> dtables_, dctx_, dflag_;
   std::unique_ptr<GuardedBuffer<uint8_t>> dws_;
 };
 
@@ -548,6 +564,36 @@ TEST(DecodeAttentionTest, PdlReadsTheCurrentTokenOnlyAfterTheWait) {
     h.ExpectGuards();
     cudaStreamDestroy(stream);
   }
+}
+
+// Every test above pads the tables with kInvalidKvBlock and checks that the flag stays 0: no entry
+// past a context is even looked up. Here an invalid id (padding, a negative id, one past the pool)
+// sits inside sequence 0's context, as an engine off-by-one would leave it: the kernel must flag
+// it and stay in bounds (no illegal address; the launch and the sync succeed), and the other
+// sequences' rows are still right. Sequence 0's own output is then meaningless and not checked.
+TEST(DecodeAttentionTest, InvalidBlockWithinAContextIsFlagged) {
+  const DecodeHarness h({8, 2}, 64, {300, 40, 17}, 21);
+  const int d = h.head_dim(), hq = h.heads().q;
+  for (const int32_t bad : {kInvalidKvBlock, int32_t{-1}, h.kv().num_blocks}) {
+    for (const ModeConfig& m : {ModeConfig{DecodeAttentionMode::kStaticSplit, 1},
+                                ModeConfig{DecodeAttentionMode::kStaticSplit, 3},
+                                ModeConfig{DecodeAttentionMode::kWorkQueue, 1, 64, 8, 1}}) {
+      SCOPED_TRACE(absl::StrCat("id ", bad, ", ", m.Name()));
+      h.SetDeviceTableEntry(0, 300 / kBlockSize, bad);  // the block of the current token
+      h.ResetFlag();
+      h.Poison(nullptr);
+      ASSERT_TRUE(LaunchDecodeAttention(h.Params(m), nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(h.Flag(), 1);
+      const std::vector<float> out = h.Output();
+      const size_t seq0 = static_cast<size_t>(hq) * d;
+      const std::vector<float> rest(out.begin() + seq0, out.end());
+      const std::vector<double> ref(h.ref().begin() + seq0, h.ref().end());
+      const std::vector<double> tol(h.tol().begin() + seq0, h.tol().end());
+      EXPECT_TRUE(ElementsWithin(rest, ref, tol, d));
+    }
+  }
+  h.ExpectGuards();
 }
 
 TEST(DecodeAttentionTest, RejectsUnsupportedHeadDimWithoutLaunching) {
