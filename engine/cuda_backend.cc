@@ -346,8 +346,8 @@ absl::Status CudaBackend::CheckErrorFlag(const char* where) const {
   if (flag == 0) return absl::OkStatus();
   return absl::InternalError(
       absl::StrCat(where,
-                   ": a kernel flagged an out-of-range token id, KV slot or sampling slot (a bug "
-                   "upstream of the GPU; the backend is no longer trusted)"));
+                   ": a kernel flagged an out-of-range token id, KV slot, block-table entry or "
+                   "sampling slot (a bug upstream of the GPU; the backend is no longer trusted)"));
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, float>>> CudaBackend::ProfileStep() {
