@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "graphs/device_guard.h"
 #include "kernels/cuda_check.h"
+#include "kernels/kv_layout.cuh"
 #include "kernels/postprocess.cuh"
 #include "models/checkpoint.h"
 #include "models/sampling.h"
@@ -213,7 +214,7 @@ absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index) {
   int32_t* table = h.slot_block_tables + index * mb;
   const size_t copy = std::min(in.block_table.size(), mb);
   std::copy_n(in.block_table.begin(), copy, table);
-  std::fill(table + copy, table + mb, 0);
+  std::fill(table + copy, table + mb, k::kInvalidKvBlock);  // block 0 is someone's live block
 
   const size_t words = s.mask_words();
   uint32_t* mask = h.prompt_mask + index * words;
@@ -355,8 +356,8 @@ absl::Status CudaBackend::CheckErrorFlag(const char* where) const {
   if (flag == 0) return absl::OkStatus();
   return absl::InternalError(
       absl::StrCat(where,
-                   ": a kernel flagged an out-of-range token id, KV slot or sampling slot (a bug "
-                   "upstream of the GPU; the backend is no longer trusted)"));
+                   ": a kernel flagged an out-of-range token id, KV slot, block-table entry or "
+                   "sampling slot (a bug upstream of the GPU; the backend is no longer trusted)"));
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, float>>> CudaBackend::ProfileStep() {

@@ -9,6 +9,7 @@
 #include "common/status.h"
 #include "engine/cuda_model.h"
 #include "kernels/cuda_check.h"
+#include "kernels/kv_layout.cuh"
 
 namespace ts::cuda_model_internal {
 namespace {
@@ -27,7 +28,7 @@ __global__ void __launch_bounds__(kThreads) PrepareDecodeKernel(PrepareDecodePar
     if (threadIdx.x == 0) {
       p.tokens[row] = 0;
       p.positions[row] = 0;
-      p.slot_mapping[row] = -1;
+      p.slot_mapping[row] = kernels::kNoKvWrite;
       p.context_lens[row] = 0;
       p.sample_slots[row] = p.num_slots;
       kernels::SamplingRow greedy;
@@ -46,8 +47,9 @@ __global__ void __launch_bounds__(kThreads) PrepareDecodeKernel(PrepareDecodePar
   if (threadIdx.x == 0) {
     p.tokens[row] = s.last_token;
     p.positions[row] = pos;
-    const int32_t block = pos / p.block_size < p.max_blocks ? table[pos / p.block_size] : -1;
-    p.slot_mapping[row] = block < 0 ? -1 : block * p.block_size + pos % p.block_size;
+    // A position past the table or on a padding entry gets kBadKvSlot, which the K/V writer
+    // flags: skipping its write quietly would leave a hole the next step attends to.
+    p.slot_mapping[row] = kernels::KvSlotFor(table, p.max_blocks, p.block_size, pos);
     p.context_lens[row] = pos + 1;
     p.sample_slots[row] = slot;
     kernels::SamplingRow r = s.sampling;

@@ -87,6 +87,7 @@ absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
     p.out = f.attn;
     p.workspace = dev_.attention_workspace;
     p.workspace_bytes = plan_.attention_workspace_bytes;
+    p.error_flag = host_dev_.error_flag;
     p.num_seqs = rows;
     p.num_q_heads = d.num_heads;
     p.num_kv_heads = d.num_kv_heads;
@@ -112,6 +113,7 @@ absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
   p.cu_seqlens = at.cu_seqlens;
   p.start_pos = at.start_pos;
   p.out = f.attn;
+  p.error_flag = host_dev_.error_flag;
   p.num_seqs = at.num_seqs;
   p.total_tokens = at.total_tokens;
   p.max_q_len = at.max_q_len;

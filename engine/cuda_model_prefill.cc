@@ -11,6 +11,7 @@
 #include "engine/cuda_model.h"
 #include "kernels/cuda_check.h"
 #include "kernels/embedding.cuh"
+#include "kernels/kv_layout.cuh"
 
 namespace ts {
 
@@ -47,12 +48,12 @@ absl::Status CudaModel::EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStr
       const size_t copy = std::min<size_t>(sq.block_table.size(), mb);
       int32_t* table = h.block_tables + j * mb;
       std::copy_n(sq.block_table.begin(), copy, table);
-      std::fill(table + copy, table + mb, 0);
+      std::fill(table + copy, table + mb, k::kInvalidKvBlock);
       for (int32_t t = 0; t < p.len; ++t, ++row) {
         const int32_t pos = p.start + t;
         h.tokens[row] = sq.tokens[pos];
         h.positions[row] = pos;
-        h.slot_mapping[row] = table[pos / bs] * bs + pos % bs;
+        h.slot_mapping[row] = k::KvSlotFor(table, mb, bs, pos);
       }
       max_q = std::max(max_q, p.len);
       if (p.start + p.len == static_cast<int32_t>(sq.tokens.size())) {
@@ -67,7 +68,7 @@ absl::Status CudaModel::EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStr
     for (int32_t r = row; r < padded; ++r) {
       h.tokens[r] = 0;
       h.positions[r] = 0;
-      h.slot_mapping[r] = -1;  // padding rows write no KV
+      h.slot_mapping[r] = k::kNoKvWrite;  // padding rows
     }
     const DeviceLayout& dv = dev_;
     auto h2d = [&](void* dst, const void* src, size_t bytes) {

@@ -110,6 +110,17 @@ __device__ __forceinline__ uint32_t TransposeBf16x8x8(uint32_t x) {
   return y;
 }
 
+// Entry `index` of a block-table row, or block 0 with *error_flag = 1 when the entry is not a block
+// of the pool (kInvalidKvBlock padding, a negative id, one >= num_blocks). A context that reaches
+// padding is a bug upstream: block 0 keeps the kernel in bounds while the flag fails the step.
+__device__ __forceinline__ int32_t CheckedBlock(const int32_t* row, int index, int32_t num_blocks,
+                                                int32_t* error_flag) {
+  const int32_t b = __ldg(row + index);
+  if (static_cast<uint32_t>(b) < static_cast<uint32_t>(num_blocks)) return b;
+  if (error_flag != nullptr) *error_flag = 1;
+  return 0;
+}
+
 // Safe max for the exponent shift: an all -inf row shifts by 0 so 2^(-inf - 0) = 0, never NaN.
 __device__ __forceinline__ float SafeShift(float m) {
   return m == -INFINITY ? 0.f : m;

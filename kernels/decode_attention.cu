@@ -14,6 +14,7 @@
 namespace ts::kernels {
 namespace {
 
+using attention_internal::CheckedBlock;
 using attention_internal::ClampedContext;
 using attention_internal::kLog2e;
 using attention_internal::MmaBf16;
@@ -40,6 +41,8 @@ struct DecodeArgs {
   float* partial_out;            // [num_seqs, num_q_heads, max_splits, D]
   float* partial_lse;            // [num_seqs, num_q_heads, max_splits]
   uint32_t* counters;            // [2]: next tile, CTAs finished
+  int32_t* error_flag;           // [1] or nullptr: a table entry within a context is invalid
+  int32_t num_blocks;
   int32_t num_seqs;
   int32_t num_q_heads;
   int32_t num_kv_heads;
@@ -172,9 +175,9 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
   for (int j = 0; j < KSTEPS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
   // Block ids are looked up a chunk ahead so the K/V loads never wait on the block table; rows
-  // past t_end read nothing.
+  // past t_end read nothing, not even their table entry (padding, kInvalidKvBlock).
   auto block_of = [&](int tok) -> int32_t {
-    return tok < t_end ? __ldg(bt + (tok >> a.block_shift)) : 0;
+    return tok < t_end ? CheckedBlock(bt, tok >> a.block_shift, a.num_blocks, a.error_flag) : 0;
   };
   auto row_at = [&](int32_t blk, int tok) -> int64_t {
     return static_cast<int64_t>(blk) * block_stride + static_cast<int64_t>(tok & bs_mask) * D;
@@ -444,6 +447,8 @@ absl::Status ValidateShape(const DecodeAttentionParams& p) {
     return Invalid("max_blocks_per_seq", absl::StrCat("= ", p.max_blocks_per_seq,
                                                       " must be >= 1 and * block_size <= 2^30"));
   if (!std::isfinite(p.scale)) return Invalid("scale", "must be finite");
+  if (p.error_flag != nullptr && !IsAligned(p.error_flag, 4))
+    return Invalid("error_flag", "must be 4-B aligned");
   if (p.max_splits < 1 || p.max_splits > 4096)
     return Invalid("max_splits", absl::StrCat("= ", p.max_splits, " must be in [1, 4096]"));
   return absl::OkStatus();
@@ -593,6 +598,8 @@ absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t 
   a.v_cache = p.v_cache;
   a.block_tables = p.block_tables;
   a.context_lens = p.context_lens;
+  a.error_flag = p.error_flag;
+  a.num_blocks = p.num_blocks;
   const size_t slots = static_cast<size_t>(p.num_seqs) * p.num_q_heads * p.max_splits;
   char* ws = static_cast<char*>(p.workspace);
   a.counters = reinterpret_cast<uint32_t*>(ws);

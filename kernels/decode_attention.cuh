@@ -39,7 +39,9 @@ struct DecodeAttentionParams {
   const __nv_bfloat16* q;        // [num_seqs, num_q_heads, head_dim], RoPE applied, 16-B aligned
   const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, head_dim] (kv_layout.cuh)
   const __nv_bfloat16* v_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
-  const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq], block ids < num_blocks
+  // [num_seqs, max_blocks_per_seq], block ids < num_blocks for the blocks a context covers; the
+  // rest is never read (the engine pads with kInvalidKvBlock).
+  const int32_t* block_tables;
   // [num_seqs], tokens to attend to, including the current token whose K/V is already written.
   // 0 marks a padding row (its output is all zeros); values above max_blocks_per_seq * block_size
   // are clamped to it.
@@ -49,13 +51,16 @@ struct DecodeAttentionParams {
   // aligned; zero it once after allocation (ResetDecodeAttentionWorkspace), never again.
   void* workspace;
   size_t workspace_bytes = 0;
+  // [1], optional: set to 1 when an entry within a context is not a block of the pool; the kernel
+  // reads block 0 for it instead (in bounds, wrong output, the step is failed). Never cleared.
+  int32_t* error_flag = nullptr;
 
   int32_t num_seqs = 0;
   int32_t num_q_heads = 0;
   int32_t num_kv_heads = 0;  // divides num_q_heads
   int32_t head_dim = 0;      // one of 16, 64, 128
   int32_t block_size = 0;    // power of two
-  int32_t num_blocks = 0;    // blocks in the cache pool (for validation of shapes only)
+  int32_t num_blocks = 0;    // blocks in the cache pool; table entries are checked against it
   int32_t max_blocks_per_seq = 0;
   float scale = 0.f;  // usually 1/sqrt(head_dim)
 

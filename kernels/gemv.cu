@@ -84,7 +84,7 @@ __device__ __forceinline__ void RopeEpilogue(const GemvParams& p, int i, int32_t
     const int32_t slot = r.slot_mapping[i];
     if (slot < 0 ||
         static_cast<int64_t>(slot) >= static_cast<int64_t>(l.num_blocks) * l.block_size) {
-      if (slot != -1 && r.error_flag != nullptr) *r.error_flag = 1;
+      if (slot != kNoKvWrite && r.error_flag != nullptr) *r.error_flag = 1;
       return;
     }
     const bool is_k = head < hq + hkv;

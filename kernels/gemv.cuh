@@ -69,12 +69,12 @@ enum class GemvEpilogue : int32_t {
 // What kRopeKv needs beyond the GEMV (the fields of RopeKvParams it shares).
 struct GemvRopeKv {
   const int32_t* positions = nullptr;     // [m] absolute position of each row
-  const int32_t* slot_mapping = nullptr;  // [m] block * block_size + offset; -1 = no K/V write
+  const int32_t* slot_mapping = nullptr;  // [m] KvSlotFor; kNoKvWrite = no K/V write
   const float* inv_freq = nullptr;        // [head_dim / 2], from ComputeInvFreq
   __nv_bfloat16* k_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
   __nv_bfloat16* v_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
-  // [1], optional: set to 1 when a slot lies outside [-1, num_blocks * block_size) (that row's
-  // K/V are not written).
+  // [1], optional: set to 1 when a slot lies outside [kNoKvWrite, num_blocks * block_size) (that
+  // row's K/V are not written).
   int32_t* error_flag = nullptr;
   KvLayout layout{};  // head_dim a multiple of 16
   int32_t num_q_heads = 0;

@@ -11,6 +11,7 @@
 namespace ts::kernels {
 namespace {
 
+using attention_internal::CheckedBlock;
 using attention_internal::kLog2e;
 using attention_internal::MmaBf16;
 using attention_internal::PackBf16;
@@ -31,6 +32,8 @@ struct PrefillArgs {
   const int32_t* cu_seqlens;     // [num_seqs + 1]
   const int32_t* start_pos;      // [num_seqs] or nullptr
   __nv_bfloat16* out;            // [total_tokens, num_q_heads, D]
+  int32_t* error_flag;           // [1] or nullptr: a table entry read is invalid
+  int32_t num_blocks;
   int32_t total_tokens;
   int32_t num_q_heads;
   int32_t num_kv_heads;
@@ -116,7 +119,8 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a
       const int key = kt + j;
       uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
       if (key < kv_end) {  // zero fill past the end: masked P times garbage V could be NaN
-        const int64_t off = __ldg(bt + (key >> a.block_shift)) * block_stride + kvh * head_stride +
+        const int32_t blk = CheckedBlock(bt, key >> a.block_shift, a.num_blocks, a.error_flag);
+        const int64_t off = blk * block_stride + kvh * head_stride +
                             static_cast<int64_t>(key & bs_mask) * D + piece * 8;
         kv = __ldg(reinterpret_cast<const uint4*>(a.k_cache + off));
         vv = __ldg(reinterpret_cast<const uint4*>(a.v_cache + off));
@@ -253,6 +257,8 @@ absl::Status Validate(const PrefillAttentionParams& p) {
     return Invalid("max_blocks_per_seq", absl::StrCat("= ", p.max_blocks_per_seq,
                                                       " must be >= 1 and * block_size <= 2^30"));
   if (!std::isfinite(p.scale)) return Invalid("scale", "must be finite");
+  if (p.error_flag != nullptr && !IsAligned(p.error_flag, 4))
+    return Invalid("error_flag", "must be 4-B aligned");
   return absl::OkStatus();
 }
 
@@ -268,6 +274,8 @@ absl::Status LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_
   a.cu_seqlens = p.cu_seqlens;
   a.start_pos = p.start_pos;
   a.out = p.out;
+  a.error_flag = p.error_flag;
+  a.num_blocks = p.num_blocks;
   a.total_tokens = p.total_tokens;
   a.num_q_heads = p.num_q_heads;
   a.num_kv_heads = p.num_kv_heads;

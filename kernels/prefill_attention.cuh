@@ -18,12 +18,15 @@ struct PrefillAttentionParams {
   const __nv_bfloat16* q;        // [total_tokens, num_q_heads, head_dim], RoPE applied, 4-B aligned
   const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, head_dim] (kv_layout.cuh)
   const __nv_bfloat16* v_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
-  const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq]
+  const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq], ids < num_blocks where read
   const int32_t* cu_seqlens;     // [num_seqs + 1], starts at 0, ends at total_tokens
   // [num_seqs], tokens already cached before this chunk (query i sits at position start + i and
   // attends to keys 0..start+i); nullptr means all zero.
   const int32_t* start_pos;
   __nv_bfloat16* out;  // [total_tokens, num_q_heads, head_dim]
+  // [1], optional: set to 1 when a table entry a query attends to is not a block of the pool; the
+  // kernel reads block 0 for it instead (in bounds, wrong output, the step is failed).
+  int32_t* error_flag = nullptr;
 
   int32_t num_seqs = 0;
   int32_t total_tokens = 0;

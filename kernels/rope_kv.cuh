@@ -29,12 +29,13 @@ struct RopeKvParams {
   // [rows, num_q_heads * head_dim], optional: receives rotated q; qkv's q part is then unchanged.
   __nv_bfloat16* q_out = nullptr;
   const int32_t* positions = nullptr;     // [rows] absolute position of each token
-  const int32_t* slot_mapping = nullptr;  // [rows] block * block_size + offset; -1 = no KV write
+  const int32_t* slot_mapping = nullptr;  // [rows] KvSlotFor; kNoKvWrite = no KV write
   const float* inv_freq = nullptr;        // [head_dim / 2], from ComputeInvFreq
   __nv_bfloat16* k_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
   __nv_bfloat16* v_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
-  // [1], optional. A slot outside [-1, num_blocks * block_size) is a bug upstream: its K/V are
-  // not written (never out of bounds) and the kernel stores 1 here. Never cleared by the kernel.
+  // [1], optional. A slot outside [kNoKvWrite, num_blocks * block_size) (kBadKvSlot included) is a
+  // bug upstream: its K/V are not written (never out of bounds) and the kernel stores 1 here.
+  // Never cleared by the kernel.
   int32_t* error_flag = nullptr;
   KvLayout layout{};        // head_dim in {16, 64, 128}; gives num_kv_heads for the qkv row too
   int32_t rows = 0;         // >= 0; 0 launches nothing

@@ -9,6 +9,7 @@
 #include "kernels/attention_combine.cuh"
 #include "kernels/attention_common.cuh"
 #include "kernels/decode_attention.cuh"
+#include "kernels/kv_layout.cuh"
 #include "kernels/prefill_attention.cuh"
 
 namespace ts::kernels {
@@ -219,6 +220,26 @@ TEST(DecodeWorkspaceTest, SizeCoversCountersLseAndPartials) {
   const size_t b = DecodeAttentionWorkspaceBytes(3, 5, 64, 7);
   EXPECT_GE(b, kDecodeAttentionCounterBytes + 3 * 5 * 7 * 4 + 3 * 5 * 7 * 64 * 4);
   EXPECT_LT(b, kDecodeAttentionCounterBytes + 3 * 5 * 7 * 4 + 3 * 5 * 7 * 64 * 4 + 256);
+}
+
+// The block-table row the engine stages: real ids, then kInvalidKvBlock padding. A position on
+// the padding or past the row must map to kBadKvSlot (flagged by the K/V writers), never to a slot
+// of block 0 or to kNoKvWrite (a silent skip).
+TEST(KvLayoutTest, KvSlotForRejectsPaddingAndPositionsPastTheTable) {
+  const int32_t table[4] = {7, 2, kInvalidKvBlock, kInvalidKvBlock};
+  for (const int32_t bs : {1, 16, 256}) {
+    SCOPED_TRACE(bs);
+    EXPECT_EQ(KvSlotFor(table, 4, bs, 0), 7 * bs);
+    EXPECT_EQ(KvSlotFor(table, 4, bs, bs - 1), 7 * bs + bs - 1);
+    EXPECT_EQ(KvSlotFor(table, 4, bs, 2 * bs - 1), 2 * bs + bs - 1);
+    for (const int32_t pos : {2 * bs, 3 * bs - 1, 3 * bs, 4 * bs - 1, 4 * bs, 4 * bs + 1, -1})
+      EXPECT_EQ(KvSlotFor(table, 4, bs, pos), kBadKvSlot) << "pos " << pos;
+  }
+  const int32_t negative[1] = {-1};  // any negative id, e.g. an old -1 padding
+  EXPECT_EQ(KvSlotFor(negative, 1, 16, 15), kBadKvSlot);
+  const int32_t huge[1] = {INT32_MAX / 8};  // a slot past int32: rejected, not wrapped
+  EXPECT_EQ(KvSlotFor(huge, 1, 16, 3), kBadKvSlot);
+  EXPECT_NE(kBadKvSlot, kNoKvWrite);
 }
 
 }  // namespace

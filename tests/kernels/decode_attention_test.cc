@@ -1,15 +1,39 @@
 // Paged decode attention (static split and work queue) + combine against a CPU reference computed
-// in double from the same bf16-rounded inputs.
+// in double from the same bf16 inputs, elementwise, with a bound derived from the kernel's
+// rounding. The cache past every context (the tail of each last block, spare blocks) is NaN and
+// unused table entries are an invalid block id, so any read outside a context shows.
 //
-// Tolerance: per (seq, head) row, max |got - ref| <= 2e-2 * max |ref|. The output is bf16 (relative
-// rounding 2^-9); the kernel accumulates in fp32 in a different order than the reference, which
-// adds ~1e-6. 2e-2 leaves room for both while any indexing bug (wrong token, head, block or split)
-// moves a row by O(max |ref|). Rows of empty sequences (context 0) must be exactly zero.
+// The bound, per output element o = sum_t w_t v_t (w = softmax weights, n = context):
+//  1. Scores: q is on a 1/16 grid (|q| <= 4) and K on a 1/64 grid (|k| <= 1), so every partial sum
+//     of q.k (D <= 128) is a multiple of 2^-10 below 2^9, 19 bits: exact in fp32 in any order, on
+//     the tensor cores too.
+//     Left are the scale multiply and exp2f (a few fp32 ulps per weight), folded into term 3.
+//  2. P to bf16: the kernel rounds each unnormalised weight p_t to bf16 before the PV mma but sums
+//     the denominator from the fp32 p_t, so o_kernel = sum_t w_t (1 + e_t) v_t with |e_t| <= 2^-8
+//     (bf16 keeps 8 significant bits). The error sum_t w_t e_t v_t is at most 2^-8 A, A = sum_t
+//     w_t |v_t|; its terms are independent roundings in [-b_t, b_t], b_t = 2^-8 w_t |v_t|, so by
+//     Hoeffding it exceeds 6 sqrt(sum_t b_t^2) = 6 * 2^-8 R (R = sqrt(sum_t (w_t v_t)^2)) with
+//     probability <= 2 e^-18 = 3e-8 per element. A rounding error is near uniform on its range,
+//     so that is ~10 true standard deviations. Term: 2^-8 min(A, 6 R).
+//  3. fp32 accumulation: per warp one mma (16 keys, up to ~4 internal roundings or truncations)
+//     and one rescale per 64 tokens of its split, then the warp merge, the split combine and the
+//     log2/exp2 of the LSEs: at most (4 ceil(n / 64) + 64) fp32 ulps of A, counted as if every
+//     error had the same sign (tensor-core truncation is biased). The split is taken as the
+//     whole context, the worst case. Term: (4 ceil(n / 64) + 64) 2^-23 A.
+//  4. The output rounding to bf16: 2^-8 of |o_kernel| <= 2^-8 (|o| + terms 2 and 3).
+// tol = 2^-8 |o| + (1 + 2^-8) (term 2 + term 3). Rows of empty sequences (context 0) must be
+// exactly zero. At a 4k context tol ~ 5e-4 + 2^-8 |o|, against 2e-2 of the row maximum before.
+// A host emulation of the kernel's arithmetic (4 warps of 16-key chunks, per-warp running max, P
+// rounded to bf16, fp32 sums, the combine) on these inputs stays below 0.6 of the bound at 1 to
+// 32k tokens; the output rounding is most of that. A wrong head, block or split moves elements by
+// O(|o|); one key dropped or doubled inside the context by ~w |v - o|, which this bound catches up
+// to contexts of ~1-2k. Reads outside a context are caught at any length by the NaN poison.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -24,7 +48,6 @@
 namespace ts::kernels::testing {
 namespace {
 
-constexpr double kTol = 2e-2;
 constexpr int kBlockSize = 16;
 constexpr int kMaxSplits = 64;
 
@@ -54,43 +77,59 @@ int NumSms() {
   return std::max(sms, 1);
 }
 
-// out[s, h, :] = softmax_t(scale * q[s, h] . k[s, t]) v[s, t], in double.
-std::vector<double> Reference(const std::vector<float>& q, const PagedKv& kv,
-                              const std::vector<int32_t>& ctx, int num_q_heads, float scale) {
+struct DecodeRef {
+  std::vector<double> out;  // [num_seqs, num_q_heads, head_dim]
+  std::vector<double> tol;  // the bound of the file comment, per element
+};
+
+// out[s, h, :] = softmax_t(scale * q[s, h] . k[s, t]) v[s, t], in double, with its bound.
+DecodeRef Reference(const std::vector<float>& q, const PagedKv& kv, const std::vector<int32_t>& ctx,
+                    int num_q_heads, float scale) {
   const int d = kv.head_dim;
   const int group = num_q_heads / kv.num_kv_heads;
-  std::vector<double> out(q.size(), 0.0);
+  DecodeRef r{std::vector<double>(q.size(), 0.0), std::vector<double>(q.size(), 0.0)};
+  std::vector<double> abs_sum(d), sq_sum(d);
   for (size_t s = 0; s < ctx.size(); ++s) {
     const int n = ctx[s];
     if (n == 0) continue;
+    const double accum_ulps = 4.0 * ((n + 63) / 64) + 64;
     for (int kvh = 0; kvh < kv.num_kv_heads; ++kvh) {
-      std::vector<double> scores(static_cast<size_t>(group) * n);
-      for (int t = 0; t < n; ++t) {
-        const float* k = kv.KRow(s, kvh, t);
-        for (int g = 0; g < group; ++g) {
-          const float* qr = q.data() + (s * num_q_heads + kvh * group + g) * d;
+      for (int g = 0; g < group; ++g) {
+        const size_t row = (s * num_q_heads + kvh * group + g) * d;
+        const float* qr = q.data() + row;
+        std::vector<double> w(n);
+        double mx = -INFINITY, sum = 0;
+        for (int t = 0; t < n; ++t) {
+          const float* k = kv.KRow(s, kvh, t);
           double dot = 0;
           for (int i = 0; i < d; ++i) dot += static_cast<double>(qr[i]) * k[i];
-          scores[g * n + t] = dot * scale;
+          w[t] = dot * scale;
+          mx = std::max(mx, w[t]);
         }
-      }
-      for (int g = 0; g < group; ++g) {
-        double mx = -INFINITY, sum = 0;
-        for (int t = 0; t < n; ++t) mx = std::max(mx, scores[g * n + t]);
-        for (int t = 0; t < n; ++t) sum += (scores[g * n + t] = std::exp(scores[g * n + t] - mx));
-        for (int t = 0; t < n; ++t) scores[g * n + t] /= sum;
-      }
-      for (int t = 0; t < n; ++t) {
-        const float* v = kv.VRow(s, kvh, t);
-        for (int g = 0; g < group; ++g) {
-          double* o = out.data() + (s * num_q_heads + kvh * group + g) * d;
-          const double p = scores[g * n + t];
-          for (int i = 0; i < d; ++i) o[i] += p * v[i];
+        for (int t = 0; t < n; ++t) sum += (w[t] = std::exp(w[t] - mx));
+        std::fill(abs_sum.begin(), abs_sum.end(), 0.0);
+        std::fill(sq_sum.begin(), sq_sum.end(), 0.0);
+        double* o = r.out.data() + row;
+        for (int t = 0; t < n; ++t) {
+          const float* v = kv.VRow(s, kvh, t);
+          const double wt = w[t] / sum;
+          for (int i = 0; i < d; ++i) {
+            const double x = wt * v[i];
+            o[i] += x;
+            abs_sum[i] += std::fabs(x);
+            sq_sum[i] += x * x;
+          }
+        }
+        for (int i = 0; i < d; ++i) {
+          const double p_round = std::ldexp(std::min(abs_sum[i], 6 * std::sqrt(sq_sum[i])), -8);
+          const double accum = std::ldexp(accum_ulps * abs_sum[i], -23);
+          r.tol[row + i] =
+              std::ldexp(std::fabs(o[i]), -8) + (1 + std::ldexp(1.0, -8)) * (p_round + accum);
         }
       }
     }
   }
-  return out;
+  return r;
 }
 
 // Edge lengths first (1, 15, 16, 17 around a block boundary, then long), then a ragged random mix;
@@ -112,8 +151,11 @@ class DecodeHarness {
       : heads_(heads), head_dim_(head_dim), block_size_(block_size), ctx_(std::move(ctx)) {
     num_seqs_ = static_cast<int>(ctx_.size());
     kv_ = MakePagedKv(ctx_, heads.kv, block_size, head_dim, seed);
+    QuantizeTo(kv_.k, 1.f / 64);  // exact fp32 dot products (file comment)
+    PoisonPastContexts(kv_, ctx_);
     // |q| up to 4 makes the softmax peaked enough that a wrong max shift would show.
     q_ = HashedValues(static_cast<size_t>(num_seqs_) * heads.q * head_dim, seed + 7, 4.f);
+    QuantizeTo(q_, 1.f / 16);
     scale_ = 1.f / std::sqrt(static_cast<float>(head_dim));
     ref_ = Reference(q_, kv_, ctx_, heads.q, scale_);
 
@@ -123,6 +165,7 @@ class DecodeHarness {
     dtables_ = std::make_unique<GuardedBuffer<int32_t>>(kv_.tables.size());
     dctx_ = std::make_unique<GuardedBuffer<int32_t>>(ctx_.size());
     dout_ = std::make_unique<GuardedBuffer<__nv_bfloat16>>(q_.size());
+    dflag_ = std::make_unique<GuardedBuffer<int32_t>>(1);
     ws_bytes_ = DecodeAttentionWorkspaceBytes(num_seqs_, heads.q, head_dim, kMaxSplits);
     dws_ = std::make_unique<GuardedBuffer<uint8_t>>(ws_bytes_);
     dq_->Upload(ToBf16(q_));
@@ -130,6 +173,7 @@ class DecodeHarness {
     dv_->Upload(ToBf16(kv_.v));
     dtables_->Upload(kv_.tables);
     dctx_->Upload(ctx_);
+    dflag_->Upload({0});
     EXPECT_TRUE(ResetDecodeAttentionWorkspace(dws_->get(), ws_bytes_, nullptr).ok());
   }
 
@@ -143,6 +187,7 @@ class DecodeHarness {
     p.out = dout_->get();
     p.workspace = dws_->get();
     p.workspace_bytes = ws_bytes_;
+    p.error_flag = dflag_->get();
     p.num_seqs = num_seqs_;
     p.num_q_heads = heads_.q;
     p.num_kv_heads = heads_.kv;
@@ -184,17 +229,39 @@ class DecodeHarness {
     EXPECT_TRUE(dq_->GuardsIntact()) << "q";
   }
 
-  void RunAndCheck(const ModeConfig& m) const {
+  // `report`: print the worst err/tol on success too, to show the bound's margin.
+  void RunAndCheck(const ModeConfig& m, bool report = false) const {
     SCOPED_TRACE(m.Name());
     Poison(nullptr);
     ASSERT_TRUE(LaunchDecodeAttention(Params(m), nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_TRUE(RowsClose(Output(), ref_, head_dim_, kTol));
+    const ::testing::AssertionResult match = Matches(Output());
+    EXPECT_TRUE(match);
+    EXPECT_EQ(Flag(), 0) << "a block-table entry within a context was flagged invalid";
+    if (report && match) {
+      std::printf("  longest context %d, %s: %s\n", max_context(), m.Name().c_str(),
+                  match.message());
+    }
     ExpectGuards();
     if (m.mode == DecodeAttentionMode::kWorkQueue) ExpectCountersReset();
   }
 
-  const std::vector<double>& ref() const { return ref_; }
+  int32_t Flag() const { return dflag_->Download()[0]; }
+
+  // Overwrites table entry `block` of sequence `seq` on the device only (the reference keeps the
+  // real one).
+  void SetDeviceTableEntry(int seq, int block, int32_t id) const {
+    std::vector<int32_t> t = kv_.tables;
+    t[static_cast<size_t>(seq) * kv_.max_blocks_per_seq + block] = id;
+    dtables_->Upload(t);
+  }
+
+  ::testing::AssertionResult Matches(const std::vector<float>& out) const {
+    return ElementsWithin(out, ref_.out, ref_.tol, head_dim_);
+  }
+  const std::vector<double>& ref() const { return ref_.out; }
+  const std::vector<double>& tol() const { return ref_.tol; }
+  void ResetFlag() const { dflag_->Upload({0}); }
   const std::vector<float>& q() const { return q_; }
   const PagedKv& kv() const { return kv_; }
   const std::vector<int32_t>& contexts() const { return ctx_; }
@@ -216,10 +283,10 @@ class DecodeHarness {
   PagedKv kv_;
   std::vector<float> q_;
   float scale_ = 0;
-  std::vector<double> ref_;
+  DecodeRef ref_;
   size_t ws_bytes_ = 0;
   std::unique_ptr<GuardedBuffer<__nv_bfloat16>> dq_, dk_, dv_, dout_;
-  std::unique_ptr<GuardedBuffer<int32_t>> dtables_, dctx_;
+  std::unique_ptr<GuardedBuffer<int32_t>> dtables_, dctx_, dflag_;
   std::unique_ptr<GuardedBuffer<uint8_t>> dws_;
 };
 
@@ -282,11 +349,11 @@ INSTANTIATE_TEST_SUITE_P(
                           info.param.head_dim);
     });
 
-// The kernel walks each split in 16-key chunks and looks up every key's block: blocks of 4 and 8
-// split a chunk over several blocks, and 32 holds two chunks.
+// The kernel walks each split in 16-key chunks and looks up every key's block: blocks of 1-8
+// split a chunk over several blocks, 32-256 hold several chunks (and a long poisoned tail).
 TEST(DecodeAttentionTest, BlockSizesAroundTheKeyChunk) {
-  for (int block_size : {4, 8, 32}) {
-    for (int head_dim : {64, 128}) {
+  for (int block_size : {1, 2, 4, 8, 32, 64, 256}) {
+    for (int head_dim : {16, 64, 128}) {
       SCOPED_TRACE(absl::StrCat("block_size=", block_size, " head_dim=", head_dim));
       const uint32_t seed = 300 + block_size + head_dim;
       const DecodeHarness h({32, 8}, head_dim, Contexts(9, seed), seed, block_size);
@@ -300,6 +367,26 @@ TEST(DecodeAttentionTest, EachEdgeLengthAlone) {
     SCOPED_TRACE(absl::StrCat("context=", n));
     const DecodeHarness h({32, 8}, 128, {n}, 1000 + n);
     for (const ModeConfig& m : AllModes(h)) h.RunAndCheck(m);
+  }
+}
+
+// Long contexts at the Llama-3 8B head shape, one sequence each: every mode of AllModes, so the
+// production split count (ChooseNumSplits: 32-49 splits on an H200), one split over the whole
+// context, several splits through the combine kernel and the work queue.
+TEST(DecodeAttentionTest, LongContexts) {
+  for (int n : {4096, 16384, 32768}) {
+    SCOPED_TRACE(absl::StrCat("context=", n));
+    const DecodeHarness h({32, 8}, 128, {n}, 2000 + n);
+    for (const ModeConfig& m : AllModes(h)) h.RunAndCheck(m, /*report=*/true);
+  }
+}
+
+// A ragged batch of long and short contexts off the block boundaries, with a padding row.
+TEST(DecodeAttentionTest, RaggedLongBatch) {
+  for (int head_dim : {64, 128}) {
+    SCOPED_TRACE(absl::StrCat("head_dim=", head_dim));
+    const DecodeHarness h({8, 2}, head_dim, {4095, 32768, 17, 0, 16385, 1}, 77 + head_dim);
+    for (const ModeConfig& m : AllModes(h)) h.RunAndCheck(m, /*report=*/true);
   }
 }
 
@@ -330,7 +417,7 @@ TEST(DecodeAttentionTest, WorkQueueGraphReplaysAreIdentical) {
       ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       const std::vector<float> out = h.Output();
-      EXPECT_TRUE(RowsClose(out, h.ref(), h.head_dim(), kTol));
+      EXPECT_TRUE(h.Matches(out));
       h.ExpectCountersReset();
       if (replay == 0) {
         first = out;
@@ -390,7 +477,7 @@ TEST(DecodeAttentionTest, ExecUpdateChangesSplitCount) {
     h.Poison(stream);
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    EXPECT_TRUE(RowsClose(h.Output(), h.ref(), h.head_dim(), kTol));
+    EXPECT_TRUE(h.Matches(h.Output()));
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(g1);
     cudaGraphDestroy(g2);
@@ -480,7 +567,7 @@ TEST(DecodeAttentionTest, PdlReadsTheCurrentTokenOnlyAfterTheWait) {
         h.Poison(stream);
         ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-        ASSERT_TRUE(RowsClose(h.Output(), h.ref(), h.head_dim(), kTol)) << "replay " << replay;
+        ASSERT_TRUE(h.Matches(h.Output())) << "replay " << replay;
       }
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
@@ -488,6 +575,36 @@ TEST(DecodeAttentionTest, PdlReadsTheCurrentTokenOnlyAfterTheWait) {
     h.ExpectGuards();
     cudaStreamDestroy(stream);
   }
+}
+
+// Every test above pads the tables with kInvalidKvBlock and checks that the flag stays 0: no entry
+// past a context is even looked up. Here an invalid id (padding, a negative id, one past the pool)
+// sits inside sequence 0's context, as an engine off-by-one would leave it: the kernel must flag
+// it and stay in bounds (no illegal address; the launch and the sync succeed), and the other
+// sequences' rows are still right. Sequence 0's own output is then meaningless and not checked.
+TEST(DecodeAttentionTest, InvalidBlockWithinAContextIsFlagged) {
+  const DecodeHarness h({8, 2}, 64, {300, 40, 17}, 21);
+  const int d = h.head_dim(), hq = h.heads().q;
+  for (const int32_t bad : {kInvalidKvBlock, int32_t{-1}, h.kv().num_blocks}) {
+    for (const ModeConfig& m : {ModeConfig{DecodeAttentionMode::kStaticSplit, 1},
+                                ModeConfig{DecodeAttentionMode::kStaticSplit, 3},
+                                ModeConfig{DecodeAttentionMode::kWorkQueue, 1, 64, 8, 1}}) {
+      SCOPED_TRACE(absl::StrCat("id ", bad, ", ", m.Name()));
+      h.SetDeviceTableEntry(0, 300 / kBlockSize, bad);  // the block of the current token
+      h.ResetFlag();
+      h.Poison(nullptr);
+      ASSERT_TRUE(LaunchDecodeAttention(h.Params(m), nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(h.Flag(), 1);
+      const std::vector<float> out = h.Output();
+      const size_t seq0 = static_cast<size_t>(hq) * d;
+      const std::vector<float> rest(out.begin() + seq0, out.end());
+      const std::vector<double> ref(h.ref().begin() + seq0, h.ref().end());
+      const std::vector<double> tol(h.tol().begin() + seq0, h.tol().end());
+      EXPECT_TRUE(ElementsWithin(rest, ref, tol, d));
+    }
+  }
+  h.ExpectGuards();
 }
 
 TEST(DecodeAttentionTest, RejectsUnsupportedHeadDimWithoutLaunching) {

@@ -626,6 +626,8 @@ TEST(GemvTest, RopeKvEpilogueMatchesGemvThenRopeKv) {
 TEST(GemvTest, RopeKvEpilogueSkipsAndFlagsBadSlots) {
   RunRopeCase(RopeCase{4, 2, 64, 256}, 3, true, {96, -7, 5});
   RunRopeCase(RopeCase{4, 2, 64, 256}, 3, true, {96, -7, 5}, /*split=*/0);
+  // What KvSlotFor gives a position on block-table padding or past the table.
+  RunRopeCase(RopeCase{4, 2, 64, 256}, 3, true, {kBadKvSlot, kNoKvWrite, 5});
 }
 
 TEST(GemvTest, RopeKvEpilogueRejectsBadParams) {

@@ -76,6 +76,7 @@ class PrefillHarness {
     }
     total_ = cu_.back();
     kv_ = MakePagedKv(cached, c.num_kv_heads, kBlockSize, c.head_dim, seed);
+    PoisonPastContexts(kv_, cached);  // NaN wherever no query may look
     q_ = HashedValues(static_cast<size_t>(total_) * c.num_q_heads * c.head_dim, seed + 3, 4.f);
     scale_ = 1.f / std::sqrt(static_cast<float>(c.head_dim));
     ref_ = Reference(q_, kv_, cu_, c.starts, c.num_q_heads, scale_);
@@ -87,6 +88,8 @@ class PrefillHarness {
     dcu_ = std::make_unique<GuardedBuffer<int32_t>>(cu_.size());
     dstart_ = std::make_unique<GuardedBuffer<int32_t>>(c.starts.size());
     dout_ = std::make_unique<GuardedBuffer<__nv_bfloat16>>(q_.size());
+    dflag_ = std::make_unique<GuardedBuffer<int32_t>>(1);
+    dflag_->Upload({0});
     dq_->Upload(ToBf16(q_));
     dk_->Upload(ToBf16(kv_.k));
     dv_->Upload(ToBf16(kv_.v));
@@ -104,6 +107,7 @@ class PrefillHarness {
     p.cu_seqlens = dcu_->get();
     p.start_pos = dstart_->get();
     p.out = dout_->get();
+    p.error_flag = dflag_->get();
     p.num_seqs = static_cast<int32_t>(c_.q_lens.size());
     p.total_tokens = total_;
     p.max_q_len = *std::max_element(c_.q_lens.begin(), c_.q_lens.end());
@@ -120,6 +124,19 @@ class PrefillHarness {
   void Check() const {
     EXPECT_TRUE(RowsClose(FromBf16(dout_->Download()), ref_, c_.head_dim, kTol));
     EXPECT_TRUE(dout_->GuardsIntact());
+    EXPECT_EQ(Flag(), 0) << "a block-table entry a query attends to was flagged invalid";
+  }
+
+  int32_t Flag() const { return dflag_->Download()[0]; }
+  std::vector<float> Output() const { return FromBf16(dout_->Download()); }
+  const std::vector<double>& ref() const { return ref_; }
+  const std::vector<int32_t>& cu() const { return cu_; }
+
+  // Overwrites table entry `block` of sequence `seq` on the device only.
+  void SetDeviceTableEntry(int seq, int block, int32_t id) const {
+    std::vector<int32_t> t = kv_.tables;
+    t[static_cast<size_t>(seq) * kv_.max_blocks_per_seq + block] = id;
+    dtables_->Upload(t);
   }
 
   void Run() const {
@@ -140,7 +157,7 @@ class PrefillHarness {
   float scale_ = 0;
   std::vector<double> ref_;
   std::unique_ptr<GuardedBuffer<__nv_bfloat16>> dq_, dk_, dv_, dout_;
-  std::unique_ptr<GuardedBuffer<int32_t>> dtables_, dcu_, dstart_;
+  std::unique_ptr<GuardedBuffer<int32_t>> dtables_, dcu_, dstart_, dflag_;
 };
 
 struct Heads {
@@ -195,6 +212,26 @@ TEST(PrefillAttentionTest, CapturesIntoAGraph) {
       RunInGraph(stream, [&](cudaStream_t s) { return LaunchPrefillAttention(h.Params(), s); }));
   h.Check();
   cudaStreamDestroy(stream);
+}
+
+// An invalid id inside sequence 0's cached prefix (an engine off-by-one): flagged, in bounds (the
+// launch and the sync succeed), and sequence 1's rows unaffected. Sequence 0's are not checked.
+TEST(PrefillAttentionTest, InvalidBlockWithinAPrefixIsFlagged) {
+  const PrefillCase c{8, 2, 64, {20, 5}, {100, 0}};
+  const PrefillHarness h(c, 17);
+  for (const int32_t bad : {kInvalidKvBlock, int32_t{-1}}) {
+    SCOPED_TRACE(absl::StrCat("id ", bad));
+    h.SetDeviceTableEntry(0, 2, bad);
+    h.Poison();
+    ASSERT_TRUE(LaunchPrefillAttention(h.Params(), nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(h.Flag(), 1);
+    const size_t row = static_cast<size_t>(c.num_q_heads) * c.head_dim;
+    const std::vector<float> out = h.Output();
+    const std::vector<float> rest(out.begin() + h.cu()[1] * row, out.end());
+    const std::vector<double> ref(h.ref().begin() + h.cu()[1] * row, h.ref().end());
+    EXPECT_TRUE(RowsClose(rest, ref, c.head_dim, kTol));
+  }
 }
 
 TEST(PrefillAttentionTest, RejectsUnsupportedHeadDim) {

@@ -226,8 +226,8 @@ TEST(RopeKvTest, QOutLeavesQkvQUntouched) {
 }
 
 TEST(RopeKvTest, OutOfRangeSlotsAreSkippedAndFlagged) {
-  Inputs in = MakeInputs(Shape{3, 64, 4, 2}, 42);
-  in.slots = {in.num_blocks * kBlockSize, -7, -1};
+  Inputs in = MakeInputs(Shape{4, 64, 4, 2}, 42);
+  in.slots = {in.num_blocks * kBlockSize, -7, kNoKvWrite, kBadKvSlot};
   Device dev(in);
   TS_ASSERT_OK(LaunchRopeKv(dev.Params(in, false), nullptr));
   TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
@@ -237,6 +237,44 @@ TEST(RopeKvTest, OutOfRangeSlotsAreSkippedAndFlagged) {
   }
   EXPECT_TRUE(dev.k_cache.GuardsIntact());
   EXPECT_TRUE(dev.v_cache.GuardsIntact());
+}
+
+// The engine pads each table row with kInvalidKvBlock and maps positions through KvSlotFor. A
+// position on a padding entry or past the row (an off-by-one upstream) must raise the flag and
+// write nothing, not land in block 0 (someone else's live block) or be skipped quietly. The last
+// offset of a padding entry is the case an id of -1 would get wrong: -1 * 16 + 15 = -1, "no write".
+TEST(RopeKvTest, PositionsPastTheBlockTableAreFlaggedAndWriteNothing) {
+  constexpr int kMaxBlocks = 4;
+  const int32_t table[kMaxBlocks] = {3, 1, kInvalidKvBlock, kInvalidKvBlock};
+  for (const int32_t pos : {2 * kBlockSize + 5, 3 * kBlockSize + kBlockSize - 1,
+                            kMaxBlocks * kBlockSize, kMaxBlocks * kBlockSize + 7}) {
+    SCOPED_TRACE(::testing::Message() << "position " << pos);
+    Inputs in = MakeInputs(Shape{1, 64, 4, 2}, 42);
+    in.positions = {pos};
+    in.slots = {KvSlotFor(table, kMaxBlocks, kBlockSize, pos)};
+    ASSERT_EQ(in.slots[0], kBadKvSlot);
+    Device dev(in);
+    TS_ASSERT_OK(LaunchRopeKv(dev.Params(in, false), nullptr));
+    TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(dev.flag.Download()[0], 1);
+    for (const auto& cache : {dev.k_cache.Download(), dev.v_cache.Download()}) {
+      for (const __nv_bfloat16 h : cache) ASSERT_EQ(Bits(h), kPoison);
+    }
+    EXPECT_TRUE(dev.k_cache.GuardsIntact());
+    EXPECT_TRUE(dev.v_cache.GuardsIntact());
+  }
+  // The same table's real entries and a padding row (kNoKvWrite): written, nothing flagged.
+  Inputs in = MakeInputs(Shape{3, 64, 4, 2}, 43);
+  ASSERT_GE(in.num_blocks, 4);
+  in.positions = {kBlockSize + 3, 5, 0};
+  in.slots = {KvSlotFor(table, kMaxBlocks, kBlockSize, in.positions[0]),
+              KvSlotFor(table, kMaxBlocks, kBlockSize, in.positions[1]), kNoKvWrite};
+  EXPECT_EQ(in.slots[0], 1 * kBlockSize + 3);
+  EXPECT_EQ(in.slots[1], 3 * kBlockSize + 5);
+  Device dev(in);
+  TS_ASSERT_OK(LaunchRopeKv(dev.Params(in, false), nullptr));
+  TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  CheckOutputs(in, dev, false);  // the written slots and nothing else, flag 0
 }
 
 TEST(RopeKvTest, CapturesInGraph) {
