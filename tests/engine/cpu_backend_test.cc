@@ -5,25 +5,34 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
 #include "engine/engine.h"
 #include "nlohmann/json.hpp"
+#include "tests/common/safetensors_writer.h"
 #include "tests/common/test_paths.h"
+#include "tests/engine/gate.h"
 #include "tests/engine/stream_reader.h"
 
 namespace ts {
 namespace {
 
+using ::ts::testing::Gate;
+using ::ts::testing::GatedBackend;
+using ::ts::testing::OpenOnExit;
 using ::ts::testing::ReadToEnd;
 using ::ts::testing::StreamReader;
+using ::ts::testing::WaitIdle;
 
 constexpr char kVariant[] = "tiny-gqa-untied";
 
 struct Reference {
   std::vector<std::vector<int32_t>> prompts;
   std::vector<std::vector<int32_t>> greedy;  // EOS ignored
+  std::vector<int32_t> eos_token_ids;        // the model's, as transformers read them
 };
 
 Reference LoadReference() {
@@ -33,6 +42,7 @@ Reference LoadReference() {
   Reference r;
   r.prompts = j.at("prompts").get<std::vector<std::vector<int32_t>>>();
   r.greedy = j.at("greedy").get<std::vector<std::vector<int32_t>>>();
+  r.eos_token_ids = j.at("eos_token_ids").get<std::vector<int32_t>>();
   return r;
 }
 
@@ -50,17 +60,31 @@ class CpuEngineTest : public ::testing::Test {
  protected:
   void SetUp() override { ref_ = LoadReference(); }
 
-  // Builds an Engine over a fresh CpuBackend; keeps a raw pointer to inspect the backend.
-  std::unique_ptr<Engine> MakeEngine(int32_t max_slots, EngineOptions eo = {}) {
-    auto model = CpuModel::Load(::ts::testing::FixtureDir() / kVariant, {.num_threads = 2});
+  // A fresh CpuBackend on `dir` (the fixture when empty); keeps a raw pointer to inspect it.
+  std::unique_ptr<CpuBackend> MakeBackend(int32_t max_slots, std::filesystem::path dir = {}) {
+    if (dir.empty()) dir = ::ts::testing::FixtureDir() / kVariant;
+    auto model = CpuModel::Load(dir, {.num_threads = 2});
     EXPECT_TRUE(model.ok()) << model.status();
-    auto backend = CpuBackend::Create(std::move(*model), BackendOptions(max_slots));
+    if (!model.ok()) return nullptr;
+    CpuBackendOptions o = BackendOptions(max_slots);
+    o.model_dir = dir;
+    auto backend = CpuBackend::Create(std::move(*model), o);
     EXPECT_TRUE(backend.ok()) << backend.status();
+    if (!backend.ok()) return nullptr;
     backend_ = backend->get();
+    return std::move(*backend);
+  }
+
+  static std::unique_ptr<Engine> MakeEngineOver(std::unique_ptr<Backend> backend, int32_t max_slots,
+                                                EngineOptions eo = {}) {
     eo.max_batch = max_slots;
-    auto engine = Engine::Create(std::move(eo), std::move(*backend));
+    auto engine = Engine::Create(std::move(eo), std::move(backend));
     EXPECT_TRUE(engine.ok()) << engine.status();
-    return std::move(*engine);
+    return engine.ok() ? std::move(*engine) : nullptr;
+  }
+
+  std::unique_ptr<Engine> MakeEngine(int32_t max_slots, EngineOptions eo = {}) {
+    return MakeEngineOver(MakeBackend(max_slots), max_slots, std::move(eo));
   }
 
   static GenerateRequest Greedy(std::vector<int32_t> prompt, int32_t max_new) {
@@ -101,13 +125,6 @@ class CpuEngineTest : public ::testing::Test {
     std::vector<StreamReader> out = RunAll(*engine, {std::move(req)});
     EXPECT_TRUE(out[0].status.ok()) << out[0].status;
     return out[0].tokens;
-  }
-
-  static void WaitIdle(const Engine& engine) {
-    for (int i = 0; i < 100000 && !engine.Idle(); ++i) {
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    ASSERT_TRUE(engine.Idle());
   }
 
   static std::vector<int32_t> Prefix(const std::vector<int32_t>& v, size_t n) {
@@ -218,9 +235,7 @@ TEST_F(CpuEngineTest, StopRulesOnTheRealModel) {
   stop.stop.stop_token_ids = {stop_id};
   GenerateRequest late = stop;  // ignores stop ids until index first_at + 1
   late.stop.min_new_tokens = static_cast<int32_t>(first_at) + 1;
-  GenerateRequest eos = Greedy(ref_.prompts[0], 32);
-  eos.stop.ignore_eos = false;  // the fixture's EOS is 2
-  std::vector<StreamReader> out = RunAll(*engine, {stop, late, eos});
+  std::vector<StreamReader> out = RunAll(*engine, {stop, late});
 
   EXPECT_EQ(out[0].reason, FinishReason::kStopToken);
   EXPECT_EQ(out[0].tokens, Prefix(stream, first_at + 1));
@@ -229,32 +244,144 @@ TEST_F(CpuEngineTest, StopRulesOnTheRealModel) {
   ASSERT_LT(static_cast<size_t>(again), stream.size());
   EXPECT_EQ(out[1].reason, FinishReason::kStopToken);
   EXPECT_EQ(out[1].tokens, Prefix(stream, again + 1));
-  const auto eos_at = std::find(stream.begin(), stream.end(), 2) - stream.begin();
-  if (static_cast<size_t>(eos_at) < stream.size()) {
-    EXPECT_EQ(out[2].reason, FinishReason::kEos);
-    EXPECT_EQ(out[2].tokens, Prefix(stream, eos_at + 1));
-  } else {
-    EXPECT_EQ(out[2].reason, FinishReason::kLength);
-    EXPECT_EQ(out[2].tokens, stream);
+}
+
+// Index of the first token of `stream` at or after `from` that is one of `ids`; stream.size()
+// when there is none.
+size_t FirstOf(const std::vector<int32_t>& stream, const std::vector<int32_t>& ids,
+               size_t from = 0) {
+  for (size_t j = from; j < stream.size(); ++j) {
+    if (std::find(ids.begin(), ids.end(), stream[j]) != ids.end()) return j;
+  }
+  return stream.size();
+}
+
+TEST_F(CpuEngineTest, EosEndsTheStreamOnTheRealModel) {
+  // A prompt whose transformers continuation holds one of the model's EOS ids.
+  ASSERT_FALSE(ref_.eos_token_ids.empty());
+  auto eos_index = [&](size_t i) { return FirstOf(ref_.greedy[i], ref_.eos_token_ids); };
+  size_t p = 0;
+  while (p < ref_.greedy.size() && (eos_index(p) == 0 || eos_index(p) == ref_.greedy[p].size())) {
+    ++p;
+  }
+  ASSERT_LT(p, ref_.greedy.size()) << "no reference continuation holds an EOS id";
+  const std::vector<int32_t>& stream = ref_.greedy[p];
+  const size_t eos_at = FirstOf(stream, ref_.eos_token_ids);
+  ASSERT_GT(eos_at, 0u);
+  const int32_t n = static_cast<int32_t>(stream.size());
+
+  auto engine = MakeEngine(4);
+  EXPECT_EQ(engine->model_info().eos_token_ids, ref_.eos_token_ids);
+  GenerateRequest eos = Greedy(ref_.prompts[p], n);
+  eos.stop.ignore_eos = false;
+  // min_new_tokens past the EOS: it no longer counts, the next one (if any) does.
+  GenerateRequest late = eos;
+  late.stop.min_new_tokens = static_cast<int32_t>(eos_at) + 1;
+  const size_t late_at = FirstOf(stream, ref_.eos_token_ids, eos_at + 1);
+  // ignore_eos runs through it to max_new_tokens.
+  GenerateRequest ignored = Greedy(ref_.prompts[p], n);
+  std::vector<StreamReader> out = RunAll(*engine, {eos, late, ignored});
+
+  EXPECT_EQ(out[0].reason, FinishReason::kEos) << "prompt " << p << ", EOS at " << eos_at;
+  EXPECT_TRUE(out[0].status.ok()) << out[0].status;
+  EXPECT_EQ(out[0].tokens, Prefix(stream, eos_at + 1));
+  EXPECT_EQ(out[0].completion_tokens, static_cast<int32_t>(eos_at) + 1);
+  EXPECT_EQ(out[1].reason, late_at < stream.size() ? FinishReason::kEos : FinishReason::kLength);
+  EXPECT_EQ(out[1].tokens, Prefix(stream, late_at + 1));
+  EXPECT_EQ(out[2].reason, FinishReason::kLength);
+  EXPECT_EQ(out[2].tokens, stream);
+  WaitIdle(*engine);
+  EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total);
+}
+
+// Llama-3 style: generation_config.json lists several EOS ids, and any of them ends a stream. The
+// fixture is copied with one more EOS id, taken from a reference continuation, so that two
+// prompts in one batch end on two different ids.
+TEST_F(CpuEngineTest, AnyOfSeveralEosIdsEndsTheStream) {
+  ASSERT_EQ(ref_.greedy.size(), 3u);
+  const std::vector<int32_t>& model_eos = ref_.eos_token_ids;
+  // The prompt that ends on the model's own EOS, and another whose stream has none.
+  size_t own = 0, other = 0;
+  while (own < 3 && FirstOf(ref_.greedy[own], model_eos) == ref_.greedy[own].size()) ++own;
+  while (other < 3 && FirstOf(ref_.greedy[other], model_eos) != ref_.greedy[other].size()) {
+    ++other;
+  }
+  ASSERT_LT(own, 3u);
+  ASSERT_LT(other, 3u);
+  const size_t own_at = FirstOf(ref_.greedy[own], model_eos);
+  // The extra id: the first token of `other`'s stream from index 3 on that occurs neither
+  // earlier in that stream nor in `own`'s stream before its EOS.
+  const std::vector<int32_t>& os = ref_.greedy[other];
+  size_t extra_at = 3;
+  auto usable = [&](size_t j) {
+    const std::vector<int32_t> id = {os[j]};
+    return FirstOf(os, id) == j && FirstOf(Prefix(ref_.greedy[own], own_at), id) == own_at &&
+           FirstOf(model_eos, id) == model_eos.size();
+  };
+  while (extra_at < os.size() && !usable(extra_at)) ++extra_at;
+  ASSERT_LT(extra_at, os.size());
+  const int32_t extra = os[extra_at];
+
+  ::ts::testing::TempDir dir("ts_cpu_eos");
+  ASSERT_FALSE(dir.path().empty());
+  const std::filesystem::path src = ::ts::testing::FixtureDir() / kVariant;
+  for (const char* f : {"config.json", "model.safetensors"}) {
+    std::filesystem::copy_file(src / f, dir / f);
+  }
+  nlohmann::json gen = {{"bos_token_id", 1}, {"eos_token_id", {extra}}};
+  for (int32_t id : model_eos) gen["eos_token_id"].push_back(id);
+  std::ofstream(dir / "generation_config.json") << gen.dump();
+
+  auto engine = MakeEngineOver(MakeBackend(4, dir.path()), 4);
+  ASSERT_NE(engine, nullptr);
+  std::vector<int32_t> all_eos = engine->model_info().eos_token_ids;
+  std::sort(all_eos.begin(), all_eos.end());
+  std::vector<int32_t> want_eos = model_eos;
+  want_eos.push_back(extra);
+  std::sort(want_eos.begin(), want_eos.end());
+  ASSERT_EQ(all_eos, want_eos);
+
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < 3; ++i) {
+    reqs.push_back(Greedy(ref_.prompts[i], static_cast<int32_t>(ref_.greedy[i].size())));
+    reqs.back().stop.ignore_eos = false;
+  }
+  std::vector<StreamReader> out = RunAll(*engine, std::move(reqs));
+  ASSERT_EQ(FirstOf(ref_.greedy[own], want_eos), own_at);
+  ASSERT_EQ(FirstOf(os, want_eos), extra_at);
+  EXPECT_EQ(out[own].reason, FinishReason::kEos);
+  EXPECT_EQ(out[own].tokens, Prefix(ref_.greedy[own], own_at + 1));
+  EXPECT_EQ(out[other].reason, FinishReason::kEos) << "extra EOS id " << extra;
+  EXPECT_EQ(out[other].tokens, Prefix(os, extra_at + 1));
+  for (size_t i = 0; i < 3; ++i) {
+    const size_t at = FirstOf(ref_.greedy[i], want_eos);
+    EXPECT_EQ(out[i].reason,
+              at < ref_.greedy[i].size() ? FinishReason::kEos : FinishReason::kLength)
+        << "prompt " << i;
+    EXPECT_EQ(out[i].tokens, Prefix(ref_.greedy[i], at + 1)) << "prompt " << i;
   }
 }
 
+// The engine thread is parked at the start of decode step kHoldAt while the test cancels, so the
+// cancel lands at a known token count whatever the load: the held step still decodes (its cancel
+// check ran before the gate), and the next step sees the cancel before sampling.
 TEST_F(CpuEngineTest, CancelFreesTheSlotAndBlocks) {
-  auto engine = MakeEngine(2);
+  constexpr int kHoldAt = 5;
+  auto gate = std::make_shared<Gate>();
+  auto engine = MakeEngineOver(std::make_unique<GatedBackend>(MakeBackend(2), kHoldAt, gate), 2);
+  ASSERT_NE(engine, nullptr);
+  OpenOnExit open_on_exit(gate);
   auto s = engine->Submit(Greedy(ref_.prompts[2], 200));
   ASSERT_TRUE(s.ok()) << s.status();
   StreamReader r(*s);
-  // Wait for the first tokens, then cancel from this (non-engine) thread.
-  while (r.tokens.empty()) {
-    r.Pull();
-    std::this_thread::yield();
-  }
+  ASSERT_TRUE(gate->WaitUntilHeld());
   engine->Cancel((*s)->id());
+  gate->Open();
   ReadToEnd(&r);
   EXPECT_EQ(r.reason, FinishReason::kCancelled);
-  EXPECT_TRUE(r.status.ok());
-  EXPECT_LT(r.tokens.size(), 200u);
-  EXPECT_EQ(Prefix(r.tokens, 32), Prefix(ref_.greedy[2], r.tokens.size()));
+  EXPECT_TRUE(r.status.ok()) << r.status;
+  // Prefill's token, kHoldAt - 1 steps before the gate, the held step; the cancel adds none.
+  EXPECT_EQ(r.tokens, Prefix(ref_.greedy[2], kHoldAt + 1));
   WaitIdle(*engine);
   const EngineStats st = engine->stats();
   EXPECT_EQ(st.kv_blocks_free, st.kv_blocks_total);

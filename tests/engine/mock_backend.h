@@ -64,6 +64,12 @@ class MockBackend : public Backend {
   }
 
   void set_script(Script script) { script_ = std::move(script); }
+  // Pads each step to the smallest of these (sorted ascending) instead of options.buckets, e.g.
+  // the list the scheduler normalised, as the server hands one list to both.
+  void set_buckets(std::vector<int32_t> buckets) { o_.buckets = std::move(buckets); }
+  // Tokens a slot emits in its next Run, from its prompt and the tokens it has emitted so far;
+  // overrides options.tokens_per_run, so one slot can overrun its ring while others do not.
+  void set_burst(Script burst) { burst_ = std::move(burst); }
   void fail_next_run(absl::Status s) { fail_next_run_ = std::move(s); }
   // Called at the start of every Prefill (to look at the scheduler mid-step).
   void set_on_prefill(std::function<void()> f) { on_prefill_ = std::move(f); }
@@ -163,7 +169,8 @@ class MockBackend : public Backend {
         s.state = kFinished;
         continue;
       }
-      for (int32_t k = 0; k < o_.tokens_per_run && s.state == kActive; ++k) Emit(s);
+      const int32_t burst = burst_ ? burst_(s.prompt, s.generated) : o_.tokens_per_run;
+      for (int32_t k = 0; k < burst && s.state == kActive; ++k) Emit(s);
     }
     runs.push_back(std::move(rec));
   }
@@ -173,6 +180,7 @@ class MockBackend : public Backend {
   std::vector<Slot> slots_;
   std::vector<RingEntry> storage_;  // [max_slots][ring_capacity]
   Script script_;
+  Script burst_;
   std::function<void()> on_prefill_;
   absl::Status fail_next_run_;
   StepReport last_;

@@ -1,5 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <thread>
 #include <vector>
 
@@ -133,6 +137,153 @@ TEST(TokenRing, ConcurrentProducerConsumerNeverTears) {
   producer.join();
   EXPECT_EQ(bad, 0u);
   EXPECT_EQ(next, kTotal + 1);
+}
+
+// Payload derived from seq, so an entry whose token or flags do not match its seq was torn (read
+// while the producer rewrote it) and must never be accepted.
+int32_t TokenOf(uint32_t seq) {
+  return static_cast<int32_t>((seq * 2654435761u) >> 1);
+}
+uint32_t FlagsOf(uint32_t seq) {
+  return seq * 40503u ^ 0x5bd1e995u;
+}
+
+// A producer laps a reader, with both gated so that every round is a known situation:
+//  - lap: the producer is let a whole ring past what the reader wants next, so the drain must
+//    report the lap (the entry it wants was overwritten) and accept nothing;
+//  - clean: the producer may fill the ring but not lap it, and writes while the reader drains, so
+//    the drain must succeed with at least the half ring that was there when it started;
+//  - racing: the producer is held just under a lap ahead, then released, and the drain starts as
+//    it begins to rewrite the entry the reader wants first, so entries are read while they are
+//    being rewritten and the drain may or may not be lapped.
+// Every accepted entry must be whole (its payload matches its seq) and in order; after a lap the
+// reader resynchronises on LatestSeq().
+TEST(TokenRing, ConcurrentProducerLapsAGatedReaderWhichSeesEveryLapAndNoTornEntry) {
+  constexpr uint32_t kCapacity = 8;
+  constexpr uint32_t kTotal = 300000;
+  std::vector<RingEntry> storage(kCapacity);
+  TokenRing ring(storage.data(), kCapacity);
+  std::atomic<uint32_t> pushed{0}, allowed{0};
+  std::atomic<bool> stop{false};
+  std::thread producer([&] {
+    for (uint32_t s = 1; s <= kTotal; ++s) {
+      // Spins a little before yielding, so a release is seen while the reader is draining.
+      for (int spin = 0; s > allowed.load(std::memory_order_acquire); ++spin) {
+        if (stop.load(std::memory_order_relaxed)) return;
+        if (spin > 256) std::this_thread::yield();
+      }
+      ring.Push(s, TokenOf(s), FlagsOf(s));
+      pushed.store(s, std::memory_order_release);
+    }
+  });
+  uint32_t next = 1;
+  std::vector<RingEntry> out;
+  uint64_t accepted = 0, torn = 0, out_of_order = 0, forced_laps = 0, missed_laps = 0;
+  uint64_t clean_rounds = 0, bad_clean = 0, racing_laps = 0, bad_resync = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  bool timed_out = false;
+  for (uint64_t round = 0; next <= kTotal; ++round) {
+    enum {
+      kLap,
+      kClean,
+      kRacing
+    } kind = static_cast<decltype(kind)>(std::min<uint64_t>(round % 4, 2));
+    const bool force = kind == kLap;
+    const uint32_t base = next - 1;  // the reader has everything up to here
+    const uint32_t limit[] = {base + kCapacity + 2, base + kCapacity, base + kCapacity - 1};
+    allowed.store(limit[kind], std::memory_order_release);
+    // Lap: seq next + capacity is written, so the entry for `next` no longer holds `next`.
+    const uint32_t start[] = {base + kCapacity + 1, base + kCapacity / 2, base + kCapacity - 1};
+    const uint32_t wait_for = std::min(start[kind], kTotal);
+    while (pushed.load(std::memory_order_acquire) < wait_for) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        timed_out = true;
+        break;
+      }
+      std::this_thread::yield();
+    }
+    if (timed_out) break;
+    const bool lap_certain =
+        force && pushed.load(std::memory_order_acquire) >= base + kCapacity + 1;
+    if (kind == kRacing) {
+      // Released; the drain starts as the producer begins to rewrite the entry it wants first.
+      allowed.store(base + 2 * kCapacity, std::memory_order_release);
+      while (pushed.load(std::memory_order_acquire) < std::min(base + kCapacity, kTotal) &&
+             std::chrono::steady_clock::now() < deadline) {
+      }
+    }
+    out.clear();
+    const uint32_t want = next;
+    bool ok = ring.Drain(&next, &out);
+    // An entry caught mid-rewrite reads as "not written yet"; once the rewrite is done the same
+    // lap must be reported (bounded: the producer stops at `allowed`).
+    for (int retry = 0; lap_certain && ok && out.empty() && retry < 1000000; ++retry) {
+      ok = ring.Drain(&next, &out);
+    }
+    for (size_t i = 0; i < out.size(); ++i) {
+      const RingEntry& e = out[i];
+      if (e.seq != want + i) ++out_of_order;
+      if (e.token != TokenOf(e.seq) || e.flags != FlagsOf(e.seq)) ++torn;
+    }
+    accepted += out.size();
+    if (kind == kClean) {
+      ++clean_rounds;
+      if (!ok || next - 1 < wait_for) ++bad_clean;
+    }
+    if (lap_certain) {
+      // The lap went unreported, or entries from the overwritten stretch were accepted.
+      if (ok || !out.empty()) ++missed_laps;
+      ++forced_laps;
+    } else if (!ok && kind == kRacing) {
+      ++racing_laps;
+    }
+    if (!ok) {
+      if (next != want + out.size()) ++bad_resync;  // next_seq stays after the last good entry
+      next = ring.LatestSeq();
+      if (next < want) {
+        ++bad_resync;
+        break;
+      }
+    }
+    if (pushed.load(std::memory_order_acquire) == kTotal && ok && out.empty()) break;
+  }
+  stop.store(true);
+  allowed.store(kTotal);
+  producer.join();
+  std::printf(
+      "accepted %llu entries; %llu forced laps, %llu clean rounds, %llu laps racing\n",
+      static_cast<unsigned long long>(accepted), static_cast<unsigned long long>(forced_laps),
+      static_cast<unsigned long long>(clean_rounds), static_cast<unsigned long long>(racing_laps));
+  ASSERT_FALSE(timed_out) << "a gate wait timed out at seq " << next;
+  EXPECT_EQ(torn, 0u) << "accepted entries whose payload does not match their seq";
+  EXPECT_EQ(out_of_order, 0u);
+  EXPECT_EQ(missed_laps, 0u) << "of " << forced_laps << " drains that were certainly lapped";
+  EXPECT_EQ(bad_resync, 0u);
+  EXPECT_EQ(bad_clean, 0u) << "of " << clean_rounds << " drains that could not be lapped";
+  EXPECT_GT(forced_laps, 1000u);
+  EXPECT_GT(clean_rounds, 1000u);
+  // The reader ends on the producer's last entry: the newest one survives every lap.
+  EXPECT_EQ(next, kTotal + 1);
+}
+
+// Against a linear scan written here, for every n up to the largest bucket, on lists that are
+// not powers of two.
+TEST(PickBucket, EqualsANaiveScanForEveryBatchSize) {
+  const std::vector<std::vector<int32_t>> lists = {
+      {1}, {3}, {1, 2, 4, 8, 16, 24, 32, 48, 64}, {2, 3, 5, 7, 11, 13}, {1, 6, 10, 100}, {4, 5}};
+  for (const auto& buckets : lists) {
+    for (int32_t n = 1; n <= buckets.back(); ++n) {
+      int32_t want = -1;
+      for (int32_t b : buckets) {
+        if (b >= n) {
+          want = b;
+          break;
+        }
+      }
+      ASSERT_EQ(PickBucket(buckets, n), want) << "n " << n << " of " << buckets.size();
+    }
+    EXPECT_EQ(PickBucket(buckets, 0), 0);
+  }
 }
 
 TEST(PickBucket, SmallestBucketHoldingN) {

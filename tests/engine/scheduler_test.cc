@@ -4,11 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "tests/engine/mock_backend.h"
 #include "tests/engine/stream_reader.h"
 
@@ -29,6 +31,8 @@ class SchedulerTest : public ::testing::Test {
     auto s = Scheduler::Create(std::move(eo), std::move(backend));
     ASSERT_TRUE(s.ok()) << s.status();
     sched_ = std::move(*s);
+    // The server hands one bucket list to both; the steps must pad to the scheduler's own.
+    mock_->set_buckets(sched_->model_info().buckets);
   }
 
   GenerateRequest Req(std::string id, std::vector<int32_t> prompt, int32_t max_new) {
@@ -153,6 +157,103 @@ INSTANTIATE_TEST_SUITE_P(Buckets, SchedulerBucketTest,
                          ::testing::Values(BucketCase{1, 1}, BucketCase{2, 2}, BucketCase{3, 4},
                                            BucketCase{5, 8}, BucketCase{17, 24}, BucketCase{33, 48},
                                            BucketCase{64, 64}));
+
+// TensorRT-LLM style: requests arrive over several steps and the expected schedule is written
+// out by hand, step by step: which requests were admitted, decoded and retired, which slots ran,
+// the padded bucket and every stream's token count. The buckets are not powers of two and the
+// list is trimmed by max_batch, so a wrong PickBucket (not the smallest bucket >= n) or a wrong
+// trim of the list shows up as a wrong bucket.
+TEST_F(SchedulerTest, ScheduleIterationByIteration) {
+  EngineOptions eo;
+  eo.max_batch = 7;
+  eo.buckets = {10, 1, 6, 3, 12, 6};  // normalised: sorted, deduplicated, cut after 10 (>= 7)
+  Make({}, eo);
+  ASSERT_EQ(sched_->model_info().buckets, std::vector<int32_t>({1, 3, 6, 10}));
+  ASSERT_EQ(sched_->model_info().max_batch, 7);
+
+  struct Arrival {
+    std::string id;
+    int32_t max_new;
+  };
+  struct Iteration {
+    std::vector<Arrival> submit;  // submitted before the step, in order
+    Ids admitted, decoded, retired;
+    std::vector<SlotId> slots;  // slots the backend decoded (finished-at-prefill ones do not run)
+    int32_t bucket;
+    std::vector<std::pair<std::string, int32_t>> tokens;  // stream token counts after the step
+  };
+  // Slots are taken lowest-free first; a request with max_new m admitted at step s holds
+  // min(m, 2 + step - s) tokens and retires at step s + m - 2 (m = 1: finished by the prefill).
+  const std::vector<Iteration> plan = {
+      {{{"a", 3}, {"b", 5}, {"c", 2}},
+       {"a", "b", "c"},
+       {"a", "b", "c"},
+       {"c"},
+       {0, 1, 2},
+       3,
+       {{"a", 2}, {"b", 2}, {"c", 2}}},
+      // max_batch 7: a, b and five newcomers; i waits. f (m = 1) finishes in the prefill.
+      {{{"d", 4}, {"e", 6}, {"f", 1}, {"g", 3}, {"h", 3}, {"i", 2}},
+       {"d", "e", "f", "g", "h"},
+       {"a", "b", "d", "e", "f", "g", "h"},
+       {"a", "f"},
+       {0, 1, 2, 3, 5, 6},
+       6,
+       {{"a", 3}, {"b", 3}, {"d", 2}, {"e", 2}, {"f", 1}, {"g", 2}, {"h", 2}, {"i", 0}}},
+      // i and l take the slots of a and f: seven decode, padded to 10.
+      {{{"l", 2}},
+       {"i", "l"},
+       {"b", "d", "e", "g", "h", "i", "l"},
+       {"g", "h", "i", "l"},
+       {0, 1, 2, 3, 4, 5, 6},
+       10,
+       {{"b", 4}, {"d", 3}, {"e", 3}, {"g", 3}, {"h", 3}, {"i", 2}, {"l", 2}}},
+      {{{"j", 3}, {"k", 2}},
+       {"j", "k"},
+       {"b", "d", "e", "j", "k"},
+       {"b", "d", "k"},
+       {0, 1, 2, 3, 4},
+       6,
+       {{"b", 5}, {"d", 4}, {"e", 4}, {"j", 2}, {"k", 2}}},
+      {{}, {}, {"e", "j"}, {"j"}, {0, 3}, 3, {{"e", 5}, {"j", 3}}},
+      {{}, {}, {"e"}, {"e"}, {3}, 1, {{"e", 6}}},
+  };
+
+  std::map<std::string, StreamReader*> streams;
+  std::map<std::string, std::vector<int32_t>> prompts;
+  for (size_t step = 0; step < plan.size(); ++step) {
+    const Iteration& want = plan[step];
+    SCOPED_TRACE(absl::StrCat("step ", step + 1));
+    for (const Arrival& a : want.submit) {
+      prompts[a.id] = {static_cast<int32_t>(streams.size()) + 11, 4};
+      streams[a.id] = Submit(a.id, prompts[a.id], a.max_new);
+      ASSERT_NE(streams[a.id], nullptr);
+    }
+    const size_t runs_before = mock_->runs.size();
+    const StepTrace t = sched_->Step();
+    EXPECT_EQ(t.admitted, want.admitted);
+    EXPECT_EQ(t.decoded, want.decoded);
+    EXPECT_EQ(t.retired, want.retired);
+    EXPECT_EQ(t.report.active, static_cast<int32_t>(want.slots.size()));
+    EXPECT_EQ(t.report.bucket, want.bucket);
+    ASSERT_EQ(mock_->runs.size(), runs_before + 1);
+    EXPECT_EQ(mock_->runs.back().active, want.slots);
+    EXPECT_EQ(mock_->runs.back().bucket, want.bucket);
+    for (const auto& [id, n] : want.tokens) {
+      StreamReader* r = streams.at(id);
+      r->Pull();
+      EXPECT_EQ(r->tokens, Expected(prompts[id], n)) << id;
+    }
+  }
+  EXPECT_TRUE(sched_->Idle());
+  const StepTrace last = sched_->Step();
+  EXPECT_FALSE(last.did_work);
+  for (const auto& [id, r] : streams) {
+    EXPECT_TRUE(r->finished) << id;
+    EXPECT_EQ(r->reason, FinishReason::kLength) << id;
+  }
+  EXPECT_EQ(sched_->stats().kv_blocks_free, sched_->stats().kv_blocks_total);
+}
 
 TEST_F(SchedulerTest, BucketShrinksAsRequestsFinish) {
   Make();
@@ -458,6 +559,81 @@ TEST_F(SchedulerTest, RingOverrunFailsTheRequestAndStillFreesIt) {
   EXPECT_NE(a->status.message().find("overrun"), std::string::npos) << a->status;
   EXPECT_EQ(mock_->releases.size(), 1u);
   EXPECT_EQ(sched_->stats().kv_blocks_free, 1024);
+  EXPECT_TRUE(sched_->Idle());
+}
+
+// The recovery DrainOne documents: the tokens read before the gap stay in the stream, nothing
+// from after the gap reaches the client, the slot is cancelled and, once its FINISHED mark shows
+// up behind the gap, the request ends INTERNAL and its slot and blocks are freed. Its neighbour,
+// whose ring never overflows, is untouched.
+TEST_F(SchedulerTest, RingOverrunMidStreamKeepsTheTokensBeforeTheGap) {
+  MockBackendOptions mo;
+  mo.ring_capacity = 4;
+  Make(mo);
+  const std::vector<int32_t> victim_prompt = {7}, neighbour_prompt = {8};
+  // The victim's third Run writes 6 entries into its 4-entry ring before the engine drains.
+  mock_->set_burst([](std::span<const int32_t> prompt, int32_t generated) {
+    return prompt[0] == 7 && generated == 2 ? 6 : 1;
+  });
+  StreamReader* victim = Submit("victim", victim_prompt, 50);
+  StreamReader* neighbour = Submit("neighbour", neighbour_prompt, 6);
+  sched_->Step();  // prefill + one token each: seqs 1, 2
+  victim->Pull();
+  ASSERT_EQ(victim->tokens, Expected(victim_prompt, 2));
+  const SlotId slot = sched_->FindRunning("victim")->slot;
+
+  StepTrace t = sched_->Step();  // the victim writes seqs 3..8; seq 3's entry now holds seq 7
+  EXPECT_EQ(mock_->cancels, std::vector<SlotId>({slot}));
+  EXPECT_TRUE(t.retired.empty());
+  victim->Pull();
+  EXPECT_EQ(victim->tokens, Expected(victim_prompt, 2)) << "tokens after the gap leaked";
+  EXPECT_FALSE(victim->finished);  // its FINISHED mark comes with the cancel, next step
+
+  t = sched_->Step();
+  EXPECT_EQ(t.retired, Ids({"victim"}));
+  victim->Pull();
+  ASSERT_TRUE(victim->finished);
+  EXPECT_EQ(victim->reason, FinishReason::kError);
+  EXPECT_EQ(victim->status.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(victim->status.message().find("token ring overrun"), std::string::npos)
+      << victim->status;
+  EXPECT_NE(victim->status.message().find("expected seq 3"), std::string::npos) << victim->status;
+  EXPECT_EQ(victim->tokens, Expected(victim_prompt, 2));
+  EXPECT_EQ(victim->completion_tokens, 2);
+  EXPECT_EQ(mock_->releases, std::vector<SlotId>({slot}));
+
+  StepUntilFinished(neighbour);
+  EXPECT_EQ(neighbour->reason, FinishReason::kLength);
+  EXPECT_TRUE(neighbour->status.ok());
+  EXPECT_EQ(neighbour->tokens, Expected(neighbour_prompt, 6));
+  EXPECT_EQ(mock_->cancels.size(), 1u);
+  EXPECT_EQ(sched_->stats().kv_blocks_free, sched_->stats().kv_blocks_total);
+  EXPECT_TRUE(sched_->Idle());
+}
+
+// When the lapped burst already holds the request's last token, the resynchronised drain sees
+// the FINISHED mark at once: the request ends INTERNAL (not "length") in the same step, without
+// waiting for the cancel, and the slot is freed.
+TEST_F(SchedulerTest, RingOverrunThatFinishesInTheBurstEndsInternalAtOnce) {
+  MockBackendOptions mo;
+  mo.ring_capacity = 4;
+  Make(mo);
+  const std::vector<int32_t> prompt = {5};
+  mock_->set_burst(
+      [](std::span<const int32_t>, int32_t generated) { return generated == 2 ? 100 : 1; });
+  StreamReader* a = Submit("a", prompt, 8);
+  sched_->Step();
+  StepTrace t = sched_->Step();  // seqs 3..8, seq 8 FINISHED (length); seq 3's entry holds 7
+  EXPECT_EQ(t.retired, Ids({"a"}));
+  a->Pull();
+  ASSERT_TRUE(a->finished);
+  EXPECT_EQ(a->reason, FinishReason::kError);
+  EXPECT_EQ(a->status.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(a->status.message().find("token ring overrun"), std::string::npos) << a->status;
+  EXPECT_EQ(a->tokens, Expected(prompt, 2));
+  EXPECT_EQ(mock_->releases.size(), 1u);
+  EXPECT_EQ(sched_->stats().kv_blocks_free, sched_->stats().kv_blocks_total);
+  EXPECT_EQ(sched_->stats().tokens_generated, 2u);
   EXPECT_TRUE(sched_->Idle());
 }
 

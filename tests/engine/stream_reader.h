@@ -1,9 +1,14 @@
-// Test helper: accumulates everything a RequestStream hands out.
+// Test helpers: accumulate everything a RequestStream hands out, and wait for a stream or an
+// engine with a bound, so a bug fails the test instead of hanging it.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "engine/engine.h"
@@ -39,9 +44,12 @@ struct StreamReader {
   }
 };
 
-// Blocks (on a condition variable fed by the stream's notifier) until the stream finishes. The
-// wait state is shared with the notifier so a notifier still running on the engine thread never
-// touches a dead stack frame.
+// Only a broken build or a deadlock gets anywhere near these.
+constexpr std::chrono::seconds kStreamTimeout{120};
+
+// Blocks (on a condition variable fed by the stream's notifier) until the stream finishes, or
+// fails the test after kStreamTimeout. The wait state is shared with the notifier so a notifier
+// still running on the engine thread never touches a dead stack frame.
 inline void ReadToEnd(StreamReader* r) {
   struct Wake {
     std::mutex mu;
@@ -54,13 +62,28 @@ inline void ReadToEnd(StreamReader* r) {
     wake->signalled = true;
     wake->cv.notify_one();
   });
+  const auto deadline = std::chrono::steady_clock::now() + kStreamTimeout;
   while (true) {
     r->Pull();
     if (r->finished) break;
     std::unique_lock<std::mutex> lock(wake->mu);
-    wake->cv.wait(lock, [&] { return wake->signalled; });
+    if (!wake->cv.wait_until(lock, deadline, [&] { return wake->signalled; })) {
+      ADD_FAILURE() << "stream " << r->stream->id() << " did not finish within "
+                    << kStreamTimeout.count() << " s (" << r->tokens.size() << " tokens so far)";
+      return;
+    }
     wake->signalled = false;
   }
+}
+
+// Polls until the engine has retired everything (a finished stream is retired at the end of the
+// same step, so this is short), or fails the test after kStreamTimeout.
+inline void WaitIdle(const Engine& engine) {
+  const auto deadline = std::chrono::steady_clock::now() + kStreamTimeout;
+  while (!engine.Idle() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  ASSERT_TRUE(engine.Idle()) << "engine not idle after " << kStreamTimeout.count() << " s";
 }
 
 }  // namespace ts::testing

@@ -1,5 +1,6 @@
 #include "models/sampling.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -225,11 +226,62 @@ TEST(SamplingTest, SampleTokenAppliesPenaltiesAtNextPosition) {
   }
 }
 
+// Philox4x32-10 known-answer vectors from Random123's kat_vectors (counter, key -> output).
+TEST(SamplingTest, PhiloxMatchesRandom123KnownAnswers) {
+  struct Kat {
+    Philox4x32 ctr;
+    uint32_t k0, k1;
+    Philox4x32 want;
+  };
+  const Kat kats[] = {
+      {{{0, 0, 0, 0}}, 0, 0, {{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}}},
+      {{{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}},
+       0xffffffffu,
+       0xffffffffu,
+       {{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}}},
+      {{{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}},
+       0xa4093822u,
+       0x299f31d0u,
+       {{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}}},
+  };
+  for (const Kat& k : kats) {
+    const Philox4x32 got = Philox4x32_10(k.ctr, k.k0, k.k1);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(got.v[i], k.want.v[i]) << "word " << i;
+  }
+  // UniformFromSeed: key = seed, counter = (position lo, position hi, stream, 0), top 24 bits.
+  const uint64_t seed = 0x299f31d0a4093822ull, pos = 0x85a308d3243f6a88ull;
+  const Philox4x32 raw =
+      Philox4x32_10({{0x243f6a88u, 0x85a308d3u, 7u, 0u}}, 0xa4093822u, 0x299f31d0u);
+  EXPECT_EQ(UniformFromSeed(seed, pos, 7), static_cast<float>(raw.v[0] >> 8) / 16777216.0f);
+  EXPECT_EQ(UniformFromSeed(0, 0), static_cast<float>(0x6627e8d5u >> 8) / 16777216.0f);
+}
+
 TEST(SamplingTest, SameSeedAndPositionIsDeterministic) {
   const std::vector<float> logits = {0.3f, 0.1f, 0.2f, 0.25f, 0.15f, 0.0f, 0.05f, 0.12f};
   SamplingParams p;
   p.seed = 77;
-  for (uint64_t pos = 0; pos < 100; ++pos) EXPECT_EQ(Draw(logits, p, pos), Draw(logits, p, pos));
+  // Each draw is the inverse CDF of softmax(logits), in double here, at u(seed, position).
+  std::vector<int> rank(logits.size());
+  for (size_t i = 0; i < rank.size(); ++i) rank[i] = static_cast<int>(i);
+  std::sort(rank.begin(), rank.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+  double z = 0.0;
+  for (float l : logits) z += std::exp(static_cast<double>(l));
+  int checked = 0;
+  for (uint64_t pos = 0; pos < 100; ++pos) {
+    const double u = UniformFromSeed(p.seed, pos);
+    double running = 0.0;
+    int want = -1;
+    bool near_edge = false;
+    for (int r : rank) {
+      running += std::exp(static_cast<double>(logits[r])) / z;
+      near_edge |= std::abs(running - u) < 1e-5;
+      if (want < 0 && running > u) want = r;
+    }
+    if (near_edge) continue;
+    ++checked;
+    EXPECT_EQ(Draw(logits, p, pos), want) << "position " << pos << " u " << u;
+  }
+  EXPECT_GT(checked, 95);
 
   SamplingParams q = p;
   q.seed = 78;
