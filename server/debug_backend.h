@@ -1,14 +1,18 @@
-// A Backend decorator for the end-to-end tests (--debug_step_delay_ms, --debug_fail_step).
-// Slowing a tiny CPU model down to a predictable pace makes "cancel mid-stream", "flood a full
-// queue", "SIGTERM with a stream in flight" and "a stalled step trips the watchdog" reproducible;
-// failing a chosen step stands in for a sticky device error. Neither changes any behaviour of the
-// real backend underneath.
+// A Backend decorator for the end-to-end tests (the --debug_* flags of tailserve).
+// Slowing a tiny CPU model down to a predictable pace, or holding it at a gate until the test
+// creates a file, makes "cancel mid-stream", "flood a full queue", "SIGTERM with a stream in
+// flight", "a drain that times out" and "a stalled step trips the watchdog" reproducible without
+// racing the wall clock; failing a chosen step stands in for a sticky device error. None of it
+// changes any behaviour of the real backend underneath.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <span>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -18,21 +22,37 @@
 
 namespace ts::server {
 
+struct DebugBackendOptions {
+  std::chrono::milliseconds step_delay{0};     // slept before every decode step
+  std::chrono::milliseconds prefill_delay{0};  // slept before every prefill
+  int64_t fail_step = 0;  // the 1-based decode step that fails, and every one after it; 0 = never
+  // The gate opens, for good, once this file exists. Until then the calls chosen below wait on
+  // the engine thread, exactly where a hung device would hold it.
+  std::string gate_file;
+  int64_t gate_step = 0;      // decode step N (1-based) and every later one wait; 0 = none
+  bool gate_prefill = false;  // every prefill waits
+};
+
 class DebugBackend final : public Backend {
  public:
-  // fail_step: the 1-based decode step that fails, and every one after it; 0 = never.
-  DebugBackend(std::unique_ptr<Backend> inner, std::chrono::milliseconds delay, int64_t fail_step)
-      : inner_(std::move(inner)), delay_(delay), fail_step_(fail_step) {}
+  DebugBackend(std::unique_ptr<Backend> inner, DebugBackendOptions options)
+      : inner_(std::move(inner)), options_(std::move(options)) {}
 
   const BackendInfo& info() const override { return inner_->info(); }
-  absl::Status Prefill(std::span<const SlotInit> slots) override { return inner_->Prefill(slots); }
+  absl::Status Prefill(std::span<const SlotInit> slots) override {
+    std::this_thread::sleep_for(options_.prefill_delay);
+    if (options_.gate_prefill) WaitForGate();
+    return inner_->Prefill(slots);
+  }
   absl::Status Run(RunMode mode) override {
     // Runs on the engine thread, which is exactly the thread a slow device would hold up.
-    std::this_thread::sleep_for(delay_);
-    if (fail_step_ > 0 && ++runs_ >= fail_step_) {
+    std::this_thread::sleep_for(options_.step_delay);
+    ++runs_;
+    if (options_.gate_step > 0 && runs_ >= options_.gate_step) WaitForGate();
+    if (options_.fail_step > 0 && runs_ >= options_.fail_step) {
       // Sticky, as a CUDA context error is: once failed, every later step fails the same way.
       return absl::InternalError(absl::StrCat("--debug_fail_step: injected failure at step ",
-                                              fail_step_, " (a sticky device error)"));
+                                              options_.fail_step, " (a sticky device error)"));
     }
     return inner_->Run(mode);
   }
@@ -42,10 +62,19 @@ class DebugBackend final : public Backend {
   StepReport last_step() const override { return inner_->last_step(); }
 
  private:
+  void WaitForGate() {
+    if (gate_open_ || options_.gate_file.empty()) return;
+    std::error_code ec;
+    while (!std::filesystem::exists(options_.gate_file, ec)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    gate_open_ = true;
+  }
+
   std::unique_ptr<Backend> inner_;
-  const std::chrono::milliseconds delay_;
-  const int64_t fail_step_;
+  const DebugBackendOptions options_;
   int64_t runs_ = 0;
+  bool gate_open_ = false;
 };
 
 }  // namespace ts::server

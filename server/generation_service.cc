@@ -3,11 +3,24 @@
 #include <memory>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "server/grpc_status.h"
 
 namespace ts::server {
+
+class GenerateReactor;
+
+// The engine thread (and CutOpenStreams) reach the reactor only through this link. OnDone clears
+// `reactor` under `mu` before the reactor is deleted, so a notification that races with the end of
+// the call finds nullptr instead of a dangling pointer. The link lives as long as the
+// RequestStream's notifier.
+struct ReactorLink {
+  std::mutex mu;
+  GenerateReactor* reactor = nullptr;  // guarded by mu
+};
+
 namespace {
 
 namespace pb = ::tailserve::v1;
@@ -36,15 +49,7 @@ class RejectReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse
   void OnDone() override { delete this; }
 };
 
-class GenerateReactor;
-
-// The engine thread reaches the reactor only through this link. OnDone clears `reactor` under `mu`
-// before the reactor is deleted, so a notification that races with the end of the call finds
-// nullptr instead of a dangling pointer. The link lives as long as the RequestStream's notifier.
-struct ReactorLink {
-  std::mutex mu;
-  GenerateReactor* reactor = nullptr;  // guarded by mu
-};
+}  // namespace
 
 class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
  public:
@@ -63,7 +68,24 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       std::lock_guard<std::mutex> lock(link->mu);
       if (link->reactor != nullptr) link->reactor->Pump();
     });
+    service_->StreamStarted(link_);
     Pump();
+  }
+
+  // Ends the call now with `status`; false when it was already finishing. The caller holds
+  // link_->mu, which keeps `this` alive.
+  bool Cut(const grpc::Status& status) {
+    engine_->Cancel(stream_->id());
+    bool finish = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finish_called_ || cut_.has_value()) return false;
+      cut_ = status;
+      // A write in flight finishes the call from OnWriteDone.
+      if (!write_in_flight_) finish_called_ = finish = true;
+    }
+    if (finish) Finish(status);
+    return true;
   }
 
   void OnWriteDone(bool ok) override {
@@ -72,12 +94,16 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     {
       std::lock_guard<std::mutex> lock(mu_);
       write_in_flight_ = false;
-      if (!ok || finish_after_write_.has_value() || cancelled_) {
+      if (!ok || finish_after_write_.has_value() || cancelled_ || cut_.has_value()) {
         // !ok: the client is gone; OnCancel (or OnDone) stops the engine side.
         finish = !finish_called_;
         finish_called_ = true;
-        finish_status =
-            ok && finish_after_write_.has_value() ? *finish_after_write_ : grpc::Status::CANCELLED;
+        if (cut_.has_value()) {
+          finish_status = *cut_;
+        } else {
+          finish_status = ok && finish_after_write_.has_value() ? *finish_after_write_
+                                                                : grpc::Status::CANCELLED;
+        }
       }
     }
     if (finish) {
@@ -114,7 +140,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       final_taken = final_taken_;
     }
     if (!final_taken) engine_->Cancel(stream_->id());
-    service_->StreamDone();
+    service_->StreamDone(link_);
     delete this;
   }
 
@@ -169,6 +195,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       // The request failed (slow reader, engine shutdown, backend error): deliver the tokens
       // produced so far, then the error.
       final_taken_ = true;
+      if (!engine_->health().ok()) service_->BackendFailed();
       *status = ToGrpcStatus(update.status);
       if (update.tokens.empty()) {
         finish_called_ = true;
@@ -210,9 +237,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   bool first_message_ = true;      // guarded by mu_
   bool final_taken_ = false;       // guarded by mu_; read in OnDone once every op is over
   std::optional<grpc::Status> finish_after_write_;  // guarded by mu_
+  std::optional<grpc::Status> cut_;                 // guarded by mu_; set by Cut
 };
-
-}  // namespace
 
 GenerationService::GenerationService(Engine* engine, GenerationServiceOptions options)
     : engine_(engine),
@@ -222,6 +248,34 @@ GenerationService::GenerationService(Engine* engine, GenerationServiceOptions op
               .max_context = model_info_.max_context,
               .max_stop_ids = model_info_.max_stop_ids},
       seed_rng_(std::random_device{}()) {}
+
+void GenerationService::StreamStarted(std::shared_ptr<ReactorLink> link) {
+  std::lock_guard<std::mutex> lock(links_mu_);
+  links_.insert(std::move(link));
+}
+
+void GenerationService::StreamDone(const std::shared_ptr<ReactorLink>& link) {
+  {
+    std::lock_guard<std::mutex> lock(links_mu_);
+    links_.erase(link);
+  }
+  active_streams_.fetch_sub(1);
+}
+
+int32_t GenerationService::CutOpenStreams(const grpc::Status& status) {
+  std::vector<std::shared_ptr<ReactorLink>> links;
+  {
+    // Copied so that no reactor callback runs under links_mu_ (OnDone takes it).
+    std::lock_guard<std::mutex> lock(links_mu_);
+    links.assign(links_.begin(), links_.end());
+  }
+  int32_t cut = 0;
+  for (const auto& link : links) {
+    std::lock_guard<std::mutex> lock(link->mu);
+    if (link->reactor != nullptr && link->reactor->Cut(status)) ++cut;
+  }
+  return cut;
+}
 
 uint64_t GenerationService::DrawSeed() {
   std::lock_guard<std::mutex> lock(seed_mu_);

@@ -5,9 +5,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
+#include <unordered_set>
 
 #include "engine/engine.h"
 #include "grpcpp/grpcpp.h"
@@ -18,7 +21,12 @@ namespace ts::server {
 
 struct GenerationServiceOptions {
   std::string model_name;  // reported by GetModelInfo
+  // Called before a stream that a backend failure ended sends its INTERNAL, so that a client who
+  // saw the error never finds the server SERVING afterwards. Any thread; must not block.
+  std::function<void()> on_backend_failure;
 };
+
+struct ReactorLink;  // an open Generate call, as the engine thread and CutOpenStreams reach it
 
 class GenerationService final : public tailserve::v1::Generation::CallbackService {
  public:
@@ -40,8 +48,16 @@ class GenerationService final : public tailserve::v1::Generation::CallbackServic
   // Generate calls whose reactor has not yet finished (OnDone not yet run).
   int32_t active_streams() const { return active_streams_.load(); }
 
+  // Ends every open Generate call now with `status` and cancels its request in the engine (the
+  // drain timed out, or a second signal came). Returns how many calls it cut.
+  int32_t CutOpenStreams(const grpc::Status& status);
+
   // Called by the reactors only.
-  void StreamDone() { active_streams_.fetch_sub(1); }
+  void StreamStarted(std::shared_ptr<ReactorLink> link);
+  void StreamDone(const std::shared_ptr<ReactorLink>& link);
+  void BackendFailed() {
+    if (options_.on_backend_failure) options_.on_backend_failure();
+  }
 
  private:
   uint64_t DrawSeed();
@@ -52,6 +68,8 @@ class GenerationService final : public tailserve::v1::Generation::CallbackServic
   const ValidationLimits limits_;
   std::atomic<bool> draining_{false};
   std::atomic<int32_t> active_streams_{0};
+  std::mutex links_mu_;
+  std::unordered_set<std::shared_ptr<ReactorLink>> links_;  // guarded by links_mu_
   std::mutex seed_mu_;
   std::mt19937_64 seed_rng_;  // guarded by seed_mu_
 };

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -45,7 +46,10 @@ ABSL_FLAG(int32_t, queue_limit, 256,
 ABSL_FLAG(int32_t, max_context, 0, "Prompt + new tokens per request; 0 = the model's maximum.");
 ABSL_FLAG(int32_t, kv_blocks, 0, "KV pool size in blocks; 0 = max_batch full-length sequences.");
 ABSL_FLAG(int32_t, kv_block_size, 16, "Tokens per KV block.");
-ABSL_FLAG(int32_t, drain_timeout_s, 30, "On SIGTERM, how long open streams may take to finish.");
+ABSL_FLAG(int32_t, drain_timeout_s, 30,
+          "On SIGTERM/SIGINT, how long open and queued requests may take to finish. Streams still "
+          "open when it runs out are cut with UNAVAILABLE and tailserve exits 3 (0 when all "
+          "finished); a second signal cuts them at once and exits 128+signal.");
 ABSL_FLAG(int32_t, stream_buffer_tokens, 4096,
           "Unread tokens per stream before a slow reader's request is cancelled.");
 ABSL_FLAG(int32_t, threads, 0, "CPU backend threads; 0 = all hardware threads.");
@@ -54,12 +58,23 @@ ABSL_FLAG(double, gpu_memory_fraction, 0.9,
 ABSL_FLAG(int32_t, device, 0, "CUDA backend: device ordinal.");
 ABSL_FLAG(int32_t, stats_interval_s, 60, "Log a one-line stats summary this often; 0 = off.");
 ABSL_FLAG(int32_t, watchdog_s, 30,
-          "Report NOT_SERVING while requests wait and no step completed for this long; 0 = off.");
+          "Report NOT_SERVING while requests wait and the engine completes nothing (no decode "
+          "step, no prefill's first token, no finished request) for this long; keep it above the "
+          "longest single prefill. 0 = off.");
 ABSL_FLAG(int32_t, debug_step_delay_ms, 0,
           "Testing only: sleep this long before every decode step (simulates a slow device).");
+ABSL_FLAG(int32_t, debug_prefill_delay_ms, 0,
+          "Testing only: sleep this long before every prefill (simulates long prompts).");
 ABSL_FLAG(int64_t, debug_fail_step, 0,
           "Testing only: decode step N and every later one fail with INTERNAL (simulates a sticky "
           "device error); 0 = never.");
+ABSL_FLAG(std::string, debug_gate_file, "",
+          "Testing only: the gated calls (--debug_gate_step, --debug_gate_prefill) wait until "
+          "this file exists (simulates a hung device, released at a moment the test chooses).");
+ABSL_FLAG(int64_t, debug_gate_step, 0,
+          "Testing only: decode step N and every later one wait for --debug_gate_file; 0 = none.");
+ABSL_FLAG(bool, debug_gate_prefill, false,
+          "Testing only: every prefill waits for --debug_gate_file.");
 
 namespace ts::server {
 namespace {
@@ -157,11 +172,21 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
   } else {
     TS_ASSIGN_OR_RETURN(backend, MakeCpuBackend(buckets, context, block, max_batch));
   }
-  const int32_t delay_ms = absl::GetFlag(FLAGS_debug_step_delay_ms);
-  const int64_t fail_step = absl::GetFlag(FLAGS_debug_fail_step);
-  if (delay_ms > 0 || fail_step > 0) {
-    backend = std::make_unique<DebugBackend>(std::move(backend),
-                                             std::chrono::milliseconds(delay_ms), fail_step);
+  DebugBackendOptions debug{
+      .step_delay = std::chrono::milliseconds(absl::GetFlag(FLAGS_debug_step_delay_ms)),
+      .prefill_delay = std::chrono::milliseconds(absl::GetFlag(FLAGS_debug_prefill_delay_ms)),
+      .fail_step = absl::GetFlag(FLAGS_debug_fail_step),
+      .gate_file = absl::GetFlag(FLAGS_debug_gate_file),
+      .gate_step = absl::GetFlag(FLAGS_debug_gate_step),
+      .gate_prefill = absl::GetFlag(FLAGS_debug_gate_prefill)};
+  const bool gated = debug.gate_step > 0 || debug.gate_prefill;
+  if (gated && debug.gate_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--debug_gate_step/--debug_gate_prefill: need --debug_gate_file");
+  }
+  if (debug.step_delay.count() > 0 || debug.prefill_delay.count() > 0 || debug.fail_step > 0 ||
+      gated) {
+    backend = std::make_unique<DebugBackend>(std::move(backend), std::move(debug));
   }
   return backend;
 }
@@ -238,25 +263,42 @@ int WaitSignal(const sigset_t& set, std::chrono::milliseconds timeout) {
   return sig > 0 ? sig : 0;
 }
 
-// Flags the server unhealthy while requests wait and the engine makes no progress.
+// Flags the server unhealthy while requests wait and the engine completes nothing. Progress is
+// any finished unit of work: a decode step, a prefill (it streams the request's first token), or
+// a request leaving (finished or cancelled). Counting decode steps alone declared a server dead
+// while it prefilled a backlog of one-token requests, which never reach a decode step. One backend
+// call that outlasts the limit is a stall either way: from outside, a prefill that takes that long
+// cannot be told from a hung device, so --watchdog_s must exceed the longest prefill.
 class Watchdog {
  public:
   explicit Watchdog(std::chrono::seconds limit) : limit_(limit) {}
   // Returns the serving state the server should report now.
   bool Check(const EngineStats& s) {
     const auto now = Clock::now();
-    if (s.steps != last_steps_ || s.queued + s.running == 0) {
-      last_steps_ = s.steps;
+    const Progress p{s.steps, s.tokens_generated, s.requests_finished};
+    if (p != last_ || s.queued + s.running == 0) {
+      last_ = p;
       last_progress_ = now;
     }
     return limit_.count() == 0 || now - last_progress_ <= limit_;
   }
 
  private:
+  struct Progress {
+    uint64_t steps = 0, tokens = 0, finished = 0;
+    bool operator==(const Progress&) const = default;
+  };
   const std::chrono::seconds limit_;
-  uint64_t last_steps_ = 0;
+  Progress last_;
   Clock::time_point last_progress_ = Clock::now();
 };
+
+// Exit codes, for the supervisor (docs/serving.md).
+constexpr int kExitDrained = 0;       // every accepted request finished
+constexpr int kExitFailed = 1;        // startup error, or a sticky backend failure
+constexpr int kExitDrainTimeout = 3;  // --drain_timeout_s ran out; open streams were cut
+// A second SIGTERM/SIGINT during the drain exits 128 + that signal (143, 130), as a shell reports
+// a process killed by it: the operator asked for an immediate stop, and streams were cut.
 
 int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
   const std::chrono::seconds stats_every(absl::GetFlag(FLAGS_stats_interval_s));
@@ -267,12 +309,13 @@ int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
   while (sig == 0) {
     sig = WaitSignal(signals, std::chrono::milliseconds(200));
     if (absl::Status h = engine.health(); !h.ok()) {
-      // A sticky backend failure: every request has already ended with INTERNAL. Staying up would
-      // only answer errors, so go NOT_SERVING and exit non-zero for the supervisor to restart us.
+      // A sticky backend failure: every request has already ended with INTERNAL (and the stream
+      // that carried it set NOT_SERVING first). Staying up would only answer errors, so exit
+      // non-zero for the supervisor to restart us.
       std::fprintf(stderr, "tailserve: backend failed, exiting: %s\n", h.ToString().c_str());
       server.SetServing(false);
       server.Shutdown(std::chrono::milliseconds(1000));
-      return 1;
+      return kExitFailed;
     }
     const bool healthy = watchdog.Check(engine.stats());
     if (healthy != serving) {
@@ -280,7 +323,7 @@ int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
       server.SetServing(healthy);
       std::fprintf(stderr, "tailserve watchdog: %s\n",
                    healthy ? "progress resumed; SERVING"
-                           : "no step completed while requests wait; NOT_SERVING");
+                           : "nothing completed while requests wait; NOT_SERVING");
       serving = healthy;
     }
     if (stats_every.count() > 0 && Clock::now() >= next_stats) {
@@ -291,23 +334,42 @@ int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
 
   const std::chrono::seconds drain_timeout(absl::GetFlag(FLAGS_drain_timeout_s));
   // Drain before saying so: whoever reads the line (a supervisor, the e2e test) may check health
-  // at once, and must see NOT_SERVING.
+  // at once, and must see NOT_SERVING. Queued requests are not turned away: their clients were
+  // accepted and hold open streams, so they are admitted and finish like the running ones.
   server.BeginDrain();
-  std::fprintf(stderr, "tailserve draining: got %s, %d streams open, waiting up to %llds\n",
-               strsignal(sig), server.service().active_streams(),
+  const EngineStats at_start = engine.stats();
+  std::fprintf(stderr,
+               "tailserve draining: got %s, %d streams open (%d running, %d queued), waiting up "
+               "to %llds\n",
+               strsignal(sig), server.service().active_streams(), at_start.running, at_start.queued,
                static_cast<long long>(drain_timeout.count()));
   const auto deadline = Clock::now() + drain_timeout;
+  int second = 0;
   while (!server.Drained() && Clock::now() < deadline) {
-    if (WaitSignal(signals, std::chrono::milliseconds(50)) != 0) {
-      std::fprintf(stderr, "tailserve: second signal, stopping without waiting\n");
-      break;
-    }
+    second = WaitSignal(signals, std::chrono::milliseconds(50));
+    if (second != 0) break;
   }
-  const bool drained = server.Drained();
-  if (!drained) LogStats(server, engine, "tailserve drain timed out, cancelling");
-  server.Shutdown(std::chrono::milliseconds(drained ? 1000 : 0));
+  if (server.Drained()) {
+    server.Shutdown(std::chrono::milliseconds(1000));
+    LogStats(server, engine, "tailserve stopped");
+    return kExitDrained;
+  }
+  // Cut: every open stream ends with UNAVAILABLE (the tokens it already got stay valid; a client
+  // may retry elsewhere) rather than vanishing with the connection.
+  const int code = second != 0 ? 128 + second : kExitDrainTimeout;
+  const std::string why =
+      second != 0 ? absl::StrCat("server stopped by a second ", strsignal(second),
+                                 " during drain; retry elsewhere")
+                  : absl::StrCat("server shutting down: drain timeout (", drain_timeout.count(),
+                                 " s) expired before this request finished; retry elsewhere");
+  LogStats(server, engine, "tailserve drain cut short");
+  const int cut = server.service().CutOpenStreams(grpc::Status(grpc::StatusCode::UNAVAILABLE, why));
+  std::fprintf(stderr, "tailserve: %s: cut %d open streams with UNAVAILABLE, exiting %d\n",
+               second != 0 ? "second signal during drain" : "drain timed out", cut, code);
+  // The grace lets the cut streams' final status reach their clients.
+  server.Shutdown(std::chrono::milliseconds(1000));
   LogStats(server, engine, "tailserve stopped");
-  return 0;
+  return code;
 }
 
 int Main(int argc, char** argv) {
@@ -343,6 +405,13 @@ int Main(int argc, char** argv) {
   const int rc = Serve(**server, *engine, signals);
   // The server goes first: no reactor may outlive the engine it points into.
   server->reset();
+  if (rc != kExitDrained && rc != kExitFailed) {
+    // The drain was cut short, often because a step never returns (a hung device). Joining the
+    // engine thread could then wait forever, so leave without it; the OS reclaims the rest.
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(rc);
+  }
   engine.reset();
   return rc;
 }

@@ -12,8 +12,10 @@ absl::StatusOr<std::unique_ptr<TailServer>> TailServer::Start(const ServerOption
                                                               Engine* engine) {
   std::unique_ptr<TailServer> s(new TailServer());
   s->engine_ = engine;
+  TailServer* raw = s.get();
   s->service_ = std::make_unique<GenerationService>(
-      engine, GenerationServiceOptions{.model_name = options.model_name});
+      engine, GenerationServiceOptions{.model_name = options.model_name,
+                                       .on_backend_failure = [raw] { raw->SetServing(false); }});
 
   // Both must be set before the builder is created: they register through global hooks.
   grpc::EnableDefaultHealthCheckService(true);
@@ -42,7 +44,9 @@ TailServer::~TailServer() {
 }
 
 void TailServer::SetServing(bool serving) {
-  if (shut_down_) return;
+  if (shut_down_.load()) return;
+  // A failed engine never serves again; this also wins a race with a watchdog recovery.
+  if (serving && !engine_->health().ok()) serving = false;
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   if (health == nullptr) return;
   health->SetServingStatus(serving);  // "" (the whole server) and every registered service
@@ -59,8 +63,7 @@ bool TailServer::Drained() const {
 }
 
 void TailServer::Shutdown(std::chrono::milliseconds grace) {
-  if (shut_down_ || server_ == nullptr) return;
-  shut_down_ = true;
+  if (server_ == nullptr || shut_down_.exchange(true)) return;
   // The health service answers NOT_SERVING from here on.
   server_->Shutdown(std::chrono::system_clock::now() + grace);
   server_->Wait();

@@ -2,6 +2,7 @@
 // grpc.health.v1 health service and server reflection. Owns the drain sequence's server half.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -37,7 +38,8 @@ class TailServer {
   bool draining() const { return service_->draining(); }
   // True when no stream is open and the engine has nothing queued or running.
   bool Drained() const;
-  // Marks the server unhealthy without draining (the watchdog); reversible.
+  // Marks the server unhealthy without draining (the watchdog); reversible, except that SERVING is
+  // refused once the engine has failed. Any thread.
   void SetServing(bool serving);
   // Stops the gRPC server; calls still open after `grace` are cancelled. Idempotent.
   void Shutdown(std::chrono::milliseconds grace);
@@ -52,7 +54,7 @@ class TailServer {
   std::unique_ptr<grpc::Server> server_;
   int32_t port_ = 0;
   std::string address_;
-  bool shut_down_ = false;
+  std::atomic<bool> shut_down_{false};
 };
 
 }  // namespace ts::server

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -98,6 +99,33 @@ absl::StatusOr<std::string> ChildProcess::WaitForLine(const std::string& needle,
   }
   return absl::NotFoundError(absl::StrCat("no line containing '", needle, "' (",
                                           eof_ ? "child closed its output" : "timed out", ")"));
+}
+
+absl::Status ChildProcess::WaitForLineCount(const std::string& needle, int count,
+                                            std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::unique_lock<std::mutex> lock(mu_);
+  size_t seen = 0;
+  int found = 0;
+  while (true) {
+    for (; seen < lines_.size(); ++seen) {
+      if (lines_[seen].find(needle) != std::string::npos && ++found >= count) {
+        return absl::OkStatus();
+      }
+    }
+    if (eof_ || std::chrono::steady_clock::now() >= deadline) break;
+    cv_.wait_until(lock, deadline);
+  }
+  return absl::NotFoundError(absl::StrCat(found, " of ", count, " lines containing '", needle,
+                                          "' (", eof_ ? "child closed its output" : "timed out",
+                                          ")"));
+}
+
+int ChildProcess::CountLines(const std::string& needle) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(std::count_if(lines_.begin(), lines_.end(), [&](const std::string& l) {
+    return l.find(needle) != std::string::npos;
+  }));
 }
 
 bool ChildProcess::Signal(int sig) {

@@ -28,6 +28,10 @@ class ChildProcess {
   // once the child has exited without printing it.
   absl::StatusOr<std::string> WaitForLine(const std::string& needle,
                                           std::chrono::milliseconds timeout);
+  // Waits until `count` output lines contain `needle`; NotFound after `timeout` or at exit.
+  absl::Status WaitForLineCount(const std::string& needle, int count,
+                                std::chrono::milliseconds timeout);
+  int CountLines(const std::string& needle) const;  // output lines so far containing `needle`
   bool Signal(int sig);
   // The exit code, or -signal if it was killed by one; nullopt on timeout.
   std::optional<int> WaitExit(std::chrono::milliseconds timeout);
