@@ -39,6 +39,11 @@ absl::StatusOr<std::unique_ptr<Gemm>> Gemm::Create(const GemmOptions& options) {
   g->workspace_bytes_ = options.workspace_bytes;
   if (g->workspace_bytes_ > 0) {
     TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&g->workspace_, g->workspace_bytes_));
+    // cuBLASLt's split-K reduce reads a few words of the workspace that nothing wrote before
+    // (compute-sanitizer initcheck, 2026-12-01, splitKreduce_kernel at workspace + 0x400): its
+    // counters, which it leaves as it found them. Zero, once, as the arena is, so that the first
+    // launch does not depend on what cudaMalloc happened to return.
+    TS_CUDA_RETURN_IF_ERROR(cudaMemset(g->workspace_, 0, g->workspace_bytes_));
   }
   return g;
 }

@@ -24,6 +24,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -145,6 +146,9 @@ void ExpectInBand(const Agreement& a, const Band& band, const char* path) {
       << path << ": relative error above 1.25x the largest transformers variant";
 }
 
+// Prompts decode kGroup at a time, in one bucket.
+constexpr int32_t kGroup = 4;
+
 // Buckets {1, 2, 4} keep decode at m <= 8, the fused GEMV layers; {16} pads 4 rows to 16 and
 // runs the cuBLASLt layers. Both end in the lm_head GEMM at the model's vocabulary.
 std::unique_ptr<CudaBackend> MakeBackend(const Reference& ref, std::vector<int32_t> buckets) {
@@ -152,7 +156,7 @@ std::unique_ptr<CudaBackend> MakeBackend(const Reference& ref, std::vector<int32
   for (const auto& p : ref.prompts) longest = std::max<int32_t>(longest, p.size());
   CudaBackendOptions o;
   o.model_dir = ref.dir;
-  o.max_slots = static_cast<int32_t>(ref.prompts.size());
+  o.max_slots = kGroup;
   o.buckets = std::move(buckets);
   o.max_context = std::max(longest + 1, 64);
   o.prefill_chunk_tokens = std::max(longest, 64);
@@ -171,7 +175,7 @@ void PrefillPath(const char* env_name) {
   int32_t longest = 0;
   for (const auto& p : ref.prompts) longest = std::max<int32_t>(longest, p.size());
   // The logits head runs up to 64 rows at a time: keep a 64-row bucket.
-  auto backend = MakeBackend(ref, {static_cast<int32_t>(ref.prompts.size()), 64});
+  auto backend = MakeBackend(ref, {kGroup, 64});
   ASSERT_NE(backend, nullptr);
   const int32_t vocab = backend->info().model.vocab_size;
   Agreement a;
@@ -197,15 +201,20 @@ void DecodePath(const char* env_name, std::vector<int32_t> buckets, const char* 
   ASSERT_NE(backend, nullptr);
   const int32_t vocab = backend->info().model.vocab_size;
   constexpr int32_t kPrefill = 1;
-  auto got = backend->DecodeLogits(ref.prompts, kPrefill);
-  ASSERT_TRUE(got.ok()) << got.status();
-  ASSERT_EQ(got->size(), ref.prompts.size());
   Agreement a;
-  for (size_t i = 0; i < ref.prompts.size(); ++i) {
-    const int32_t rows = static_cast<int32_t>(ref.prompts[i].size()) - kPrefill;
-    ASSERT_EQ((*got)[i].size(), static_cast<size_t>(rows) * vocab);
-    a.Add((*got)[i].data(), ref.logits[i].data() + static_cast<size_t>(kPrefill) * vocab, rows,
-          vocab, std::string(path) + " prompt " + std::to_string(i));
+  for (size_t first = 0; first < ref.prompts.size(); first += kGroup) {
+    const size_t n = std::min<size_t>(kGroup, ref.prompts.size() - first);
+    auto got = backend->DecodeLogits(
+        std::span<const std::vector<int32_t>>(ref.prompts).subspan(first, n), kPrefill);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->size(), n);
+    for (size_t j = 0; j < n; ++j) {
+      const size_t i = first + j;
+      const int32_t rows = static_cast<int32_t>(ref.prompts[i].size()) - kPrefill;
+      ASSERT_EQ((*got)[j].size(), static_cast<size_t>(rows) * vocab);
+      a.Add((*got)[j].data(), ref.logits[i].data() + static_cast<size_t>(kPrefill) * vocab, rows,
+            vocab, std::string(path) + " prompt " + std::to_string(i));
+    }
   }
   ExpectInBand(a, ref.band, path);
   EXPECT_EQ(backend->num_active(), 0);

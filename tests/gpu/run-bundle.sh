@@ -8,9 +8,12 @@
 #     them first (the 1B and 8B shapes for engine_cuda_hf_logits_test).
 #   SANITIZE="memcheck racecheck initcheck": instead of the plain run, run the tests under each
 #     compute-sanitizer tool in turn (log: sanitize-<tool>.log). A binary passes when it passes and
-#     the tool reports no error (--error-exitcode). SANITIZE_TESTS narrows the binaries (a regex),
+#     the tool reports no error (--error-exitcode). CUDA API errors are not counted: the tests of
+#     error paths provoke them on purpose and check the returned codes themselves. SANITIZE_TESTS narrows the binaries (a regex),
 #     SANITIZE_GTEST_ARGS passes gtest arguments (e.g. a --gtest_filter for the slower tools),
-#     SANITIZE_TIMEOUT caps each binary (default: its CTest TIMEOUT).
+#     SANITIZE_TIMEOUT caps each binary (default: its CTest TIMEOUT), SANITIZE_JOBS runs that
+#     many tool runs at once (default 1; each is its own process on the one GPU, and a tool's
+#     slowdown is mostly its own instrumentation, so they overlap well).
 #   TESTS: a regex of the binaries to run (default: all).
 # TS_REQUIRE_GPU=1 turns "no CUDA device" into a failure: on this machine a skip would hide a
 # broken device (tests/common/gpu_main.cc).
@@ -40,6 +43,7 @@ fi
 export TS_LLAMA1B_DIR=${TS_LLAMA1B_DIR:-} TS_LLAMA8B_DIR=${TS_LLAMA8B_DIR:-}
 
 table=()
+jobs_run=()
 pass=0; fail=0; skip=0; failed=()
 # run_one <log> <name> <timeout> <command...>
 run_one() {
@@ -71,12 +75,35 @@ while read -r t limit; do
   else
     [[ -z "${SANITIZE_TESTS:-}" || "$t" =~ ${SANITIZE_TESTS} ]] || continue
     for tool in $SANITIZE; do
-      run_one "$OUT/sanitize-$tool.log" "$t [$tool]" "${SANITIZE_TIMEOUT:-${limit:-600}}" \
-        compute-sanitizer --tool "$tool" --error-exitcode 86 --print-limit 20 \
-        ".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-}
+      while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-1}" ]; do wait -n; done
+      job="$OUT/job-$tool-$t"
+      ( t0=$(date +%s)
+        timeout "${SANITIZE_TIMEOUT:-${limit:-600}}" compute-sanitizer --tool "$tool" \
+          --error-exitcode 86 --print-limit 20 --report-api-errors no ".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-} \
+          > "$job.log" 2>&1
+        echo "$? $(( $(date +%s) - t0 ))" > "$job.rc" ) &
+      jobs_run+=("$tool $t")
     done
   fi
 done < .bundle/gpu-tests.txt
+wait
+# One log per tool and the table, in launch order (only a few files come back from the machine).
+for j in "${jobs_run[@]}"; do
+  read -r tool t <<< "$j"
+  job="$OUT/job-$tool-$t"
+  read -r rc secs < "$job.rc"
+  { echo "==== $t"; cat "$job.log"; } >> "$OUT/sanitize-$tool.log"
+  if [ "$rc" -eq 0 ]; then verdict=pass; pass=$((pass+1));
+  elif [ "$rc" -eq 77 ]; then verdict=skip; skip=$((skip+1));
+  else
+    verdict="FAIL rc=$rc"; [ "$rc" -eq 86 ] && verdict="SANITIZER ERROR"
+    [ "$rc" -eq 124 ] && verdict="TIMEOUT"
+    fail=$((fail+1)); failed+=("$t [$tool]")
+    grep -E "Failure|FAILED|ERROR SUMMARY: [1-9]|Invalid|Race|Uninitialized|Expected" "$job.log" | head -8
+  fi
+  table+=("$(printf '%-44s %-16s %5s s' "$t [$tool]" "$verdict" "$secs")")
+  rm -f "$job.log" "$job.rc"
+done
 
 for b in ${BENCH:-}; do
   echo "==== $b"
