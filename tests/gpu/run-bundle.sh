@@ -44,6 +44,9 @@ export TS_LLAMA1B_DIR=${TS_LLAMA1B_DIR:-} TS_LLAMA8B_DIR=${TS_LLAMA8B_DIR:-}
 
 table=()
 jobs_run=()
+# Per-run sanitizer logs stay off $OUT: only a few files come back from the machine, and a run
+# cut short must not crowd out the logs that matter.
+jobdir=$(mktemp -d)
 pass=0; fail=0; skip=0; failed=()
 # run_one <log> <name> <timeout> <command...>
 run_one() {
@@ -76,7 +79,7 @@ while read -r t limit; do
     [[ -z "${SANITIZE_TESTS:-}" || "$t" =~ ${SANITIZE_TESTS} ]] || continue
     for tool in $SANITIZE; do
       while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-1}" ]; do wait -n; done
-      job="$OUT/job-$tool-$t"
+      job="$jobdir/$tool-$t"
       ( t0=$(date +%s)
         timeout "${SANITIZE_TIMEOUT:-${limit:-600}}" compute-sanitizer --tool "$tool" \
           --error-exitcode 86 --print-limit 20 --report-api-errors no ".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-} \
@@ -90,7 +93,7 @@ wait
 # One log per tool and the table, in launch order (only a few files come back from the machine).
 for j in "${jobs_run[@]}"; do
   read -r tool t <<< "$j"
-  job="$OUT/job-$tool-$t"
+  job="$jobdir/$tool-$t"
   read -r rc secs < "$job.rc"
   { echo "==== $t"; cat "$job.log"; } >> "$OUT/sanitize-$tool.log"
   if [ "$rc" -eq 0 ]; then verdict=pass; pass=$((pass+1));
@@ -104,6 +107,7 @@ for j in "${jobs_run[@]}"; do
   table+=("$(printf '%-44s %-16s %5s s' "$t [$tool]" "$verdict" "$secs")")
   rm -f "$job.log" "$job.rc"
 done
+rm -rf "$jobdir"
 
 for b in ${BENCH:-}; do
   echo "==== $b"
