@@ -11,6 +11,8 @@
 #     the tool reports no error (--error-exitcode). CUDA API errors are not counted: the tests of
 #     error paths provoke them on purpose and check the returned codes themselves. SANITIZE_TESTS narrows the binaries (a regex),
 #     SANITIZE_GTEST_ARGS passes gtest arguments (e.g. a --gtest_filter for the slower tools),
+#     SANITIZE_ARGS more compute-sanitizer arguments (e.g. a kernel-name filter that leaves out
+#     cuBLASLt's own kernels, whose TMA/mbarrier code racecheck reports as hazards),
 #     SANITIZE_TIMEOUT caps each binary (default: its CTest TIMEOUT), SANITIZE_JOBS runs that
 #     many tool runs at once (default 1; each is its own process on the one GPU, and a tool's
 #     slowdown is mostly its own instrumentation, so they overlap well).
@@ -82,7 +84,8 @@ while read -r t limit; do
       job="$jobdir/$tool-$t"
       ( t0=$(date +%s)
         timeout "${SANITIZE_TIMEOUT:-${limit:-600}}" compute-sanitizer --tool "$tool" \
-          --error-exitcode 86 --print-limit 20 --report-api-errors no ".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-} \
+          --error-exitcode 86 --print-limit 20 --report-api-errors no ${SANITIZE_ARGS:-} \
+          ".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-} \
           > "$job.log" 2>&1
         echo "$? $(( $(date +%s) - t0 ))" > "$job.rc" ) &
       jobs_run+=("$tool $t")
