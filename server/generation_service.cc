@@ -1,11 +1,14 @@
 #include "server/generation_service.h"
 
+#include <cstdio>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "engine/backend.h"
 #include "server/grpc_status.h"
 
 namespace ts::server {
@@ -56,8 +59,15 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   enum class Action { kNone, kWrite, kWriteAndFinish, kFinish };
 
   GenerateReactor(GenerationService* service, Engine* engine, std::shared_ptr<RequestStream> stream,
-                  uint64_t seed)
-      : service_(service), engine_(engine), stream_(std::move(stream)), seed_(seed) {}
+                  uint64_t seed, std::shared_ptr<IdClaim> claim, StopParams stop,
+                  std::vector<int32_t> eos_token_ids)
+      : service_(service),
+        engine_(engine),
+        stream_(std::move(stream)),
+        seed_(seed),
+        claim_(std::move(claim)),
+        stop_(std::move(stop)),
+        eos_token_ids_(std::move(eos_token_ids)) {}
 
   // Separate from the constructor: the notifier may fire at once, and the reactor must be fully
   // built by then.
@@ -84,7 +94,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       // A write in flight finishes the call from OnWriteDone.
       if (!write_in_flight_) finish_called_ = finish = true;
     }
-    if (finish) Finish(status);
+    if (finish) FinishCall(status);
     return true;
   }
 
@@ -107,7 +117,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       }
     }
     if (finish) {
-      Finish(finish_status);
+      FinishCall(finish_status);
       return;
     }
     Pump();
@@ -115,6 +125,8 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
 
   void OnCancel() override {
     // Client cancel or deadline: free the slot and KV blocks now, not when the stream would end.
+    // The client already has its final status, so its id is free for a retry.
+    service_->ReleaseId(*claim_);
     engine_->Cancel(stream_->id());
     bool finish = false;
     {
@@ -125,7 +137,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
         finish = true;
       }
     }
-    if (finish) Finish(grpc::Status::CANCELLED);
+    if (finish) FinishCall(grpc::Status::CANCELLED);
   }
 
   void OnDone() override {
@@ -140,6 +152,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       final_taken = final_taken_;
     }
     if (!final_taken) engine_->Cancel(stream_->id());
+    service_->ReleaseId(*claim_);
     service_->StreamDone(link_);
     delete this;
   }
@@ -167,10 +180,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
         StartWrite(&response_);
         break;
       case Action::kWriteAndFinish:
+        service_->ReleaseId(*claim_);
         StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
         break;
       case Action::kFinish:
-        Finish(status);
+        FinishCall(status);
         break;
       case Action::kNone:
         break;
@@ -178,11 +192,30 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   }
 
  private:
+  // The id is released before the status goes out, so a client that has it can reuse the id.
+  void FinishCall(const grpc::Status& status) {
+    service_->ReleaseId(*claim_);
+    Finish(status);
+  }
+
   // Takes the pending update and decides what to send. Caller holds mu_.
   void PrepareLocked(Action* action, grpc::Status* status) {
     StreamUpdate update;
     if (!stream_->Take(&update)) return;
+    if (!held_.empty()) {
+      update.tokens.insert(update.tokens.begin(), held_.begin(), held_.end());
+      held_.clear();
+    }
     if (update.tokens.empty() && !update.finished) return;
+    // The engine appends a request's last token and then finishes it, and the notifier fires on
+    // each: sent at once, the last token and the finish reason went out as two messages, the
+    // final one empty. A token that ends the request (the engine's own CheckStop says so) is held
+    // back for the Finish that follows it in the same engine step.
+    if (!update.finished && CheckStop(stop_, eos_token_ids_, update.tokens.back(),
+                                      update.completion_tokens - 1) != FinishReason::kNone) {
+      held_ = std::move(update.tokens);
+      return;
+    }
     BuildResponse(update);
     if (!update.finished) {
       write_in_flight_ = true;
@@ -210,7 +243,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
 
   void BuildResponse(const StreamUpdate& update) {
     response_.Clear();
-    response_.set_request_id(stream_->id());
+    response_.set_request_id(claim_->client_id);
     response_.mutable_token_ids()->Add(update.tokens.begin(), update.tokens.end());
     if (first_message_) {
       response_.set_seed(seed_);
@@ -227,6 +260,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   Engine* const engine_;
   const std::shared_ptr<RequestStream> stream_;
   const uint64_t seed_;
+  const std::shared_ptr<IdClaim> claim_;
+  const StopParams stop_;
+  const std::vector<int32_t> eos_token_ids_;
   std::shared_ptr<ReactorLink> link_;
 
   std::mutex mu_;
@@ -238,6 +274,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   bool final_taken_ = false;       // guarded by mu_; read in OnDone once every op is over
   std::optional<grpc::Status> finish_after_write_;  // guarded by mu_
   std::optional<grpc::Status> cut_;                 // guarded by mu_; set by Cut
+  std::vector<int32_t> held_;  // guarded by mu_; the last tokens, waiting for the finish
 };
 
 GenerationService::GenerationService(Engine* engine, GenerationServiceOptions options)
@@ -246,6 +283,7 @@ GenerationService::GenerationService(Engine* engine, GenerationServiceOptions op
       model_info_(engine->model_info()),
       limits_{.vocab_size = model_info_.vocab_size,
               .max_context = model_info_.max_context,
+              .max_new_tokens = model_info_.max_new_tokens,
               .max_stop_ids = model_info_.max_stop_ids},
       seed_rng_(std::random_device{}()) {}
 
@@ -277,6 +315,52 @@ int32_t GenerationService::CutOpenStreams(const grpc::Status& status) {
   return cut;
 }
 
+namespace {
+// A client's deadline can come a little before this server's (the server counts the timeout from
+// the request's arrival), so a retry sent the moment the client saw DEADLINE_EXCEEDED may arrive
+// just before the old call expires here. Within this margin the old call counts as over.
+constexpr auto kDeadlineSkew = std::chrono::milliseconds(50);
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<IdClaim>> GenerationService::ClaimId(
+    std::string id, std::chrono::system_clock::time_point deadline) {
+  auto claim = std::make_shared<IdClaim>();
+  claim->deadline = deadline;
+  std::shared_ptr<IdClaim> expired;
+  {
+    std::lock_guard<std::mutex> lock(ids_mu_);
+    const uint64_t call = next_call_++;
+    if (id.empty()) {
+      uint64_t n = call;
+      do {
+        id = absl::StrCat("req-", n++);
+      } while (ids_.count(id) != 0);
+    }
+    auto it = ids_.find(id);
+    if (it != ids_.end()) {
+      if (std::chrono::system_clock::now() + kDeadlineSkew < it->second->deadline) {
+        return absl::AlreadyExistsError(
+            absl::StrCat("request_id: \"", id, "\" is already in flight"));
+      }
+      // Its client has already seen DEADLINE_EXCEEDED; gRPC's OnCancel for it may simply not
+      // have run yet.
+      expired = std::move(it->second);
+      ids_.erase(it);
+    }
+    claim->client_id = id;
+    claim->engine_id = absl::StrCat(id, "#", call);
+    ids_.emplace(id, claim);
+  }
+  if (expired != nullptr) engine_->Cancel(expired->engine_id);
+  return claim;
+}
+
+void GenerationService::ReleaseId(const IdClaim& claim) {
+  std::lock_guard<std::mutex> lock(ids_mu_);
+  auto it = ids_.find(claim.client_id);
+  if (it != ids_.end() && it->second.get() == &claim) ids_.erase(it);
+}
+
 uint64_t GenerationService::DrawSeed() {
   std::lock_guard<std::mutex> lock(seed_mu_);
   return seed_rng_();
@@ -284,18 +368,40 @@ uint64_t GenerationService::DrawSeed() {
 
 grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::Generate(
     grpc::CallbackServerContext* context, const pb::GenerateRequest* request) {
-  (void)context;
+  if (options_.debug_generate_delay.count() <= 0) return StartGenerate(context, request);
+  std::this_thread::sleep_for(options_.debug_generate_delay);
+  auto* reactor = StartGenerate(context, request);
+  std::fprintf(stderr, "tailserve debug_generate_delay: handled\n");
+  return reactor;
+}
+
+grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::StartGenerate(
+    grpc::CallbackServerContext* context, const pb::GenerateRequest* request) {
   if (draining()) {
     return new RejectReactor(
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining; retry elsewhere"));
   }
+  // Its client has given up already: admitting it would spend a prefill on nobody.
+  const auto deadline = context->deadline();
+  if (deadline <= std::chrono::system_clock::now() || context->IsCancelled()) {
+    return new RejectReactor(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                          "the request's deadline passed before it was read"));
+  }
   absl::StatusOr<GenerateRequest> converted = ValidateAndConvert(*request, limits_, DrawSeed());
   if (!converted.ok()) return new RejectReactor(ToGrpcStatus(converted.status()));
+  absl::StatusOr<std::shared_ptr<IdClaim>> claim = ClaimId(converted->request_id, deadline);
+  if (!claim.ok()) return new RejectReactor(ToGrpcStatus(claim.status()));
+  converted->request_id = (*claim)->engine_id;
   const uint64_t seed = converted->sampling.seed;
+  StopParams stop = converted->stop;
   absl::StatusOr<std::shared_ptr<RequestStream>> stream = engine_->Submit(*std::move(converted));
-  if (!stream.ok()) return new RejectReactor(ToGrpcStatus(stream.status()));
+  if (!stream.ok()) {
+    ReleaseId(**claim);
+    return new RejectReactor(ToGrpcStatus(stream.status()));
+  }
   active_streams_.fetch_add(1);
-  auto* reactor = new GenerateReactor(this, engine_, *std::move(stream), seed);
+  auto* reactor = new GenerateReactor(this, engine_, *std::move(stream), seed, *std::move(claim),
+                                      std::move(stop), model_info_.eos_token_ids);
   reactor->Start();
   return reactor;
 }

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -17,6 +18,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -68,6 +71,9 @@ ABSL_FLAG(int32_t, debug_prefill_delay_ms, 0,
 ABSL_FLAG(int64_t, debug_fail_step, 0,
           "Testing only: decode step N and every later one fail with INTERNAL (simulates a sticky "
           "device error); 0 = never.");
+ABSL_FLAG(int32_t, debug_generate_delay_ms, 0,
+          "Testing only: Generate sleeps this long before it looks at a request (simulates a "
+          "request that reaches the server after its deadline).");
 ABSL_FLAG(std::string, debug_gate_file, "",
           "Testing only: the gated calls (--debug_gate_step, --debug_gate_prefill) wait until "
           "this file exists (simulates a hung device, released at a moment the test chooses).");
@@ -372,9 +378,63 @@ int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
   return code;
 }
 
+// Every numeric flag's range, checked before anything loads: an out-of-range value would
+// otherwise wrap (--port 70000 bound 4464) or fail later under another name.
+absl::Status CheckFlagRanges() {
+  auto range = [](absl::string_view flag, int64_t v, int64_t lo, int64_t hi) -> absl::Status {
+    if (v >= lo && v <= hi) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": ", v, " is outside [", lo, ", ", hi, "]"));
+  };
+  constexpr int64_t kDay = 24 * 3600;
+  TS_RETURN_IF_ERROR(range("port", absl::GetFlag(FLAGS_port), 0, 65535));
+  TS_RETURN_IF_ERROR(range("max_batch", absl::GetFlag(FLAGS_max_batch), 1, 4096));
+  TS_RETURN_IF_ERROR(range("queue_limit", absl::GetFlag(FLAGS_queue_limit), 1, 1 << 20));
+  TS_RETURN_IF_ERROR(range("max_context", absl::GetFlag(FLAGS_max_context), 0, 1 << 24));
+  TS_RETURN_IF_ERROR(range("kv_blocks", absl::GetFlag(FLAGS_kv_blocks), 0, 1 << 26));
+  TS_RETURN_IF_ERROR(range("kv_block_size", absl::GetFlag(FLAGS_kv_block_size), 1, 1024));
+  TS_RETURN_IF_ERROR(range("drain_timeout_s", absl::GetFlag(FLAGS_drain_timeout_s), 0, kDay));
+  TS_RETURN_IF_ERROR(
+      range("stream_buffer_tokens", absl::GetFlag(FLAGS_stream_buffer_tokens), 1, 1 << 24));
+  TS_RETURN_IF_ERROR(range("threads", absl::GetFlag(FLAGS_threads), 0, 4096));
+  TS_RETURN_IF_ERROR(range("device", absl::GetFlag(FLAGS_device), 0, 1024));
+  TS_RETURN_IF_ERROR(range("stats_interval_s", absl::GetFlag(FLAGS_stats_interval_s), 0, kDay));
+  TS_RETURN_IF_ERROR(range("watchdog_s", absl::GetFlag(FLAGS_watchdog_s), 0, kDay));
+  TS_RETURN_IF_ERROR(
+      range("debug_step_delay_ms", absl::GetFlag(FLAGS_debug_step_delay_ms), 0, 1000 * kDay));
+  TS_RETURN_IF_ERROR(
+      range("debug_prefill_delay_ms", absl::GetFlag(FLAGS_debug_prefill_delay_ms), 0, 1000 * kDay));
+  TS_RETURN_IF_ERROR(range("debug_generate_delay_ms", absl::GetFlag(FLAGS_debug_generate_delay_ms),
+                           0, 1000 * kDay));
+  TS_RETURN_IF_ERROR(range("debug_fail_step", absl::GetFlag(FLAGS_debug_fail_step), 0,
+                           std::numeric_limits<int64_t>::max()));
+  TS_RETURN_IF_ERROR(range("debug_gate_step", absl::GetFlag(FLAGS_debug_gate_step), 0,
+                           std::numeric_limits<int64_t>::max()));
+  const double fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gpu_memory_fraction: ", fraction, " is outside (0, 1]"));
+  }
+  return absl::OkStatus();
+}
+
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("tailserve --model_dir DIR [--port N] [--backend cpu] ...");
+  absl::SetProgramUsageMessage(
+      "serves a Llama checkpoint over gRPC.\n  tailserve --model_dir DIR [--port N] [--backend "
+      "cpu|cuda] ...\nSee docs/serving.md.");
+  // --help lists the flags of files named like the program (tailserve.cc); ours live in
+  // server/main.cc, so without this it printed "No flags matched".
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "server/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
+  if (absl::Status flags = CheckFlagRanges(); !flags.ok()) {
+    std::fprintf(stderr, "tailserve: %s\n", flags.ToString().c_str());
+    return kExitFailed;
+  }
 
   // Block the shutdown signals before any thread starts, so every thread inherits the mask and
   // only sigtimedwait in this thread ever sees them: no work happens inside a signal handler.
@@ -391,11 +451,13 @@ int Main(int argc, char** argv) {
     return 1;
   }
   std::unique_ptr<Engine> engine = std::move(loaded->engine);
-  absl::StatusOr<std::unique_ptr<TailServer>> server =
-      TailServer::Start(ServerOptions{.host = absl::GetFlag(FLAGS_host),
-                                      .port = absl::GetFlag(FLAGS_port),
-                                      .model_name = loaded->model_name},
-                        engine.get());
+  absl::StatusOr<std::unique_ptr<TailServer>> server = TailServer::Start(
+      ServerOptions{.host = absl::GetFlag(FLAGS_host),
+                    .port = absl::GetFlag(FLAGS_port),
+                    .model_name = loaded->model_name,
+                    .debug_generate_delay =
+                        std::chrono::milliseconds(absl::GetFlag(FLAGS_debug_generate_delay_ms))},
+      engine.get());
   if (!server.ok()) {
     std::fprintf(stderr, "tailserve: %s\n", server.status().ToString().c_str());
     return 1;

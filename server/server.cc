@@ -15,7 +15,8 @@ absl::StatusOr<std::unique_ptr<TailServer>> TailServer::Start(const ServerOption
   TailServer* raw = s.get();
   s->service_ = std::make_unique<GenerationService>(
       engine, GenerationServiceOptions{.model_name = options.model_name,
-                                       .on_backend_failure = [raw] { raw->SetServing(false); }});
+                                       .on_backend_failure = [raw] { raw->SetServing(false); },
+                                       .debug_generate_delay = options.debug_generate_delay});
 
   // Both must be set before the builder is created: they register through global hooks.
   grpc::EnableDefaultHealthCheckService(true);
@@ -23,15 +24,23 @@ absl::StatusOr<std::unique_ptr<TailServer>> TailServer::Start(const ServerOption
 
   const bool ipv6 = options.host.find(':') != std::string::npos;
   const std::string host = ipv6 ? absl::StrCat("[", options.host, "]") : options.host;
+  if (options.port < 0 || options.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--port: ", options.port, " is outside [0, 65535]"));
+  }
   grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default: a second tailserve on a busy port would then bind too and
+  // silently take part of the first one's connections. Without it the second bind fails.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int bound_port = 0;
-  builder.AddListeningPort(absl::StrCat(host, ":", options.port), grpc::InsecureServerCredentials(),
-                           &bound_port);
+  const std::string address = absl::StrCat(host, ":", options.port);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &bound_port);
   builder.RegisterService(s->service_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || bound_port == 0) {
-    return absl::UnavailableError(absl::StrCat("could not listen on ", host, ":", options.port,
-                                               " (address in use or not local?)"));
+    return absl::UnavailableError(absl::StrCat(
+        "could not listen on ", address,
+        ": the port is in use (is another tailserve running there?) or the address is not local"));
   }
   s->port_ = bound_port;
   s->address_ = absl::StrCat(host, ":", bound_port);

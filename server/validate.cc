@@ -1,5 +1,6 @@
 #include "server/validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -87,7 +88,14 @@ absl::StatusOr<SamplingParams> ConvertSampling(const pb::SamplingParams& s,
 absl::StatusOr<StopParams> ConvertStop(const pb::StopParams& s, int32_t prompt_len,
                                        const ValidationLimits& limits) {
   StopParams p;
-  p.max_new_tokens = s.has_max_new_tokens() ? s.max_new_tokens() : kDefaultMaxNewTokens;
+  if (s.has_max_new_tokens()) {
+    p.max_new_tokens = s.max_new_tokens();
+  } else {
+    // CheckPrompt left at least one position.
+    p.max_new_tokens = limits.max_context - prompt_len;
+    if (limits.max_new_tokens > 0)
+      p.max_new_tokens = std::min(p.max_new_tokens, limits.max_new_tokens);
+  }
   p.min_new_tokens = s.min_new_tokens();
   p.ignore_eos = s.ignore_eos();
   if (p.max_new_tokens < 1) {

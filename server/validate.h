@@ -15,14 +15,16 @@ namespace ts::server {
 // What the loaded model and engine allow; filled from Engine::model_info().
 struct ValidationLimits {
   int32_t vocab_size = 0;
-  int32_t max_context = 0;   // prompt + max_new_tokens
+  int32_t max_context = 0;  // prompt + max_new_tokens
+  // Cap on an unset stop.max_new_tokens (ModelInfo.max_new_tokens); 0 = what the context leaves.
+  int32_t max_new_tokens = 0;
   int32_t max_stop_ids = 0;  // cap on stop.stop_token_ids
   int32_t max_request_id_chars = 128;
 };
 
-// Proto defaults for unset fields (documented in generation.proto).
-inline constexpr int32_t kDefaultMaxNewTokens = 16;
-
+// Unset fields take the defaults documented in generation.proto. An unset stop.max_new_tokens is
+// what the context leaves after the prompt, capped by ValidationLimits::max_new_tokens: a fixed
+// default could exceed what is left and be refused under a field the client never set.
 // Pure: the same inputs always give the same result. `drawn_seed` is used when sampling.seed is
 // unset (the caller draws it, so this function stays deterministic and testable).
 // Errors: INVALID_ARGUMENT naming the field; UNIMPLEMENTED for prompt_text (no tokenizer yet).

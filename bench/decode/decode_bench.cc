@@ -29,8 +29,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -402,6 +404,13 @@ int Main() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "tailserve-bench: decode step time of the CUDA backend on random Llama weights");
+  // --help lists the flags of files named like the program by default; ours is decode_bench.cc.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "bench/decode/");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   return ts::bench::Main();
 }

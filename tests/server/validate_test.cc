@@ -151,10 +151,42 @@ TEST(ValidateTest, DefaultsApplyAndSeedIsDrawn) {
   EXPECT_EQ(got->sampling.min_p, 0.0f);
   EXPECT_EQ(got->sampling.repetition_penalty, 1.0f);
   EXPECT_EQ(got->sampling.seed, 12345u);
-  EXPECT_EQ(got->stop.max_new_tokens, kDefaultMaxNewTokens);
+  // Unset: what the context leaves after the 4-token prompt.
+  EXPECT_EQ(got->stop.max_new_tokens, kLimits.max_context - 4);
   EXPECT_EQ(got->stop.min_new_tokens, 0);
   EXPECT_FALSE(got->stop.ignore_eos);
   EXPECT_TRUE(got->stop.stop_token_ids.empty());
+}
+
+TEST(ValidateTest, UnsetMaxNewTokensIsWhatTheContextLeavesCappedByTheServer) {
+  // 250 of 256 positions taken: a fixed default of 16 would be refused under a field the client
+  // never set.
+  pb::GenerateRequest r;
+  for (int i = 0; i < 250; ++i) r.mutable_prompt_token_ids()->add_ids(i % 311);
+  absl::StatusOr<GenerateRequest> got = ValidateAndConvert(r, kLimits, 1);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->stop.max_new_tokens, 6);
+  // One position left: exactly one token.
+  r.mutable_prompt_token_ids()->mutable_ids()->Resize(255, 7);
+  got = ValidateAndConvert(r, kLimits, 1);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->stop.max_new_tokens, 1);
+  // The server's cap applies to a short prompt.
+  ValidationLimits capped = kLimits;
+  capped.max_new_tokens = 100;
+  r.mutable_prompt_token_ids()->mutable_ids()->Truncate(10);
+  got = ValidateAndConvert(r, capped, 1);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->stop.max_new_tokens, 100);
+  // A set value is taken as given, and min_new_tokens is checked against the unset default.
+  r.mutable_stop()->set_min_new_tokens(101);
+  got = ValidateAndConvert(r, capped, 1);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(got.status().message(), HasSubstr("stop.min_new_tokens"));
+  r.mutable_stop()->set_max_new_tokens(120);
+  got = ValidateAndConvert(r, capped, 1);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->stop.max_new_tokens, 120);
 }
 
 TEST(ValidateTest, EveryFieldConverts) {

@@ -1,0 +1,244 @@
+// End to end: the API's edges as a new user meets them (issue #14, item 6): a busy port, flags out
+// of range, --help, an unset max_new_tokens, the shape of a stream's last message, a request that
+// arrives after its deadline, and a request id reused right after DEADLINE_EXCEEDED. Waits use the
+// server's gates and log lines, never a guess at how long something takes.
+#include <string>
+#include <vector>
+
+#include "tests/server/e2e_util.h"
+
+namespace ts::testing {
+namespace {
+
+std::string ModelFlag() {
+  return absl::StrCat("--model_dir=", (FixtureDir() / "tiny-gqa-untied").string());
+}
+
+// Starts tailserve with `flags` and expects it to refuse: exit code 1 and a line containing
+// `message`. A server that starts instead fails the test at once rather than at a timeout.
+void ExpectRefusal(const std::vector<std::string>& flags, const std::string& message) {
+  SCOPED_TRACE(message);
+  std::vector<std::string> argv = {TS_TAILSERVE_BINARY, ModelFlag(), "--backend=cpu",
+                                   "--threads=1"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Start(argv);
+  ASSERT_TRUE(child.ok()) << child.status();
+  // NotFound once the child exits without printing it.
+  if ((*child)->WaitForLine("tailserve listening on ", kStartTimeout).ok()) {
+    ADD_FAILURE() << "tailserve started:\n" << (*child)->Output();
+    return;
+  }
+  const std::optional<int> rc = (*child)->WaitExit(10s);
+  ASSERT_TRUE(rc.has_value()) << "tailserve kept running";
+  EXPECT_EQ(*rc, 1) << (*child)->Output();
+  EXPECT_TRUE((*child)->WaitForLine(message, 1s).ok()) << (*child)->Output();
+}
+
+TEST(ServerEdgeTest, SecondServerOnABusyPortRefusesToStart) {
+  std::unique_ptr<Server> first = Server::Launch({});
+  ASSERT_NE(first, nullptr);
+  const pb::ServerStats before = first->Stats();
+  const std::string address = first->process().WaitForLine("listening on ", 1s).value();
+  const std::string port = address.substr(address.rfind(':') + 1);
+  // gRPC sets SO_REUSEPORT by default: without turning it off, the second bind succeeds and the
+  // kernel splits new connections between the two servers.
+  ExpectRefusal({absl::StrCat("--port=", port)}, absl::StrCat("127.0.0.1:", port));
+  EXPECT_EQ(first->Health(), health::HealthCheckResponse::SERVING);
+  EXPECT_EQ(first->Stats().kv_blocks_total(), before.kv_blocks_total());
+}
+
+TEST(ServerEdgeTest, OutOfRangeFlagsFailNamingTheFlag) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--port=70000", "--port"},
+      {"--port=-1", "--port"},
+      {"--threads=-3", "--threads"},
+      {"--kv_block_size=1000000", "--kv_block_size"},
+      {"--kv_block_size=0", "--kv_block_size"},
+      {"--drain_timeout_s=-1", "--drain_timeout_s"},
+      {"--watchdog_s=-5", "--watchdog_s"},
+      {"--stats_interval_s=-1", "--stats_interval_s"},
+      {"--queue_limit=-1", "--queue_limit"},
+      {"--max_context=-2", "--max_context"},
+      {"--kv_blocks=-1", "--kv_blocks"},
+      {"--stream_buffer_tokens=0", "--stream_buffer_tokens"},
+      {"--gpu_memory_fraction=1.5", "--gpu_memory_fraction"},
+      {"--max_batch=100000", "--max_batch"},
+      {"--debug_step_delay_ms=-1", "--debug_step_delay_ms"},
+  };
+  for (const auto& [flag, name] : cases) {
+    SCOPED_TRACE(flag);
+    ExpectRefusal({flag}, name);
+  }
+}
+
+TEST(ServerEdgeTest, HelpListsTheFlags) {
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child =
+      ChildProcess::Start({TS_TAILSERVE_BINARY, "--help"});
+  ASSERT_TRUE(child.ok()) << child.status();
+  ASSERT_TRUE((*child)->WaitExit(30s).has_value()) << "tailserve --help kept running";
+  const std::string out = (*child)->Output();
+  EXPECT_THAT(out, HasSubstr("--max_batch")) << out;
+  EXPECT_THAT(out, HasSubstr("--model_dir")) << out;
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("No flags matched"))) << out;
+}
+
+// One server without step delays: the tests here read whole streams.
+class EdgeStreamTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ref_ = new Reference(LoadReference());
+    server_ = Server::Launch({"--max_batch=8"}).release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+    delete ref_;
+  }
+  void SetUp() override { ASSERT_NE(server_, nullptr) << "tailserve did not start"; }
+
+  static Server* server_;
+  static Reference* ref_;
+};
+Server* EdgeStreamTest::server_ = nullptr;
+Reference* EdgeStreamTest::ref_ = nullptr;
+
+// Reads a stream and checks its shape: only the last message carries a finish reason, and it
+// carries the last tokens with it.
+struct Shape {
+  StreamResult result;
+  std::vector<int> sizes;  // token count of each message
+  bool finish_before_last = false;
+};
+
+Shape ReadShape(pb::Generation::Stub& stub, const pb::GenerateRequest& req) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(kRpcTimeout));
+  auto reader = stub.Generate(&ctx, req);
+  Shape s;
+  pb::GenerateResponse msg;
+  while (reader->Read(&msg)) {
+    if (s.result.finish != pb::FINISH_REASON_UNSPECIFIED) s.finish_before_last = true;
+    ++s.result.messages;
+    s.sizes.push_back(msg.token_ids_size());
+    s.result.tokens.insert(s.result.tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+    s.result.finish = msg.finish_reason();
+    s.result.usage = msg.usage();
+  }
+  s.result.status = reader->Finish();
+  return s;
+}
+
+TEST_F(EdgeStreamTest, LastMessageCarriesTheLastTokensAndTheFinishReason) {
+  const Tokens& prompt = ref_->prompts[1];
+  const Tokens& want = ref_->greedy[1];
+  for (int32_t n : {1, 2, 3, 5, 8}) {
+    const int reps = n == 1 ? 50 : 10;
+    for (int rep = 0; rep < reps; ++rep) {
+      SCOPED_TRACE(absl::StrCat("max_new_tokens ", n, " rep ", rep));
+      const Shape s = ReadShape(server_->stub(), Greedy(prompt, n));
+      ASSERT_TRUE(s.result.status.ok()) << s.result.status.error_message();
+      EXPECT_THAT(s.result.tokens, ElementsAreArray(Prefix(want, n)));
+      ASSERT_FALSE(s.sizes.empty());
+      EXPECT_FALSE(s.finish_before_last);
+      EXPECT_EQ(s.result.finish, pb::FINISH_REASON_LENGTH);
+      EXPECT_GT(s.sizes.back(), 0)
+          << "the final message came without tokens (" << s.result.messages << " messages)";
+      EXPECT_EQ(s.result.usage.completion_tokens(), n);
+      EXPECT_EQ(s.result.usage.prompt_tokens(), static_cast<int32_t>(prompt.size()));
+    }
+  }
+  // A stop token ends the stream the same way: the stop token rides on the final message.
+  const int32_t stop = want[3];
+  const auto first = std::find(want.begin(), want.end(), stop) - want.begin();
+  for (int rep = 0; rep < 10; ++rep) {
+    SCOPED_TRACE(absl::StrCat("stop token rep ", rep));
+    pb::GenerateRequest req = Greedy(prompt, 32);
+    req.mutable_stop()->add_stop_token_ids(stop);
+    const Shape s = ReadShape(server_->stub(), req);
+    ASSERT_TRUE(s.result.status.ok()) << s.result.status.error_message();
+    EXPECT_THAT(s.result.tokens, ElementsAreArray(Prefix(want, first + 1)));
+    EXPECT_FALSE(s.finish_before_last);
+    EXPECT_EQ(s.result.finish, pb::FINISH_REASON_STOP_TOKEN);
+    ASSERT_FALSE(s.sizes.empty());
+    EXPECT_GT(s.sizes.back(), 0);
+  }
+}
+
+TEST_F(EdgeStreamTest, UnsetMaxNewTokensMeansWhatIsLeftOfTheContext) {
+  // 250 prompt tokens leave 6 positions of the fixture's 256: the old default of 16 was refused
+  // with an error naming stop.max_new_tokens, a field this client never set.
+  Tokens prompt;
+  for (int i = 0; i < 250; ++i) prompt.push_back(3 + (i * 37) % 300);
+  pb::GenerateRequest req = Greedy(prompt, 1);
+  req.mutable_stop()->clear_max_new_tokens();
+  const StreamResult r = Generate(server_->stub(), req);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens.size(), 6u);
+  EXPECT_EQ(r.finish, pb::FINISH_REASON_LENGTH);
+  EXPECT_EQ(r.usage.completion_tokens(), 6);
+  // The same prompt with max_new_tokens = 6 set explicitly gives the same tokens.
+  const StreamResult explicit6 = Generate(server_->stub(), Greedy(prompt, 6));
+  ASSERT_TRUE(explicit6.status.ok()) << explicit6.status.error_message();
+  EXPECT_THAT(r.tokens, ElementsAreArray(explicit6.tokens));
+}
+
+TEST(ServerEdgeTest, RequestArrivingAfterItsDeadlineNeverReachesTheEngine) {
+  // Generate sleeps 1.5 s before looking at a request: one sent with a 300 ms deadline is read
+  // after it has expired, as behind a loaded proxy. The hook's line says when it was handled.
+  std::unique_ptr<Server> server = Server::Launch({"--debug_generate_delay_ms=1500"});
+  ASSERT_NE(server, nullptr);
+  const pb::ServerStats before = server->WaitSettled();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(In(300ms));
+  StreamResult r;
+  ReadAll(server->stub().Generate(&ctx, Greedy(LoadReference().prompts[2], 32)).get(), &r);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  ASSERT_TRUE(server->process().WaitForLine("debug_generate_delay: handled", kSettleTimeout).ok())
+      << server->process().Output();
+  const pb::ServerStats after = server->WaitSettled();
+  EXPECT_EQ(after.requests_finished(), before.requests_finished())
+      << "the expired request reached the engine";
+  EXPECT_EQ(after.tokens_generated(), before.tokens_generated());
+}
+
+TEST(ServerEdgeTest, RequestIdIsFreeOnceTheClientHasItsDeadlineExceeded) {
+  // Decode step 1 waits on the gate: the engine thread is stuck, so the first request cannot be
+  // retired (nor its cancel processed) before the retry arrives.
+  const Reference ref = LoadReference();
+  Gate gate;
+  std::unique_ptr<Server> server = Server::Launch({gate.flag(), "--debug_gate_step=1"});
+  ASSERT_NE(server, nullptr);
+  pb::GenerateRequest req = Greedy(ref.prompts[2], 32);
+  req.set_request_id("retry-me");
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(In(500ms));
+    StreamResult r;
+    ReadAll(server->stub().Generate(&ctx, req).get(), &r);
+    ASSERT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+        << r.status.error_message();
+  }
+  grpc::ClientContext retry_ctx;
+  retry_ctx.set_deadline(In(kRpcTimeout));
+  auto retry = server->stub().Generate(&retry_ctx, req);
+  // The retry waits in the queue behind the stuck step; the first request still runs there, and
+  // its cancel is still pending when the gate opens.
+  server->WaitStats([](const pb::ServerStats& s) { return s.queued() == 1 && s.running() == 1; },
+                    "the retry queued behind the first request");
+  gate.Open();
+  StreamResult r;
+  ReadAll(retry.get(), &r);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.request_id, "retry-me");
+  // The first request's late cancel carried the same id: it must not have cut the retry short.
+  EXPECT_THAT(r.tokens, ElementsAreArray(ref.greedy[2]));
+  EXPECT_EQ(r.finish, pb::FINISH_REASON_LENGTH);
+  server->WaitSettled();
+  // Reused once more after a normal finish.
+  const StreamResult again = Generate(server->stub(), req);
+  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_THAT(again.tokens, ElementsAreArray(ref.greedy[2]));
+}
+
+}  // namespace
+}  // namespace ts::testing
