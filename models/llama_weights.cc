@@ -1,9 +1,14 @@
 #include "models/llama_weights.h"
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <charconv>
+#include <cmath>
+#include <cstring>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -74,7 +79,102 @@ absl::StatusOr<const TensorView*> Bind(const Checkpoint& ckpt, const std::string
   return t;
 }
 
+// The exponent field all ones is Inf or NaN in every IEEE format; `Bits` is the storage word.
+template <typename Bits>
+int64_t FirstNonFinite(const std::byte* data, int64_t begin, int64_t end, Bits exponent) {
+  // Branch-free OR over the range first (vectorises); the index is only searched on a hit.
+  Bits hit = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    Bits v;
+    std::memcpy(&v, data + i * sizeof(Bits), sizeof(Bits));  // not necessarily aligned
+    hit |= static_cast<Bits>((v & exponent) == exponent);
+  }
+  if (hit == 0) return -1;
+  for (int64_t i = begin; i < end; ++i) {
+    Bits v;
+    std::memcpy(&v, data + i * sizeof(Bits), sizeof(Bits));
+    if ((v & exponent) == exponent) return i;
+  }
+  return -1;
+}
+
+int64_t FirstNonFinite(const TensorView& t, int64_t begin, int64_t end) {
+  switch (t.dtype) {
+    case DType::kBF16:
+      return FirstNonFinite<uint16_t>(t.data, begin, end, 0x7f80u);
+    case DType::kF16:
+      return FirstNonFinite<uint16_t>(t.data, begin, end, 0x7c00u);
+    case DType::kF32:
+      return FirstNonFinite<uint32_t>(t.data, begin, end, 0x7f800000u);
+  }
+  return -1;
+}
+
+bool IsNaN(const TensorView& t, int64_t i) {
+  float v = 0.0f;
+  switch (t.dtype) {
+    case DType::kBF16:
+    case DType::kF16: {
+      uint16_t bits;
+      std::memcpy(&bits, t.data + i * 2, 2);
+      v = t.dtype == DType::kBF16 ? Bf16ToF32(bits) : F16ToF32(bits);
+      break;
+    }
+    case DType::kF32:
+      std::memcpy(&v, t.data + i * 4, 4);
+      break;
+  }
+  return std::isnan(v);
+}
+
+std::vector<const TensorView*> AllTensors(const LlamaTensors& w) {
+  std::vector<const TensorView*> out = {w.embed, w.final_norm};
+  if (w.lm_head != w.embed) out.push_back(w.lm_head);
+  for (const LlamaLayerTensors& l : w.layers) {
+    out.insert(out.end(), {l.attn_norm, l.q_proj, l.k_proj, l.v_proj, l.o_proj, l.mlp_norm,
+                           l.gate_proj, l.up_proj, l.down_proj});
+  }
+  return out;
+}
+
 }  // namespace
+
+absl::Status CheckTensorsFinite(const std::vector<const TensorView*>& tensors, int num_threads) {
+  // Chunks of 1M elements: enough to keep every thread busy on a big checkpoint, and the first
+  // bad chunk in tensor order is the one reported.
+  constexpr int64_t kChunk = int64_t{1} << 20;
+  struct Chunk {
+    const TensorView* t;
+    int64_t begin, end;
+  };
+  std::vector<Chunk> chunks;
+  for (const TensorView* t : tensors) {
+    const int64_t n = t->numel();
+    for (int64_t b = 0; b < n; b += kChunk) chunks.push_back({t, b, std::min(n, b + kChunk)});
+  }
+  std::vector<int64_t> bad(chunks.size(), -1);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t c = next.fetch_add(1); c < chunks.size(); c = next.fetch_add(1)) {
+      bad[c] = FirstNonFinite(*chunks[c].t, chunks[c].begin, chunks[c].end);
+    }
+  };
+  if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
+  const int threads =
+      static_cast<int>(std::clamp<int64_t>(num_threads, 1, std::max<int64_t>(1, chunks.size())));
+  std::vector<std::thread> pool;
+  for (int i = 1; i < threads; ++i) pool.emplace_back(work);
+  work();
+  for (std::thread& th : pool) th.join();
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if (bad[c] < 0) continue;
+    const TensorView& t = *chunks[c].t;
+    return absl::InvalidArgumentError(
+        absl::StrCat(t.file, ": tensor '", t.name, "' holds ", IsNaN(t, bad[c]) ? "NaN" : "Inf",
+                     " at element ", bad[c], " of ", t.numel(), "; the checkpoint is corrupt"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<LlamaTensors> BindLlamaTensors(const Checkpoint& ckpt, const ModelConfig& c) {
   for (const std::string& name : ckpt.Names()) {
@@ -114,6 +214,7 @@ absl::StatusOr<LlamaTensors> BindLlamaTensors(const Checkpoint& ckpt, const Mode
     TS_ASSIGN_OR_RETURN(l.up_proj, Bind(ckpt, p + "mlp.up_proj.weight", {inter, hidden}));
     TS_ASSIGN_OR_RETURN(l.down_proj, Bind(ckpt, p + "mlp.down_proj.weight", {hidden, inter}));
   }
+  TS_RETURN_IF_ERROR(CheckTensorsFinite(AllTensors(w)));
   return w;
 }
 

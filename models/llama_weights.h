@@ -34,6 +34,13 @@ struct LlamaTensors {
 // bias, a layer index >= num_layers, anything else Llama does not use): a tensor we silently
 // ignored would mean computing a different model. rotary_emb.inv_freq buffers are skipped.
 // lm_head.weight is required unless config.tie_word_embeddings. The result points into `ckpt`.
+// Every bound tensor is then scanned: a NaN or Inf weight is refused, naming the tensor (it would
+// otherwise load and serve garbage while health says SERVING).
 absl::StatusOr<LlamaTensors> BindLlamaTensors(const Checkpoint& ckpt, const ModelConfig& config);
+
+// INVALID_ARGUMENT naming the first tensor (in `tensors` order) that holds a NaN or an Inf, and
+// the element. Reads the raw bf16/f16/f32 bits on up to `num_threads` threads (0 = all hardware
+// threads): a memory-bound pass, a few seconds for a 16 GB checkpoint.
+absl::Status CheckTensorsFinite(const std::vector<const TensorView*>& tensors, int num_threads = 0);
 
 }  // namespace ts

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -198,6 +199,79 @@ TEST_F(LlamaWeightsTest, ShardedCheckpointBinds) {
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_EQ(w->embed->file, "model-00001-of-00002.safetensors");
   EXPECT_EQ(w->layers[1].down_proj->file, "model-00002-of-00002.safetensors");
+}
+
+// Sets element `i` of a BF16 tensor to the raw bits `bits` (0x7fc0 NaN, 0x7f80 +Inf, 0xff80 -Inf).
+void PoisonBf16(StTensor* t, int64_t i, uint16_t bits) {
+  t->bytes[2 * i] = static_cast<uint8_t>(bits & 0xff);
+  t->bytes[2 * i + 1] = static_cast<uint8_t>(bits >> 8);
+}
+
+TEST_F(LlamaWeightsTest, NonFiniteWeightIsRefusedNamingTheTensor) {
+  const ModelConfig c = TinyConfig(/*tied=*/false);
+  struct Case {
+    std::string tensor;
+    int64_t element;
+    uint16_t bits;
+    std::string kind;
+  };
+  for (const Case& k :
+       {Case{"model.layers.1.mlp.up_proj.weight", 17, 0x7fc0, "NaN"},
+        Case{"lm_head.weight", 0, 0x7f80, "Inf"}, Case{"model.norm.weight", 15, 0xff80, "Inf"},
+        Case{"model.layers.0.self_attn.q_proj.weight", 383, 0xffc1, "NaN"}}) {
+    SCOPED_TRACE(k.tensor);
+    std::vector<StTensor> t = LlamaSpecs(c, true);
+    auto it =
+        std::find_if(t.begin(), t.end(), [&](const StTensor& s) { return s.name == k.tensor; });
+    ASSERT_NE(it, t.end());
+    PoisonBf16(&*it, k.element, k.bits);
+    ExpectRefused(t, c, {k.tensor, k.kind, absl::StrCat("element ", k.element)});
+  }
+  // The same tensors without the poison bind (the random values are all finite and non-zero).
+  EXPECT_TRUE(WriteAndBind(LlamaSpecs(c, true), c).ok());
+}
+
+// Directly over big tensors of every dtype, so that the element lies past the first 1M-element
+// chunk and several threads share the scan.
+TEST(CheckTensorsFiniteTest, FindsTheElementInEveryDtypeAcrossChunks) {
+  constexpr int64_t kN = 3 * (int64_t{1} << 20) + 5;
+  struct Case {
+    DType dtype;
+    size_t size;
+    uint32_t finite, nan, inf;
+  };
+  for (const Case& k :
+       {Case{DType::kBF16, 2, 0x3f80, 0x7fc1, 0xff80}, Case{DType::kF16, 2, 0x3c00, 0x7e01, 0xfc00},
+        Case{DType::kF32, 4, 0x3f800000, 0x7fc00001, 0x7f800000}}) {
+    SCOPED_TRACE(DTypeName(k.dtype));
+    std::vector<std::byte> buf(kN * k.size);
+    auto set = [&](int64_t i, uint32_t v) { std::memcpy(buf.data() + i * k.size, &v, k.size); };
+    for (int64_t i = 0; i < kN; ++i) set(i, k.finite + static_cast<uint32_t>(i % 7));
+    TensorView clean{.name = "clean",
+                     .dtype = k.dtype,
+                     .shape = {kN},
+                     .data = buf.data(),
+                     .nbytes = buf.size(),
+                     .file = "a.safetensors"};
+    std::vector<std::byte> bad_buf = buf;
+    TensorView bad = clean;
+    bad.name = "bad";
+    bad.data = bad_buf.data();
+    const int64_t at = 2 * (int64_t{1} << 20) + 12345;
+    for (const auto& [bits, kind] : {std::pair{k.nan, "NaN"}, std::pair{k.inf, "Inf"}}) {
+      std::memcpy(bad_buf.data() + at * k.size, &bits, k.size);
+      // A second bad value later: the first one is the one reported.
+      std::memcpy(bad_buf.data() + (kN - 1) * k.size, &bits, k.size);
+      for (int threads : {1, 4}) {
+        EXPECT_TRUE(CheckTensorsFinite({&clean}, threads).ok());
+        const absl::Status s = CheckTensorsFinite({&clean, &bad}, threads);
+        ASSERT_FALSE(s.ok()) << kind;
+        EXPECT_THAT(s.message(), HasSubstr("'bad'"));
+        EXPECT_THAT(s.message(), HasSubstr(kind));
+        EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("element ", at)));
+      }
+    }
+  }
 }
 
 }  // namespace
