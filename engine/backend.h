@@ -1,9 +1,10 @@
 // The seam between the engine (request state, admission, KV blocks, streaming) and a decoder
-// (CPU reference now; CUDA host-driven and device-resident loop later). Shaped after DESIGN.md §2:
-// the backend owns a slot table; the engine publishes requests into slots with Prefill, lets the
-// backend decode with Run, and reads each slot's tokens from a per-slot TokenRing. Stop conditions
-// (EOS, stop ids, min/max new tokens, cancel) are decided by the backend, exactly like the GPU's
-// postprocess kernel, so a device loop can run many steps with no host call in between.
+// (CPU reference now; CUDA host-driven and device-resident loop later). Shaped after
+// docs/architecture.md (The Backend seam): the backend owns a slot table; the engine publishes
+// requests into slots with Prefill, lets the backend decode with Run, and reads each slot's tokens
+// from a per-slot TokenRing. Stop conditions (EOS, stop ids, min/max new tokens, cancel) are
+// decided by the backend, exactly like the GPU's postprocess kernel, so a device loop can run many
+// steps with no host call in between.
 #pragma once
 
 #include <atomic>

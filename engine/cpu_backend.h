@@ -1,10 +1,10 @@
 // The fp32 CPU backend: the Backend seam over models/' CpuModel, CpuKvPool and SampleToken. It
-// keeps the slot table and ring semantics of the GPU design (DESIGN.md §2), so CI exercises the
-// whole engine without CUDA: Prefill samples each first token, Run(kOneStep) decodes every ACTIVE
-// slot in one batched Forward, and the stop rule (CheckStop) runs after every token like the GPU's
-// postprocess kernel. A token's logits never depend on its batch neighbours (CpuModel guarantees
-// bit-identical rows), and sampling depends only on (seed, position), so streams are reproducible
-// whatever the batch composition.
+// keeps the slot table and ring semantics of the GPU design (docs/architecture.md, The decode
+// loop), so CI exercises the whole engine without CUDA: Prefill samples each first token,
+// Run(kOneStep) decodes every ACTIVE slot in one batched Forward, and the stop rule (CheckStop)
+// runs after every token like the GPU's postprocess kernel. A token's logits never depend on its
+// batch neighbours (CpuModel guarantees bit-identical rows), and sampling depends only on (seed,
+// position), so streams are reproducible whatever the batch composition.
 #pragma once
 
 #include <atomic>

@@ -1,10 +1,10 @@
-// The CUDA backend: engine/backend.h over a CudaModel, in host-driven mode (DESIGN §2): each
-// Run(kOneStep) writes the bucket's row list, launches that bucket's captured decode graph from
-// the GraphCache and synchronises once. Slot and ring semantics are the CPU backend's
-// (engine/cpu_backend.h): the first token is sampled by Prefill at position prompt_len, each step
-// samples at prompt_len + generated, and the postprocess kernel applies the stop rule
-// (CheckStop) and the cancel flag on the GPU, writing (seq, token, flags) records into per-slot
-// rings in host-mapped memory.
+// The CUDA backend: engine/backend.h over a CudaModel, in host-driven mode (docs/architecture.md,
+// Host-driven mode): each Run(kOneStep) writes the bucket's row list, launches that bucket's
+// captured decode graph from the GraphCache and synchronises once. Slot and ring semantics are the
+// CPU backend's (engine/cpu_backend.h): the first token is sampled by Prefill at position
+// prompt_len, each step samples at prompt_len + generated, and the postprocess kernel applies the
+// stop rule (CheckStop) and the cancel flag on the GPU, writing (seq, token, flags) records into
+// per-slot rings in host-mapped memory.
 //
 // Attention splits follow the context-length regime: when the longest active context crosses a
 // regime boundary, the backend calls GraphCache::UpdateRegime (exec update in place, never a

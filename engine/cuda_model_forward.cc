@@ -167,7 +167,8 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   if (fused) {
     // Decode at m <= 8: four GEMV nodes per layer carry the norms, the residual adds, SwiGLU and
     // (fuse_rope_) RoPE with the K/V write, so a layer is 6 graph nodes with the attention's split
-    // and combine, instead of 10 (each node costs ~1.7 us at batch 1, DESIGN §6).
+    // and combine, instead of 10 (each node costs ~1.7 us at batch 1, docs/gpu-facts.md, Per-step
+    // launch cost).
     auto gemv = [&](const char* name, k::GemvParams p) {
       if (skipped(name)) return absl::OkStatus();
       p.m = rows;

@@ -1,8 +1,9 @@
-// The CUDA backend's memory plan (DESIGN §3): everything the GPU needs is sized here once, at
-// startup, and then allocated as ONE device arena (weights, KV pool, activations, slot table,
-// sampling state, attention scratch) plus one pinned host-mapped block (token rings, cancel flags,
-// staging). The cuBLASLt workspaces (allocated by each kernels::Gemm) and the graphs are counted
-// in the budget but allocated by their owners. Nothing is allocated during capture or a step.
+// The CUDA backend's memory plan (docs/architecture.md, Memory): everything the GPU needs is sized
+// here once, at startup, and then allocated as ONE device arena (weights, KV pool, activations,
+// slot table, sampling state, attention scratch) plus one pinned host-mapped block (token rings,
+// cancel flags, staging). The cuBLASLt workspaces (allocated by each kernels::Gemm) and the graphs
+// are counted in the budget but allocated by their owners. Nothing is allocated during capture or a
+// step.
 //
 // The KV pool gets what is left of gpu_memory_fraction * total device memory after everything
 // else; the plan refuses (FailedPrecondition) when that cannot hold one max_context sequence.

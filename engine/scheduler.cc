@@ -68,7 +68,8 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(EngineOptions optio
                                                    " exceeds the model's max_position_embeddings ",
                                                    model_max));
   }
-  // v1 never evicts, so one max-length request must fit in the whole pool (DESIGN §3).
+  // v1 never evicts, so one max-length request must fit in the whole pool (docs/architecture.md,
+  // Memory).
   const int64_t pool_tokens = static_cast<int64_t>(info.num_kv_blocks) * info.kv_block_size;
   if (options.max_context > pool_tokens) {
     return absl::FailedPreconditionError(

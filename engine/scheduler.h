@@ -1,5 +1,5 @@
 // The engine's state machine without the thread, so tests can step it one iteration at a time.
-// Each Step reads like DESIGN.md §7:
+// Each Step reads like its diagram (docs/style.md, Engine and server):
 //   ProcessCancels -> Admit -> Prefill -> Run -> Drain -> Retire
 // Submit/Cancel/BeginDrain/stats are safe from any thread; Step, WaitForWork and AbortAll belong to
 // the one engine thread (or the test) that owns request state.

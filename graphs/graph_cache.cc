@@ -402,7 +402,8 @@ absl::Status GraphCache::UpdateIdleExec(int32_t bucket_index, cudaGraph_t graph)
   return absl::FailedPreconditionError(absl::StrFormat(
       "%s: cudaGraphExecUpdate refused the update (%s, at %s; the new capture has %d nodes, the "
       "exec %d). The capture callback must keep a bucket's topology fixed across regimes; the "
-      "cache does not re-instantiate (DESIGN §2), and no bucket was flipped",
+      "cache does not re-instantiate (docs/architecture.md, Graph updates), and no bucket was "
+      "flipped",
       BucketLabel(options_.buckets[bucket_index], regime_), UpdateResultName(info.result),
       NodeDescription(info.errorNode), static_cast<int64_t>(new_nodes), b.nodes));
 }

@@ -1,6 +1,6 @@
 // GraphCache: one device-launchable CUDA graph per batch-size bucket, two execs per bucket
-// (DESIGN §2 "Graph updates"), and a device table of the current exec handles that a kernel
-// scheduler reads before it tail-launches a step.
+// (docs/architecture.md, Graph updates), and a device table of the current exec handles that a
+// kernel scheduler reads before it tail-launches a step.
 //
 //   GraphCacheOptions opt;
 //   opt.buckets = {1, 4, 16, 64};

@@ -1,9 +1,11 @@
 // Device-side launch of a GraphCache bucket: a one-thread kernel reads the device table and
 // tail-launches the bucket's current exec (cudaGraphLaunch(exec, cudaStreamGraphTailLaunch)),
 // optionally re-launching itself for a number of steps. It is the seed of the device loop's
-// scheduler (DESIGN §2) and what proves the cache's execs are device-launchable.
+// scheduler (docs/architecture.md, Scheduler kernel) and what proves the cache's execs are
+// device-launchable.
 //
-// Rules this follows (CUDA programming guide, "Device Graph Launch"; DESIGN §6):
+// Rules this follows (CUDA programming guide, "Device Graph Launch"; docs/gpu-facts.md,
+// Device-launchable graphs):
 // - a device graph can only be launched from a kernel that itself runs in a graph, so the kernel
 //   is captured into a graph of its own, instantiated with cudaGraphInstantiateFlagDeviceLaunch
 //   (self-relaunch through cudaGetCurrentGraphExec() needs it to be a device graph), uploaded,

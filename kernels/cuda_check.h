@@ -1,6 +1,7 @@
 // One check macro for CUDA runtime, cuBLAS(Lt) and NCCL return codes: a failure becomes an
 // absl::Status that names the call, the code and the source line, and the launcher returns it.
-// The server decides what a failure means (DESIGN §7, §8), so nothing here aborts.
+// The server decides what a failure means (docs/style.md, Errors; docs/serving.md), so nothing here
+// aborts.
 //
 //   TS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p, 0, n, stream));
 //   TS_CUDA_RETURN_IF_ERROR(cublasLtMatmul(...));

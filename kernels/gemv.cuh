@@ -4,7 +4,8 @@
 //   (GemvParams::norm_weight)
 // row-major bf16, W laid out like a Hugging Face Linear weight [out_features, in_features], fp32
 // accumulation. For m <= 8 the time is the time to stream W once from HBM; cuBLASLt was measured
-// at 39-56% of that roof on the small Llama-1B projections (DESIGN §6), this kernel aims at ~90%.
+// at 39-56% of that roof on the small Llama-1B projections (docs/gpu-facts.md, cuBLAS at decode
+// shapes), this kernel aims at ~90%.
 //
 // How: a CTA owns tiles of 16 rows of W (16 output columns; it loops over tiles when there are
 // more than fit on the GPU at once) and its 8 warps split the K range between them. Each thread

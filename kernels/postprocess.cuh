@@ -1,8 +1,8 @@
-// Decode postprocess: the last kernel of a step (DESIGN §2). Per row it takes the sampled token of
-// the row's slot, applies the stop rule (cancel flag, EOS unless ignore_eos, stop ids from
-// min_new_tokens on, max_new_tokens), updates the slot's output counts for the penalties, appends
-// a (seq, token, flags) record to the slot's ring in host-mapped memory and marks the slot
-// FINISHED when it stops. One thread per row; rows map to distinct slots.
+// Decode postprocess: the last kernel of a step (docs/architecture.md, Rings and postprocess). Per
+// row it takes the sampled token of the row's slot, applies the stop rule (cancel flag, EOS unless
+// ignore_eos, stop ids from min_new_tokens on, max_new_tokens), updates the slot's output counts
+// for the penalties, appends a (seq, token, flags) record to the slot's ring in host-mapped memory
+// and marks the slot FINISHED when it stops. One thread per row; rows map to distinct slots.
 //
 // The kernel knows slots and stop parameters, not requests: the slot table row (SlotRow) is the
 // device-side contract shared with the step's prepare kernel and the host that publishes slots.

@@ -1,5 +1,5 @@
 // tailserve: the gRPC server binary. Loads a model, starts the engine and serves
-// tailserve.v1.Generation until SIGTERM/SIGINT, then drains (DESIGN.md §8).
+// tailserve.v1.Generation until SIGTERM/SIGINT, then drains (docs/serving.md).
 #include <signal.h>
 #include <time.h>
 

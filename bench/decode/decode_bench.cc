@@ -1,6 +1,6 @@
 // tailserve-bench: decode throughput of the CUDA backend's host-driven graph path on random bf16
-// weights in real Llama shapes (the peer baseline in DESIGN §6 uses the same workload: greedy,
-// 128-token prompt, 256 new tokens).
+// weights in real Llama shapes (the peer baseline in docs/gpu-facts.md uses the same workload:
+// greedy, 128-token prompt, 256 new tokens).
 //
 // Per shape (one CudaBackend, one captured graph per batch size) and per batch: prefill `batch`
 // random prompts, then --new_tokens decode steps through Run(kOneStep). Each step is timed with

@@ -35,7 +35,7 @@ struct Shape {
   int n, k;
 };
 
-constexpr double kRoofBytesPerUs = 4.3e6;  // DESIGN §6
+constexpr double kRoofBytesPerUs = 4.3e6;  // docs/gpu-facts.md, Bandwidth roof
 constexpr int kCopies = 4;
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // as kernels/gemm.cuh's default
 

@@ -30,7 +30,7 @@
 namespace ts::bench {
 namespace {
 
-constexpr double kRoofBytesPerUs = 4.3e6;  // 4.3 TB/s (DESIGN §6)
+constexpr double kRoofBytesPerUs = 4.3e6;  // 4.3 TB/s (docs/gpu-facts.md, Bandwidth roof)
 
 struct Options {
   std::string model = "all";

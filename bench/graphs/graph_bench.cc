@@ -1,5 +1,6 @@
 // tailserve-graph-bench: what GraphCache costs and what the device loop buys, on graphs of tiny
-// kernels (DESIGN §6 measured 8, 65 and 289-node steps the same way).
+// kernels (the 8- and 65-node steps of docs/gpu-facts.md, Per-step launch cost, were measured the
+// same way).
 //   per graph size N: the host cost of UpdateRegime (median of --updates), and the time per step
 //   of host graph launches, host launches with a per-step sync (the host-driven mode), and a
 //   device scheduler graph that tail-launches the step and itself (TailLauncher loop mode).

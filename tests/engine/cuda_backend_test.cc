@@ -455,7 +455,8 @@ TEST(CudaBackendTest, RegimeShrinksWhenTheLongRequestFinishes) {
   EXPECT_EQ(backend.max_active_context(), 0);
 }
 
-// The engine decodes on its own thread, not the one that created the backend (DESIGN §2).
+// The engine decodes on its own thread, not the one that created the backend (docs/architecture.md,
+// The decode loop).
 TEST(CudaBackendTest, RunsFromAThreadOtherThanItsCreator) {
   const Reference ref = LoadReference("tiny-gqa-untied");
   std::unique_ptr<CudaBackend> backend = MakeCuda("tiny-gqa-untied");

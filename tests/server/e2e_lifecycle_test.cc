@@ -330,7 +330,8 @@ TEST(ServerCancelTest, ClientCancelMidGenerationEndsItAndFreesTheSlotWithinOneSt
   const pb::ServerStats after = server->WaitSettled();
   EXPECT_EQ(after.kv_blocks_free(), after.kv_blocks_total());
   EXPECT_EQ(after.requests_finished(), held.requests_finished() + 1);
-  // Only the held step's own token is produced; the next step ends the request (DESIGN §8).
+  // Only the held step's own token is produced; the next step ends the request (docs/serving.md,
+  // Rules).
   EXPECT_LE(after.tokens_generated() - held.tokens_generated(), 1u);
   // max_batch 1: the next request can only run in the slot the cancel freed.
   const StreamResult next = Generate(server->stub(), Greedy(ref.prompts[1], 32));
