@@ -34,7 +34,8 @@
 #include "server/server.h"
 
 ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on (0.0.0.0 or :: for all).");
-ABSL_FLAG(int32_t, port, 0, "Port to listen on; 0 picks a free port (printed at startup).");
+// The clients' default target is 127.0.0.1:50051 (tailserve-client, tailserve-load).
+ABSL_FLAG(int32_t, port, 50051, "Port to listen on; 0 picks a free port (printed at startup).");
 ABSL_FLAG(std::string, model_dir, "",
           "Hugging Face checkpoint directory (config.json, *.safetensors).");
 ABSL_FLAG(std::string, model_name, "",

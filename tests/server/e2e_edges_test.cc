@@ -82,6 +82,37 @@ TEST(ServerEdgeTest, HelpListsTheFlags) {
   EXPECT_THAT(out, ::testing::Not(HasSubstr("No flags matched"))) << out;
 }
 
+// The `default: ...` absl prints for `--flag` in `binary --help`.
+std::string HelpDefault(const char* binary, const std::string& flag) {
+  absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Start({binary, "--help"});
+  EXPECT_TRUE(child.ok()) << child.status();
+  if (!child.ok()) return "";
+  EXPECT_TRUE((*child)->WaitExit(30s).has_value()) << binary << " --help kept running";
+  const std::string out = (*child)->Output();
+  const size_t at = out.find("--" + flag + " (");  // the flag's entry, not a usage line
+  EXPECT_NE(at, std::string::npos) << binary << " --help does not list --" << flag << ":\n" << out;
+  if (at == std::string::npos) return "";
+  const size_t d = out.find("default: ", at);
+  EXPECT_NE(d, std::string::npos) << out.substr(at, 200);
+  if (d == std::string::npos) return "";
+  const size_t end = out.find(';', d);
+  std::string v = out.substr(d + 9, end - d - 9);
+  std::erase(v, '"');
+  return v;
+}
+
+// A new user starts `tailserve` and then a client, both without flags: they must meet.
+TEST(ServerEdgeTest, ServerAndClientsAgreeOnTheDefaultPort) {
+  const std::string port = HelpDefault(TS_TAILSERVE_BINARY, "port");
+  ASSERT_FALSE(port.empty());
+  EXPECT_NE(port, "0") << "the server's default port is a random one";
+  for (const char* client : {TS_CLIENT_BINARY, TS_LOAD_BINARY}) {
+    const std::string target = HelpDefault(client, "target");
+    EXPECT_TRUE(target.ends_with(":" + port))
+        << client << " defaults to " << target << ", the server to port " << port;
+  }
+}
+
 // One server without step delays: the tests here read whole streams.
 class EdgeStreamTest : public ::testing::Test {
  protected:
