@@ -17,9 +17,6 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -28,6 +25,7 @@
 #if defined(TAILSERVE_WITH_CUDA)
 #include "engine/cuda_backend.h"
 #endif
+#include "common/flags.h"
 #include "engine/engine.h"
 #include "models/config.h"
 #include "server/debug_backend.h"
@@ -420,18 +418,11 @@ absl::Status CheckFlagRanges() {
 }
 
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  ParseFlags(
+      argc, argv,
       "serves a Llama checkpoint over gRPC.\n  tailserve --model_dir DIR [--port N] [--backend "
-      "cpu|cuda] ...\nSee docs/serving.md.");
-  // --help lists the flags of files named like the program (tailserve.cc); ours live in
-  // server/main.cc, so without this it printed "No flags matched".
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "server/main.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+      "cpu|cuda] ...\nSee docs/serving.md.",
+      "server/main.cc");
   if (absl::Status flags = CheckFlagRanges(); !flags.ok()) {
     std::fprintf(stderr, "tailserve: %s\n", flags.ToString().c_str());
     return kExitFailed;

@@ -10,12 +10,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/flags.h"
 #include "tailserve/v1/generation.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address host:port");
@@ -50,17 +48,10 @@ int PrintInfo(v1::Generation::Stub& stub) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "calls a running tailserve and prints the streamed continuation.\n"
-      "  tailserve-client --target HOST:PORT --prompt 1,15,27 --max_new_tokens 32");
-  // --help lists the flags of files named like the program by default; ours is client_main.cc.
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "bench/client/");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  ts::ParseFlags(argc, argv,
+                 "calls a running tailserve and prints the streamed continuation.\n"
+                 "  tailserve-client --target HOST:PORT --prompt 1,15,27 --max_new_tokens 32",
+                 "bench/client/");
   auto channel =
       grpc::CreateChannel(absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials());
   auto stub = v1::Generation::NewStub(channel);

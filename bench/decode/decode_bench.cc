@@ -28,14 +28,12 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/flags.h"
 #include "common/status.h"
 #include "engine/cuda_backend.h"
 #include "kernels/cuda_check.h"
@@ -402,15 +400,8 @@ int Main() {
 }  // namespace ts::bench
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "tailserve-bench: decode step time of the CUDA backend on random Llama weights");
-  // --help lists the flags of files named like the program by default; ours is decode_bench.cc.
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "bench/decode/");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  ts::ParseFlags(argc, argv,
+                 "tailserve-bench: decode step time of the CUDA backend on random Llama weights",
+                 "bench/decode/");
   return ts::bench::Main();
 }

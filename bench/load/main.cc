@@ -12,8 +12,6 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -22,6 +20,7 @@
 #include "bench/load/report.h"
 #include "bench/load/stats.h"
 #include "bench/load/workload.h"
+#include "common/flags.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051", "host:port of the tailserve server");
 ABSL_FLAG(std::string, rate, "",
@@ -142,18 +141,12 @@ void OnSignal(int) {
 }
 
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  const std::vector<char*> rest = ParseFlags(
+      argc, argv,
       "load-tests a tailserve server.\n  open loop:   tailserve-load --target=HOST:PORT --rate=20 "
       "--num_requests=200\n  closed loop: tailserve-load --target=HOST:PORT --concurrency=8 "
-      "--duration_s=60\nSee docs/load-client.md.");
-  // --help lists the flags of files matching the program name by default; ours live in main.cc.
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::StrContains(file, "bench/load/");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+      "--duration_s=60\nSee docs/load-client.md.",
+      "bench/load/");
   if (rest.size() > 1) {
     return Fail(kBadFlags, absl::InvalidArgumentError(
                                absl::StrCat("unexpected argument '", rest[1], "' (flags only)")));
