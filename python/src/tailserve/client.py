@@ -191,7 +191,7 @@ class Client:
         request = pb.TokenizeRequest(
             token_ids=pb.TokenIds(ids=ids),
             params=_message(pb.TextParams, skip_special_tokens=skip_special_tokens))
-        return str(self._call(self._stub.Tokenize, request).text)
+        return self._call(self._stub.Tokenize, request).text
 
     def model_info(self) -> dict[str, Any]:
         """GetModelInfo: the model and the limits a request must respect (ModelInfo's fields)."""
@@ -218,7 +218,9 @@ class Client:
         except grpc.RpcError as err:
             raise TailserveError.from_rpc_error(err) from err
         finally:
-            call.cancel()  # a consumer that left early frees the request; after the end, a no-op
+            # A consumer that left early ends the request now, not whenever the call object is
+            # collected (grpc cancels then too); after the stream's end this is a no-op.
+            call.cancel()
         if not finished:
             raise TailserveError("UNKNOWN", "the stream ended without a finish_reason")
 
