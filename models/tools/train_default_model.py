@@ -75,8 +75,9 @@ def parse_args():
     ap.add_argument("--weight_decay", type=float, default=0.1)
     ap.add_argument("--dropout", type=float, default=0.1,
                     help="dropout on the embedding output and on each attention and MLP output "
-                         "before its residual add, in training only (Llama has none; 1M tokens "
-                         "seen for tens of epochs by a 7M model need some)")
+                         "before its residual add, in training only (Llama has none). Without it "
+                         "(and 4000 steps) the model memorised more but read worse and its bf16 "
+                         "greedy paths parted from transformers' on near-ties (2026-12-01)")
     ap.add_argument("--grad_clip", type=float, default=1.0)
     ap.add_argument("--log_every", type=int, default=25)
     ap.add_argument("--eval_every", type=int, default=100)
@@ -88,9 +89,14 @@ def parse_args():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv_heads", type=int, default=2)
-    ap.add_argument("--save", choices=["best", "last"], default="best",
-                    help="save the weights of the lowest validation loss (default) or the last "
-                         "step")
+    ap.add_argument("--save", choices=["best", "last"], default="last",
+                    help="save the last step's weights (default) or those of the lowest "
+                         "validation loss. The last ones have memorised much of the corpus "
+                         "(validation loss rises after ~700 steps), which suits the default "
+                         "model: KJV-like continuations and more peaked logits. Measured "
+                         "2026-12-01: the best-validation weights' bf16 greedy paths parted "
+                         "from tailserve's within 5 tokens on one prompt; the last step's "
+                         "matched on all four.")
     ap.add_argument("--max_wall_s", type=float, default=225.0,
                     help="stop training early (and say so) if the whole run reaches this many "
                          "seconds; 0 = no limit")

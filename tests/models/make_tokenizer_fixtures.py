@@ -256,6 +256,25 @@ def sentencepiece_model(out, lines, rng):
                {"cases": cases, "bos_id": sp.bos_id(), "eos_ids": [sp.eos_id()]})
 
 
+def shipped_default(out, rng):
+    """The tokenizer shipped with models/default, held to the same corpus as the generated ones."""
+    from tokenizers import Tokenizer
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models", "default")
+    os.makedirs(out, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        with open(os.path.join(src, name), "rb") as f, open(os.path.join(out, name), "wb") as d:
+            d.write(f.read())
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    specials = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
+    with open(os.path.join(out, "generation_config.json"), encoding="utf-8") as f:
+        gen = json.load(f)
+    eos = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
+    exp = expectations(tok, test_corpus(rng, specials), rng)
+    exp.update({"bos_id": gen["bos_token_id"], "eos_ids": eos,
+                "specials": {s: tok.token_to_id(s) for s in specials}})
+    write_json(os.path.join(out, "expected.json"), exp)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--venv", required=True)
@@ -266,6 +285,7 @@ def main():
     byte_level_llama3(os.path.join(args.out, "bytelevel-llama3"), lines, random.Random(1))
     sentencepiece_style(os.path.join(args.out, "sentencepiece-bpe"), lines, random.Random(2))
     sentencepiece_model(os.path.join(args.out, "sentencepiece-model"), lines, random.Random(3))
+    shipped_default(os.path.join(args.out, "shipped-default"), random.Random(4))
     print(f"make_tokenizer_fixtures: wrote {args.out}")
 
 

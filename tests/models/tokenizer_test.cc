@@ -140,8 +140,12 @@ TEST_P(HfTokenizerJson, SpecialTokensEncodeToTheirIdsAndConfigsNameBosEos) {
     // Between words too: the token is matched before any pre-tokenization splits its text.
     ids = tok.Encode("the" + name + "the", false);
     ASSERT_TRUE(ids.ok());
-    ASSERT_EQ(ids->size(), 3u) << name << ": " << Show(*ids);
-    EXPECT_EQ((*ids)[1], id.get<int32_t>()) << name;
+    auto the = tok.Encode("the", false);
+    ASSERT_TRUE(the.ok());
+    std::vector<int32_t> want = *the;
+    want.push_back(id.get<int32_t>());
+    want.insert(want.end(), the->begin(), the->end());
+    EXPECT_EQ(*ids, want) << name << ": " << Show(*ids);
   }
   ASSERT_TRUE(tok.bos_id().has_value());
   EXPECT_EQ(*tok.bos_id(), exp["bos_id"].get<int32_t>());
@@ -159,7 +163,7 @@ TEST_P(HfTokenizerJson, InvalidUtf8IsRefused) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, HfTokenizerJson,
                          ::testing::Values("bytelevel-llama3", "bytelevel-llama3-string-merges",
-                                           "sentencepiece-bpe"),
+                                           "sentencepiece-bpe", "shipped-default"),
                          [](const auto& info) {
                            std::string n = info.param;
                            for (char& ch : n) ch = std::isalnum(ch) ? ch : '_';

@@ -1,0 +1,80 @@
+// The shipped default model (models/default) and transformers' references for it
+// (models/default/reference.json, written by models/tools/make_default_reference.py on the GPU
+// machine): 4 prompts, their 64-token greedy continuations in fp32 and bf16, and the top-1 of a
+// teacher-forced pass. Trained weights give peaked logits, so these checks are strict.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+#include "tests/common/test_paths.h"
+
+namespace ts::testing {
+
+struct DefaultCase {
+  std::string prompt;
+  std::vector<int32_t> prompt_ids;
+  std::vector<int32_t> greedy;       // of the dtype asked for
+  std::vector<int32_t> forced_top1;  // [new_tokens]: top-1 at the positions predicting greedy
+  std::vector<float> forced_margin;  // [new_tokens]: transformers' top-1 minus top-2 logit there
+  std::vector<int32_t> fp32_greedy;  // the sequence the teacher-forced pass ran over
+  std::string greedy_text;
+};
+
+inline std::filesystem::path DefaultModelDir() { return SourceDir() / "models" / "default"; }
+
+// dtype: "fp32" or "bf16".
+inline std::vector<DefaultCase> LoadDefaultReference(const std::string& dtype) {
+  std::ifstream in(DefaultModelDir() / "reference.json");
+  EXPECT_TRUE(in.good()) << "missing models/default/reference.json";
+  if (!in.good()) return {};
+  const nlohmann::json j = nlohmann::json::parse(in);
+  std::vector<DefaultCase> out;
+  for (const auto& c : j.at("cases")) {
+    DefaultCase d;
+    d.prompt = c.at("prompt").get<std::string>();
+    d.prompt_ids = c.at("prompt_ids").get<std::vector<int32_t>>();
+    const auto& r = c.at(dtype);
+    d.greedy = r.at("greedy_ids").get<std::vector<int32_t>>();
+    d.greedy_text = r.at("greedy_text").get<std::string>();
+    d.forced_top1 = r.at("teacher_forced").at("top1").get<std::vector<int32_t>>();
+    d.forced_margin = r.at("teacher_forced").at("margin").get<std::vector<float>>();
+    d.fp32_greedy = c.at("fp32").at("greedy_ids").get<std::vector<int32_t>>();
+    out.push_back(std::move(d));
+  }
+  EXPECT_EQ(out.size(), 4u);
+  return out;
+}
+
+// Counts the positions where `logits` ([n][vocab] flattened) has the same argmax as the case's
+// teacher-forced top-1; each disagreement is described in *misses (position, both ids, the
+// reference's margin), so a failure shows whether it sits on a near-tie.
+inline int32_t Top1Agreement(const std::vector<float>& logits, int32_t vocab, const DefaultCase& c,
+                             std::string* misses) {
+  const size_t rows = logits.size() / vocab;
+  EXPECT_EQ(rows, c.forced_top1.size());
+  int32_t agree = 0;
+  for (size_t r = 0; r < std::min(rows, c.forced_top1.size()); ++r) {
+    const float* row = logits.data() + r * vocab;
+    const int32_t got = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+    if (got == c.forced_top1[r]) {
+      ++agree;
+    } else {
+      *misses += "\n  \"" + c.prompt + "\" position " + std::to_string(r) + ": ours " +
+                 std::to_string(got) + " (logit " + std::to_string(row[got]) + "), reference " +
+                 std::to_string(c.forced_top1[r]) + " (logit " +
+                 std::to_string(row[c.forced_top1[r]]) + ", its margin " +
+                 std::to_string(c.forced_margin[r]) + ")";
+    }
+  }
+  return agree;
+}
+
+}  // namespace ts::testing
