@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+#include "bench/common/grpc_code.h"
 #include "bench/load/arrivals.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
@@ -312,25 +313,7 @@ bool StopRequested() {
 }
 
 std::string StatusCodeName(int code) {
-  static constexpr const char* kNames[] = {"OK",
-                                           "CANCELLED",
-                                           "UNKNOWN",
-                                           "INVALID_ARGUMENT",
-                                           "DEADLINE_EXCEEDED",
-                                           "NOT_FOUND",
-                                           "ALREADY_EXISTS",
-                                           "PERMISSION_DENIED",
-                                           "RESOURCE_EXHAUSTED",
-                                           "FAILED_PRECONDITION",
-                                           "ABORTED",
-                                           "OUT_OF_RANGE",
-                                           "UNIMPLEMENTED",
-                                           "INTERNAL",
-                                           "UNAVAILABLE",
-                                           "DATA_LOSS",
-                                           "UNAUTHENTICATED"};
-  if (code >= 0 && code < static_cast<int>(std::size(kNames))) return kNames[code];
-  return absl::StrCat("CODE_", code);
+  return GrpcCodeName(code);
 }
 
 nlohmann::json ModelInfoToJson(const v1::ModelInfo& info) {
