@@ -29,6 +29,13 @@ for b in .bundle/bin/*; do
 done | sort -u | grep -vE '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*|libcuda|libcudart|libcublas|libcublasLt|libnccl)\.so' |
   grep -v '^/usr/local/cuda' |
   while read -r lib; do cp -L "$lib" .bundle/lib/; done
+# Loaded with dlopen, so ldd does not list it (models/tokenizer/sp_backend.h): the SentencePiece
+# shim and the library it needs, found on the device through LD_LIBRARY_PATH.
+sp=$(find "$BUILD_DIR" -name libts_sentencepiece.so | head -1)
+if [ -n "$sp" ]; then
+  cp "$sp" .bundle/lib/
+  ldd "$sp" | awk '/libsentencepiece/ {print $3}' | xargs -r -I{} cp -L {} .bundle/lib/
+fi
 # Which tests are gpu-labelled, so the device runs exactly those, each with the TIMEOUT that
 # tailserve_add_test registered (one line each: name, seconds).
 (cd "$BUILD_DIR" && ctest -L gpu --show-only=json-v1) | python3 -c '

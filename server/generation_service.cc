@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
+#include "models/tokenizer/text_stream.h"
 #include "server/grpc_status.h"
 
 namespace ts::server {
@@ -58,16 +59,18 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
  public:
   enum class Action { kNone, kWrite, kWriteAndFinish, kFinish };
 
+  // `text` is null when the model has no tokenizer.
   GenerateReactor(GenerationService* service, Engine* engine, std::shared_ptr<RequestStream> stream,
                   uint64_t seed, std::shared_ptr<IdClaim> claim, StopParams stop,
-                  std::vector<int32_t> eos_token_ids)
+                  std::vector<int32_t> eos_token_ids, std::unique_ptr<TextStream> text)
       : service_(service),
         engine_(engine),
         stream_(std::move(stream)),
         seed_(seed),
         claim_(std::move(claim)),
         stop_(std::move(stop)),
-        eos_token_ids_(std::move(eos_token_ids)) {}
+        eos_token_ids_(std::move(eos_token_ids)),
+        text_(std::move(text)) {}
 
   // Separate from the constructor: the notifier may fire at once, and the reactor must be fully
   // built by then.
@@ -164,6 +167,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   void Pump() {
     Action action = Action::kNone;
     grpc::Status status;
+    bool stop_engine = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (write_in_flight_ || finish_called_) return;
@@ -172,8 +176,11 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
         status = grpc::Status::CANCELLED;
         action = Action::kFinish;
       }
-      if (action == Action::kNone) PrepareLocked(&action, &status);
+      if (action == Action::kNone) PrepareLocked(&action, &status, &stop_engine);
     }
+    // A stop string ended the stream here, before the engine did: free its slot now. Outside mu_,
+    // like every call into the engine.
+    if (stop_engine) engine_->Cancel(stream_->id());
     // `this` may be deleted as soon as these return (OnDone on another thread).
     switch (action) {
       case Action::kWrite:
@@ -198,8 +205,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     Finish(status);
   }
 
-  // Takes the pending update and decides what to send. Caller holds mu_.
-  void PrepareLocked(Action* action, grpc::Status* status) {
+  // Takes the pending update and decides what to send. Caller holds mu_. *stop_engine: a stop
+  // string matched, so the engine's request must be cancelled.
+  void PrepareLocked(Action* action, grpc::Status* status, bool* stop_engine) {
     StreamUpdate update;
     if (!stream_->Take(&update)) return;
     if (!held_.empty()) {
@@ -216,7 +224,34 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       held_ = std::move(update.tokens);
       return;
     }
-    BuildResponse(update);
+    std::string text;
+    pb::FinishReason reason = ToProto(update.reason);
+    std::string matched_stop;
+    if (text_ != nullptr) {
+      const int32_t first = update.completion_tokens - static_cast<int32_t>(update.tokens.size());
+      for (size_t i = 0; i < update.tokens.size(); ++i) {
+        const int32_t generated = first + static_cast<int32_t>(i) + 1;
+        TextStream::Delta d = text_->Next(update.tokens[i], generated >= stop_.min_new_tokens);
+        text += d.text;
+        if (!d.stop_index) continue;
+        // The stream ends with this token. What the engine produced after it is dropped, and
+        // what it sends later is never read: the call is finished before then.
+        update.tokens.resize(i + 1);
+        update.completion_tokens = generated;
+        update.finished = true;
+        update.status = absl::OkStatus();
+        reason = pb::FINISH_REASON_STOP_STRING;
+        matched_stop = text_->stop_strings()[*d.stop_index];
+        *stop_engine = true;
+        break;
+      }
+      if (update.finished && !*stop_engine) text += text_->Finish();
+    }
+    if (update.finished && update.reason == FinishReason::kStopToken && !*stop_engine &&
+        !update.tokens.empty()) {
+      matched_stop = absl::StrCat(update.tokens.back());
+    }
+    BuildResponse(update, reason, text, matched_stop);
     if (!update.finished) {
       write_in_flight_ = true;
       *action = Action::kWrite;
@@ -241,16 +276,19 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
     }
   }
 
-  void BuildResponse(const StreamUpdate& update) {
+  void BuildResponse(const StreamUpdate& update, pb::FinishReason reason, std::string text,
+                     std::string matched_stop) {
     response_.Clear();
     response_.set_request_id(claim_->client_id);
     response_.mutable_token_ids()->Add(update.tokens.begin(), update.tokens.end());
+    response_.set_text(std::move(text));
     if (first_message_) {
       response_.set_seed(seed_);
       first_message_ = false;
     }
     if (update.finished) {
-      response_.set_finish_reason(ToProto(update.reason));
+      response_.set_finish_reason(reason);
+      response_.set_matched_stop(std::move(matched_stop));
       response_.mutable_usage()->set_prompt_tokens(update.prompt_tokens);
       response_.mutable_usage()->set_completion_tokens(update.completion_tokens);
     }
@@ -263,6 +301,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   const std::shared_ptr<IdClaim> claim_;
   const StopParams stop_;
   const std::vector<int32_t> eos_token_ids_;
+  const std::unique_ptr<TextStream> text_;  // used under mu_
   std::shared_ptr<ReactorLink> link_;
 
   std::mutex mu_;
@@ -387,21 +426,30 @@ grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::StartGenerate
     return new RejectReactor(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                                           "the request's deadline passed before it was read"));
   }
-  absl::StatusOr<GenerateRequest> converted = ValidateAndConvert(*request, limits_, DrawSeed());
+  // A text prompt is tokenized here, on the gRPC thread, never on the engine's.
+  absl::StatusOr<ValidatedRequest> converted =
+      ValidateAndConvert(*request, limits_, options_.tokenizer, DrawSeed());
   if (!converted.ok()) return new RejectReactor(ToGrpcStatus(converted.status()));
-  absl::StatusOr<std::shared_ptr<IdClaim>> claim = ClaimId(converted->request_id, deadline);
+  GenerateRequest& engine_request = converted->engine;
+  absl::StatusOr<std::shared_ptr<IdClaim>> claim = ClaimId(engine_request.request_id, deadline);
   if (!claim.ok()) return new RejectReactor(ToGrpcStatus(claim.status()));
-  converted->request_id = (*claim)->engine_id;
-  const uint64_t seed = converted->sampling.seed;
-  StopParams stop = converted->stop;
-  absl::StatusOr<std::shared_ptr<RequestStream>> stream = engine_->Submit(*std::move(converted));
+  engine_request.request_id = (*claim)->engine_id;
+  const uint64_t seed = engine_request.sampling.seed;
+  StopParams stop = engine_request.stop;
+  std::unique_ptr<TextStream> text;
+  if (options_.tokenizer != nullptr) {
+    text = std::make_unique<TextStream>(
+        *options_.tokenizer, std::move(converted->text.stop_strings), converted->text.decode);
+  }
+  absl::StatusOr<std::shared_ptr<RequestStream>> stream =
+      engine_->Submit(std::move(engine_request));
   if (!stream.ok()) {
     ReleaseId(**claim);
     return new RejectReactor(ToGrpcStatus(stream.status()));
   }
   active_streams_.fetch_add(1);
   auto* reactor = new GenerateReactor(this, engine_, *std::move(stream), seed, *std::move(claim),
-                                      std::move(stop), model_info_.eos_token_ids);
+                                      std::move(stop), model_info_.eos_token_ids, std::move(text));
   reactor->Start();
   return reactor;
 }
@@ -421,6 +469,9 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
   response->mutable_buckets()->Add(m.buckets.begin(), m.buckets.end());
   response->set_max_batch(m.max_batch);
   response->set_max_stop_token_ids(m.max_stop_ids);
+  response->set_has_tokenizer(options_.tokenizer != nullptr);
+  response->set_max_stop_strings(limits_.max_stop_strings);
+  response->set_max_stop_string_bytes(limits_.max_stop_string_bytes);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
@@ -443,6 +494,57 @@ grpc::ServerUnaryReactor* GenerationService::GetStats(grpc::CallbackServerContex
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
+}
+
+grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
+                                                      const pb::TokenizeRequest* request,
+                                                      pb::TokenizeResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(TokenizeInto(*request, response)));
+  return reactor;
+}
+
+absl::Status GenerationService::TokenizeInto(const pb::TokenizeRequest& request,
+                                             pb::TokenizeResponse* response) const {
+  const Tokenizer* tok = options_.tokenizer;
+  if (tok == nullptr) {
+    return absl::FailedPreconditionError(
+        "this model has no tokenizer (no tokenizer.json or tokenizer.model beside it)");
+  }
+  switch (request.input_case()) {
+    case pb::TokenizeRequest::kText: {
+      if (const std::optional<size_t> at = InvalidUtf8Offset(request.text())) {
+        return absl::InvalidArgumentError(absl::StrCat("text: not valid UTF-8 (byte ", *at, ")"));
+      }
+      const bool add_special =
+          !request.params().has_add_special_tokens() || request.params().add_special_tokens();
+      absl::StatusOr<std::vector<int32_t>> ids = tok->Encode(request.text(), add_special);
+      if (!ids.ok())
+        return absl::InvalidArgumentError(absl::StrCat("text: ", ids.status().message()));
+      response->mutable_token_ids()->Add(ids->begin(), ids->end());
+      response->set_count(static_cast<int32_t>(ids->size()));
+      return absl::OkStatus();
+    }
+    case pb::TokenizeRequest::kTokenIds: {
+      const auto& ids = request.token_ids().ids();
+      for (int i = 0; i < ids.size(); ++i) {
+        if (ids[i] < 0 || ids[i] >= limits_.vocab_size) {
+          return absl::InvalidArgumentError(absl::StrCat("token_ids[", i, "]: token id ", ids[i],
+                                                         " is outside [0, ", limits_.vocab_size,
+                                                         ")"));
+        }
+      }
+      DecodeOptions options;
+      options.skip_special_tokens =
+          !request.params().has_skip_special_tokens() || request.params().skip_special_tokens();
+      response->set_text(tok->Decode(std::vector<int32_t>(ids.begin(), ids.end()), options));
+      response->set_count(ids.size());
+      return absl::OkStatus();
+    }
+    case pb::TokenizeRequest::INPUT_NOT_SET:
+      break;
+  }
+  return absl::InvalidArgumentError("input: set text or token_ids");
 }
 
 }  // namespace ts::server

@@ -23,6 +23,9 @@ namespace ts::server {
 
 struct GenerationServiceOptions {
   std::string model_name;  // reported by GetModelInfo
+  // Text prompts, text deltas, stop strings and Tokenize; null: the model has none. Outlives the
+  // service. Its vocab fits the model's (the caller checks).
+  const Tokenizer* tokenizer = nullptr;
   // Called before a stream that a backend failure ended sends its INTERNAL, so that a client who
   // saw the error never finds the server SERVING afterwards. Any thread; must not block.
   std::function<void()> on_backend_failure;
@@ -54,6 +57,9 @@ class GenerationService final : public tailserve::v1::Generation::CallbackServic
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const tailserve::v1::GetStatsRequest* request,
                                      tailserve::v1::ServerStats* response) override;
+  grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
+                                     const tailserve::v1::TokenizeRequest* request,
+                                     tailserve::v1::TokenizeResponse* response) override;
 
   // From now on Generate answers UNAVAILABLE; streams already open run to completion.
   void BeginDrain() { draining_.store(true); }
@@ -81,6 +87,8 @@ class GenerationService final : public tailserve::v1::Generation::CallbackServic
   // empty `id` gets a fresh "req-N".
   absl::StatusOr<std::shared_ptr<IdClaim>> ClaimId(std::string id,
                                                    std::chrono::system_clock::time_point deadline);
+  absl::Status TokenizeInto(const tailserve::v1::TokenizeRequest& request,
+                            tailserve::v1::TokenizeResponse* response) const;
   grpc::ServerWriteReactor<tailserve::v1::GenerateResponse>* StartGenerate(
       grpc::CallbackServerContext* context, const tailserve::v1::GenerateRequest* request);
 

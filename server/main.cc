@@ -28,6 +28,7 @@
 #include "common/flags.h"
 #include "engine/engine.h"
 #include "models/config.h"
+#include "models/tokenizer/tokenizer.h"
 #include "server/debug_backend.h"
 #include "server/server.h"
 
@@ -36,6 +37,9 @@ ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on (0.0.0.0 or :: f
 ABSL_FLAG(int32_t, port, 50051, "Port to listen on; 0 picks a free port (printed at startup).");
 ABSL_FLAG(std::string, model_dir, "",
           "Hugging Face checkpoint directory (config.json, *.safetensors).");
+ABSL_FLAG(std::string, tokenizer_dir, "",
+          "Where tokenizer.json (or tokenizer.model) and tokenizer_config.json are; default: "
+          "model_dir. Without one the server takes token ids only; \"none\" turns it off.");
 ABSL_FLAG(std::string, model_name, "",
           "Name reported by GetModelInfo; default: model_dir's basename.");
 ABSL_FLAG(std::string, backend, "cpu", "Decoder backend: cpu (fp32 reference) or cuda.");
@@ -117,8 +121,41 @@ absl::StatusOr<std::vector<int32_t>> ParseBuckets(const std::string& text, int32
 
 struct Loaded {
   std::unique_ptr<Engine> engine;
+  std::unique_ptr<Tokenizer> tokenizer;  // null: the model has none
   std::string model_name;
 };
+
+// The tokenizer beside the checkpoint (or in --tokenizer_dir), or null when there is none. A file
+// that is there but cannot be read stops the server: serving ids only would hide the mistake.
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& model_dir,
+                                                         int32_t vocab_size) {
+  std::string dir = absl::GetFlag(FLAGS_tokenizer_dir);
+  if (dir == "none") return nullptr;
+  const bool explicit_dir = !dir.empty();
+  if (!explicit_dir) dir = model_dir;
+  const std::filesystem::path d(dir);
+  if (!std::filesystem::exists(d / "tokenizer.json") &&
+      !std::filesystem::exists(d / "tokenizer.model")) {
+    if (explicit_dir) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tokenizer_dir: no tokenizer.json or tokenizer.model in ", dir));
+    }
+    std::printf("tailserve: no tokenizer in %s: requests must send token ids\n", dir.c_str());
+    return nullptr;
+  }
+  absl::StatusOr<Tokenizer> tok = Tokenizer::Load(dir);
+  if (!tok.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer in ", dir, ": ", tok.status().message()));
+  }
+  if (tok->vocab_size() > vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tokenizer in ", dir, ": its ", tok->vocab_size(), " tokens exceed the model's vocab_size ",
+        vocab_size, " (is it the checkpoint's own tokenizer?)"));
+  }
+  std::printf("tailserve: tokenizer from %s: %d tokens\n", dir.c_str(), tok->vocab_size());
+  return std::make_unique<Tokenizer>(*std::move(tok));
+}
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const std::vector<int32_t>& buckets,
                                                         int32_t context, int32_t block,
@@ -224,6 +261,8 @@ absl::StatusOr<Loaded> Load() {
   const std::string dir = absl::GetFlag(FLAGS_model_dir);
   if (dir.empty()) return absl::InvalidArgumentError("--model_dir: required");
   TS_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
+  Loaded out;
+  TS_ASSIGN_OR_RETURN(out.tokenizer, LoadTokenizer(dir, config.vocab_size));
   const int32_t max_batch = absl::GetFlag(FLAGS_max_batch);
   if (max_batch < 1) return absl::InvalidArgumentError("--max_batch: must be >= 1");
   TS_ASSIGN_OR_RETURN(std::vector<int32_t> buckets,
@@ -235,7 +274,6 @@ absl::StatusOr<Loaded> Load() {
                         .queue_limit = absl::GetFlag(FLAGS_queue_limit),
                         .max_context = absl::GetFlag(FLAGS_max_context),
                         .stream_buffer_tokens = absl::GetFlag(FLAGS_stream_buffer_tokens)};
-  Loaded out;
   TS_ASSIGN_OR_RETURN(out.engine, Engine::Create(std::move(options), std::move(backend)));
   // The CUDA backend prints its own, measured budget while it allocates.
   if (absl::GetFlag(FLAGS_backend) == "cpu") PrintBudget(info, out.engine->model_info());
@@ -447,6 +485,7 @@ int Main(int argc, char** argv) {
       ServerOptions{.host = absl::GetFlag(FLAGS_host),
                     .port = absl::GetFlag(FLAGS_port),
                     .model_name = loaded->model_name,
+                    .tokenizer = loaded->tokenizer.get(),
                     .debug_generate_delay =
                         std::chrono::milliseconds(absl::GetFlag(FLAGS_debug_generate_delay_ms))},
       engine.get());

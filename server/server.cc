@@ -15,6 +15,7 @@ absl::StatusOr<std::unique_ptr<TailServer>> TailServer::Start(const ServerOption
   TailServer* raw = s.get();
   s->service_ = std::make_unique<GenerationService>(
       engine, GenerationServiceOptions{.model_name = options.model_name,
+                                       .tokenizer = options.tokenizer,
                                        .on_backend_failure = [raw] { raw->SetServing(false); },
                                        .debug_generate_delay = options.debug_generate_delay});
 

@@ -19,6 +19,7 @@ struct ServerOptions {
   std::string host = "127.0.0.1";
   int32_t port = 0;  // 0 = let the OS pick a free port
   std::string model_name;
+  const Tokenizer* tokenizer = nullptr;               // GenerationServiceOptions's
   std::chrono::milliseconds debug_generate_delay{0};  // GenerationServiceOptions's
 };
 

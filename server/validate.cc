@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "models/sampling.h"
+#include "models/tokenizer/utf8.h"
 
 namespace ts::server {
 namespace {
@@ -17,30 +18,90 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
-absl::Status CheckPrompt(const pb::GenerateRequest& r, const ValidationLimits& limits) {
+absl::Status CheckUtf8(absl::string_view field, std::string_view text) {
+  if (const std::optional<size_t> at = InvalidUtf8Offset(text)) {
+    return Invalid(field, absl::StrCat("not valid UTF-8 (byte ", *at, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NeedTokenizer(const Tokenizer* tokenizer, absl::string_view field) {
+  if (tokenizer != nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      field,
+      ": this model has no tokenizer (no tokenizer.json or tokenizer.model beside it); "
+      "send prompt_token_ids"));
+}
+
+bool AddSpecialTokens(const pb::GenerateRequest& r) {
+  return !r.text().has_add_special_tokens() || r.text().add_special_tokens();
+}
+
+// The prompt as ids: given, or the tokenizer's encoding of prompt_text. `field` names it in later
+// errors.
+absl::StatusOr<std::vector<int32_t>> PromptIds(const pb::GenerateRequest& r,
+                                               const Tokenizer* tokenizer, std::string* field) {
   switch (r.prompt_case()) {
-    case pb::GenerateRequest::kPromptText:
-      return absl::UnimplementedError(
-          "prompt_text: this server has no tokenizer yet; send prompt_token_ids");
+    case pb::GenerateRequest::kPromptText: {
+      *field = "prompt_text";
+      TS_RETURN_IF_ERROR(NeedTokenizer(tokenizer, "prompt_text"));
+      TS_RETURN_IF_ERROR(CheckUtf8("prompt_text", r.prompt_text()));
+      absl::StatusOr<std::vector<int32_t>> ids =
+          tokenizer->Encode(r.prompt_text(), AddSpecialTokens(r));
+      if (!ids.ok()) return Invalid("prompt_text", ids.status().message());
+      return ids;
+    }
     case pb::GenerateRequest::PROMPT_NOT_SET:
-      return Invalid("prompt_token_ids", "the prompt is empty (set prompt_token_ids)");
+      return Invalid("prompt_token_ids",
+                     "the prompt is empty (set prompt_token_ids or prompt_text)");
     case pb::GenerateRequest::kPromptTokenIds:
       break;
   }
-  const auto& ids = r.prompt_token_ids().ids();
-  if (ids.empty()) return Invalid("prompt_token_ids", "the prompt is empty");
-  if (ids.size() >= limits.max_context) {
-    return Invalid("prompt_token_ids",
-                   absl::StrCat(ids.size(), " tokens leave no room for a new token within the ",
-                                "max context of ", limits.max_context));
+  *field = "prompt_token_ids";
+  return std::vector<int32_t>(r.prompt_token_ids().ids().begin(), r.prompt_token_ids().ids().end());
+}
+
+absl::Status CheckPrompt(const std::vector<int32_t>& ids, const std::string& field,
+                         const ValidationLimits& limits) {
+  if (ids.empty()) return Invalid(field, "the prompt is empty");
+  if (ids.size() >= static_cast<size_t>(limits.max_context)) {
+    return Invalid(field, absl::StrCat(ids.size(), " tokens leave no room for a new token within ",
+                                       "the max context of ", limits.max_context));
   }
-  for (int i = 0; i < ids.size(); ++i) {
+  for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= limits.vocab_size) {
-      return Invalid(absl::StrCat("prompt_token_ids[", i, "]"),
+      // An encoded prompt_text is always in range: the server checked the tokenizer's vocab
+      // against the model's at startup.
+      return Invalid(absl::StrCat(field, "[", i, "]"),
                      absl::StrCat("token id ", ids[i], " is outside [0, ", limits.vocab_size, ")"));
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<TextSpec> ConvertText(const pb::GenerateRequest& r, const ValidationLimits& limits,
+                                     const Tokenizer* tokenizer) {
+  TextSpec text;
+  text.decode.skip_special_tokens =
+      !r.text().has_skip_special_tokens() || r.text().skip_special_tokens();
+  const auto& stops = r.stop().stop_strings();
+  if (stops.empty()) return text;
+  TS_RETURN_IF_ERROR(NeedTokenizer(tokenizer, "stop.stop_strings"));
+  if (stops.size() > limits.max_stop_strings) {
+    return Invalid("stop.stop_strings", absl::StrCat(stops.size(), " strings exceed the cap of ",
+                                                     limits.max_stop_strings));
+  }
+  for (int i = 0; i < stops.size(); ++i) {
+    const std::string field = absl::StrCat("stop.stop_strings[", i, "]");
+    if (stops[i].empty()) return Invalid(field, "is empty");
+    if (stops[i].size() > static_cast<size_t>(limits.max_stop_string_bytes)) {
+      return Invalid(field, absl::StrCat(stops[i].size(), " bytes exceed the cap of ",
+                                         limits.max_stop_string_bytes));
+    }
+    TS_RETURN_IF_ERROR(CheckUtf8(field, stops[i]));
+    text.stop_strings.push_back(stops[i]);
+  }
+  return text;
 }
 
 // `ok` is the range test written so that NaN fails it.
@@ -86,6 +147,7 @@ absl::StatusOr<SamplingParams> ConvertSampling(const pb::SamplingParams& s,
 }
 
 absl::StatusOr<StopParams> ConvertStop(const pb::StopParams& s, int32_t prompt_len,
+                                       const std::string& prompt_field,
                                        const ValidationLimits& limits) {
   StopParams p;
   if (s.has_max_new_tokens()) {
@@ -105,7 +167,7 @@ absl::StatusOr<StopParams> ConvertStop(const pb::StopParams& s, int32_t prompt_l
   if (static_cast<int64_t>(prompt_len) + p.max_new_tokens > limits.max_context) {
     return Invalid(
         "stop.max_new_tokens",
-        absl::StrCat("prompt_token_ids (", prompt_len, ") + stop.max_new_tokens (",
+        absl::StrCat(prompt_field, " (", prompt_len, " tokens) + stop.max_new_tokens (",
                      p.max_new_tokens, ") exceeds the max context of ", limits.max_context));
   }
   if (p.min_new_tokens < 0 || p.min_new_tokens > p.max_new_tokens) {
@@ -131,21 +193,33 @@ absl::StatusOr<StopParams> ConvertStop(const pb::StopParams& s, int32_t prompt_l
 
 }  // namespace
 
-absl::StatusOr<GenerateRequest> ValidateAndConvert(const pb::GenerateRequest& request,
-                                                   const ValidationLimits& limits,
-                                                   uint64_t drawn_seed) {
+std::optional<size_t> InvalidUtf8Offset(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = utf8::SequenceLength(s, i);
+    if (n == 0) return i;
+    i += n;
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<ValidatedRequest> ValidateAndConvert(const pb::GenerateRequest& request,
+                                                    const ValidationLimits& limits,
+                                                    const Tokenizer* tokenizer,
+                                                    uint64_t drawn_seed) {
   if (request.request_id().size() > static_cast<size_t>(limits.max_request_id_chars)) {
     return Invalid("request_id",
                    absl::StrCat("longer than ", limits.max_request_id_chars, " characters"));
   }
-  TS_RETURN_IF_ERROR(CheckPrompt(request, limits));
-  GenerateRequest out;
-  out.request_id = request.request_id();
-  out.prompt.assign(request.prompt_token_ids().ids().begin(),
-                    request.prompt_token_ids().ids().end());
-  TS_ASSIGN_OR_RETURN(out.sampling, ConvertSampling(request.sampling(), limits, drawn_seed));
-  TS_ASSIGN_OR_RETURN(out.stop,
-                      ConvertStop(request.stop(), static_cast<int32_t>(out.prompt.size()), limits));
+  ValidatedRequest out;
+  std::string prompt_field;
+  TS_ASSIGN_OR_RETURN(out.engine.prompt, PromptIds(request, tokenizer, &prompt_field));
+  TS_RETURN_IF_ERROR(CheckPrompt(out.engine.prompt, prompt_field, limits));
+  out.engine.request_id = request.request_id();
+  TS_ASSIGN_OR_RETURN(out.engine.sampling, ConvertSampling(request.sampling(), limits, drawn_seed));
+  TS_ASSIGN_OR_RETURN(out.engine.stop,
+                      ConvertStop(request.stop(), static_cast<int32_t>(out.engine.prompt.size()),
+                                  prompt_field, limits));
+  TS_ASSIGN_OR_RETURN(out.text, ConvertText(request, limits, tokenizer));
   return out;
 }
 

@@ -4,10 +4,16 @@
 // "prompt_token_ids[3]", ...), so clients can fix the request without reading server logs.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "engine/engine.h"
+#include "models/tokenizer/tokenizer.h"
 #include "tailserve/v1/generation.pb.h"
 
 namespace ts::server {
@@ -20,6 +26,19 @@ struct ValidationLimits {
   int32_t max_new_tokens = 0;
   int32_t max_stop_ids = 0;  // cap on stop.stop_token_ids
   int32_t max_request_id_chars = 128;
+  int32_t max_stop_strings = 16;        // cap on stop.stop_strings
+  int32_t max_stop_string_bytes = 256;  // cap on each stop string (it bounds the held-back text)
+};
+
+// How a stream's ids become its response text (unused without a tokenizer).
+struct TextSpec {
+  DecodeOptions decode;
+  std::vector<std::string> stop_strings;  // valid UTF-8, non-empty
+};
+
+struct ValidatedRequest {
+  GenerateRequest engine;
+  TextSpec text;
 };
 
 // Unset fields take the defaults documented in generation.proto. An unset stop.max_new_tokens is
@@ -27,9 +46,16 @@ struct ValidationLimits {
 // default could exceed what is left and be refused under a field the client never set.
 // Pure: the same inputs always give the same result. `drawn_seed` is used when sampling.seed is
 // unset (the caller draws it, so this function stays deterministic and testable).
-// Errors: INVALID_ARGUMENT naming the field; UNIMPLEMENTED for prompt_text (no tokenizer yet).
-absl::StatusOr<GenerateRequest> ValidateAndConvert(const tailserve::v1::GenerateRequest& request,
-                                                   const ValidationLimits& limits,
-                                                   uint64_t drawn_seed);
+// `tokenizer` (null when the model has none) encodes prompt_text.
+// Errors: INVALID_ARGUMENT naming the field (invalid UTF-8 too); FAILED_PRECONDITION for
+// prompt_text or stop_strings without a tokenizer.
+absl::StatusOr<ValidatedRequest> ValidateAndConvert(const tailserve::v1::GenerateRequest& request,
+                                                    const ValidationLimits& limits,
+                                                    const Tokenizer* tokenizer,
+                                                    uint64_t drawn_seed);
+
+// The first invalid byte's offset when `s` is not valid UTF-8. Used for every text field a
+// client sends, so that its error says where the encoding breaks.
+std::optional<size_t> InvalidUtf8Offset(std::string_view s);
 
 }  // namespace ts::server

@@ -7,7 +7,7 @@
 #include "models/tokenizer/utf8.h"
 #include "nlohmann/json.hpp"
 
-namespace tailserve {
+namespace ts {
 namespace {
 
 // Merges come as "a b" strings (older files) or ["a", "b"] pairs (tokenizers >= 0.20).
@@ -178,4 +178,4 @@ std::optional<int32_t> Bpe::TokenToId(std::string_view token) const {
   return it->second;
 }
 
-}  // namespace tailserve
+}  // namespace ts

@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "nlohmann/json_fwd.hpp"
 
-namespace tailserve {
+namespace ts {
 
 class Bpe {
  public:
@@ -44,4 +44,4 @@ class Bpe {
   bool ignore_merges_ = false;
 };
 
-}  // namespace tailserve
+}  // namespace ts

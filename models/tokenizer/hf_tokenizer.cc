@@ -14,7 +14,7 @@
 #include "models/tokenizer/utf8.h"
 #include "nlohmann/json.hpp"
 
-namespace tailserve {
+namespace ts {
 namespace {
 
 using nlohmann::json;
@@ -499,4 +499,4 @@ absl::StatusOr<std::unique_ptr<TokenizerImpl>> LoadHfTokenizerJson(const std::st
   return tok;
 }
 
-}  // namespace tailserve
+}  // namespace ts

@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "models/tokenizer/utf8.h"
 
-namespace tailserve {
+namespace ts {
 
 struct Regex::Code {
   pcre2_code* code = nullptr;
@@ -59,4 +59,4 @@ std::vector<std::pair<size_t, size_t>> Regex::FindAll(std::string_view text) con
   return out;
 }
 
-}  // namespace tailserve
+}  // namespace ts

@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace tailserve {
+namespace ts {
 
 class Regex {
  public:
@@ -24,4 +24,4 @@ class Regex {
   std::shared_ptr<const Code> code_;  // shared: a compiled pattern is immutable
 };
 
-}  // namespace tailserve
+}  // namespace ts

@@ -1,6 +1,6 @@
-// A thin wrapper over sentencepiece::SentencePieceProcessor. Debian's sentencepiece header
-// declares absl::string_view itself, which clashes with abseil's; so only sp_processor.cc, which
-// includes no abseil header, sees it.
+// sentencepiece::SentencePieceProcessor, reached through libts_sentencepiece.so (sp_backend.h
+// says why it is loaded apart). Debian's sentencepiece header also declares absl::string_view
+// itself, which clashes with abseil's, so only sp_backend.cc includes it.
 #pragma once
 
 #include <memory>
@@ -8,13 +8,16 @@
 #include <string_view>
 #include <vector>
 
-namespace tailserve {
+namespace ts {
+
+class SpBackend;
 
 class SpProcessor {
  public:
   SpProcessor();
   ~SpProcessor();
-  // Empty on success, else SentencePiece's message.
+  // Empty on success, else SentencePiece's message (or why the library could not be loaded).
+  // The other methods need a successful Load.
   std::string Load(const std::string& path);
   std::string Encode(std::string_view text, std::vector<int>* ids) const;
   std::string Decode(const std::vector<int>& ids, std::string* text) const;
@@ -29,8 +32,7 @@ class SpProcessor {
   int unk_id() const;
 
  private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<SpBackend> impl_;
 };
 
-}  // namespace tailserve
+}  // namespace ts

@@ -4,7 +4,7 @@
 #include "models/tokenizer/tokenizer_impl.h"
 #include "models/tokenizer/utf8.h"
 
-namespace tailserve {
+namespace ts {
 namespace {
 
 class SpTokenizer final : public TokenizerImpl {
@@ -78,4 +78,4 @@ absl::StatusOr<std::unique_ptr<TokenizerImpl>> LoadSentencePieceModel(const std:
   return tok;
 }
 
-}  // namespace tailserve
+}  // namespace ts

@@ -8,7 +8,7 @@
 #include "models/tokenizer/utf8.h"
 #include "nlohmann/json.hpp"
 
-namespace tailserve {
+namespace ts {
 namespace {
 
 using nlohmann::json;
@@ -140,4 +140,4 @@ std::string StreamDecoder::Flush() {
   return out;
 }
 
-}  // namespace tailserve
+}  // namespace ts

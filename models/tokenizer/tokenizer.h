@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace tailserve {
+namespace ts {
 
 class TokenizerImpl;
 
@@ -68,4 +68,4 @@ class StreamDecoder {
   bool at_start_ = true;  // no byte emitted or held yet (for decoders that strip a leading space)
 };
 
-}  // namespace tailserve
+}  // namespace ts

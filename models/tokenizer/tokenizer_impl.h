@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace tailserve {
+namespace ts {
 
 class TokenizerImpl {
  public:
@@ -36,4 +36,4 @@ class TokenizerImpl {
 absl::StatusOr<std::unique_ptr<TokenizerImpl>> LoadHfTokenizerJson(const std::string& path);
 absl::StatusOr<std::unique_ptr<TokenizerImpl>> LoadSentencePieceModel(const std::string& path);
 
-}  // namespace tailserve
+}  // namespace ts

@@ -1,6 +1,6 @@
 #include "models/tokenizer/utf8.h"
 
-namespace tailserve::utf8 {
+namespace ts::utf8 {
 namespace {
 
 struct Prefix {
@@ -100,4 +100,4 @@ void AppendCodepoint(uint32_t cp, std::string* out) {
   }
 }
 
-}  // namespace tailserve::utf8
+}  // namespace ts::utf8

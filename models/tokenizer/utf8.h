@@ -6,7 +6,7 @@
 #include <string>
 #include <string_view>
 
-namespace tailserve::utf8 {
+namespace ts::utf8 {
 
 // Length of the valid UTF-8 sequence at s[i], or 0 when it is invalid or truncated.
 size_t SequenceLength(std::string_view s, size_t i);
@@ -19,4 +19,4 @@ void AppendCodepoint(uint32_t cp, std::string* out);
 
 inline constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
 
-}  // namespace tailserve::utf8
+}  // namespace ts::utf8

@@ -10,7 +10,7 @@
 #include "models/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 
-namespace tailserve {
+namespace ts {
 namespace {
 
 using nlohmann::json;
@@ -222,4 +222,4 @@ TEST(TokenizerLoad, MissingFilesAreNotFound) {
 }
 
 }  // namespace
-}  // namespace tailserve
+}  // namespace ts

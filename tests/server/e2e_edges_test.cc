@@ -34,6 +34,17 @@ void ExpectRefusal(const std::vector<std::string>& flags, const std::string& mes
   EXPECT_TRUE((*child)->WaitForLine(message, 1s).ok()) << (*child)->Output();
 }
 
+TEST(ServerEdgeTest, ATokenizerThatCannotServeTheModelRefusesToStart) {
+  // Named explicitly but absent: refused rather than silently serving ids only.
+  ExpectRefusal({"--tokenizer_dir=/nonexistent-tailserve-tokenizer"},
+                "--tokenizer_dir: no tokenizer.json or tokenizer.model in");
+  // Llama-3's pre-tokenizer fixture has more tokens than this model's 311 ids.
+  ExpectRefusal(
+      {absl::StrCat("--tokenizer_dir=",
+                    (BinaryDir() / "tests/models/tokenizer_fixtures/bytelevel-llama3").string())},
+      "exceed the model's vocab_size 311");
+}
+
 TEST(ServerEdgeTest, SecondServerOnABusyPortRefusesToStart) {
   std::unique_ptr<Server> first = Server::Launch({});
   ASSERT_NE(first, nullptr);

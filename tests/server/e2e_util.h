@@ -173,6 +173,9 @@ struct StreamResult {
   std::string request_id;
   pb::FinishReason finish = pb::FINISH_REASON_UNSPECIFIED;
   pb::Usage usage;
+  std::string text;  // every message's text delta, in order
+  std::string matched_stop;
+  std::vector<std::string> deltas;
 };
 
 inline void ReadAll(grpc::ClientReader<pb::GenerateResponse>* reader, StreamResult* r) {
@@ -184,9 +187,12 @@ inline void ReadAll(grpc::ClientReader<pb::GenerateResponse>* reader, StreamResu
     }
     ++r->messages;
     r->tokens.insert(r->tokens.end(), msg.token_ids().begin(), msg.token_ids().end());
+    r->text += msg.text();
+    r->deltas.push_back(msg.text());
     if (msg.finish_reason() != pb::FINISH_REASON_UNSPECIFIED) {
       r->finish = msg.finish_reason();
       r->usage = msg.usage();
+      r->matched_stop = msg.matched_stop();
     }
   }
   r->status = reader->Finish();

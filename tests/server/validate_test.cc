@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/grpc_status.h"
+#include "tests/common/test_paths.h"
 
 namespace ts::server {
 namespace {
@@ -21,6 +22,14 @@ using ::testing::HasSubstr;
 constexpr ValidationLimits kLimits{.vocab_size = 311, .max_context = 256, .max_stop_ids = 4};
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// The engine half of the conversion, on a server without a tokenizer.
+absl::StatusOr<GenerateRequest> Convert(const pb::GenerateRequest& r, const ValidationLimits& l,
+                                        uint64_t seed) {
+  absl::StatusOr<ValidatedRequest> v = ValidateAndConvert(r, l, nullptr, seed);
+  if (!v.ok()) return v.status();
+  return v->engine;
+}
 
 pb::GenerateRequest Good() {
   pb::GenerateRequest r;
@@ -41,7 +50,7 @@ TEST_P(BadFieldTest, RejectedWithCodeNamingField) {
   const BadCase& c = GetParam();
   pb::GenerateRequest r = Good();
   c.mutate(&r);
-  absl::StatusOr<GenerateRequest> got = ValidateAndConvert(r, kLimits, 7);
+  absl::StatusOr<GenerateRequest> got = Convert(r, kLimits, 7);
   ASSERT_FALSE(got.ok()) << c.name;
   EXPECT_EQ(got.status().code(), c.code) << got.status();
   EXPECT_THAT(std::string(got.status().message()), HasSubstr(c.field));
@@ -67,8 +76,11 @@ INSTANTIATE_TEST_SUITE_P(
                 },
                 kInvalid, "prompt_token_ids[3]"},
         BadCase{"id_eq_vocab", [](auto* r) { SetIds(r, {311}); }, kInvalid, "prompt_token_ids[0]"},
-        BadCase{"prompt_text", [](auto* r) { r->set_prompt_text("hello"); },
-                absl::StatusCode::kUnimplemented, "prompt_text"},
+        BadCase{"prompt_text_without_tokenizer", [](auto* r) { r->set_prompt_text("hello"); },
+                absl::StatusCode::kFailedPrecondition, "prompt_text"},
+        BadCase{"stop_strings_without_tokenizer",
+                [](auto* r) { r->mutable_stop()->add_stop_strings("."); },
+                absl::StatusCode::kFailedPrecondition, "stop.stop_strings"},
         BadCase{"prompt_fills_context",
                 [](auto* r) {
                   SetIds(r, {});
@@ -141,7 +153,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<BadCase>& info) { return info.param.name; });
 
 TEST(ValidateTest, DefaultsApplyAndSeedIsDrawn) {
-  absl::StatusOr<GenerateRequest> got = ValidateAndConvert(Good(), kLimits, 12345);
+  absl::StatusOr<GenerateRequest> got = Convert(Good(), kLimits, 12345);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_THAT(got->prompt, ElementsAre(1, 17, 310, 0));
   EXPECT_EQ(got->request_id, "");
@@ -163,28 +175,28 @@ TEST(ValidateTest, UnsetMaxNewTokensIsWhatTheContextLeavesCappedByTheServer) {
   // never set.
   pb::GenerateRequest r;
   for (int i = 0; i < 250; ++i) r.mutable_prompt_token_ids()->add_ids(i % 311);
-  absl::StatusOr<GenerateRequest> got = ValidateAndConvert(r, kLimits, 1);
+  absl::StatusOr<GenerateRequest> got = Convert(r, kLimits, 1);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->stop.max_new_tokens, 6);
   // One position left: exactly one token.
   r.mutable_prompt_token_ids()->mutable_ids()->Resize(255, 7);
-  got = ValidateAndConvert(r, kLimits, 1);
+  got = Convert(r, kLimits, 1);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->stop.max_new_tokens, 1);
   // The server's cap applies to a short prompt.
   ValidationLimits capped = kLimits;
   capped.max_new_tokens = 100;
   r.mutable_prompt_token_ids()->mutable_ids()->Truncate(10);
-  got = ValidateAndConvert(r, capped, 1);
+  got = Convert(r, capped, 1);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->stop.max_new_tokens, 100);
   // A set value is taken as given, and min_new_tokens is checked against the unset default.
   r.mutable_stop()->set_min_new_tokens(101);
-  got = ValidateAndConvert(r, capped, 1);
+  got = Convert(r, capped, 1);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(got.status().message(), HasSubstr("stop.min_new_tokens"));
   r.mutable_stop()->set_max_new_tokens(120);
-  got = ValidateAndConvert(r, capped, 1);
+  got = Convert(r, capped, 1);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->stop.max_new_tokens, 120);
 }
@@ -207,7 +219,7 @@ TEST(ValidateTest, EveryFieldConverts) {
   st->add_stop_token_ids(2);
   st->add_stop_token_ids(310);
   st->set_ignore_eos(true);
-  absl::StatusOr<GenerateRequest> got = ValidateAndConvert(r, kLimits, 999);
+  absl::StatusOr<GenerateRequest> got = Convert(r, kLimits, 999);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->request_id, "req-7");
   EXPECT_EQ(got->sampling.temperature, 0.8f);
@@ -234,7 +246,7 @@ TEST(ValidateTest, GreedyAndEdgeValuesAccepted) {
   r.mutable_sampling()->set_frequency_penalty(-2.0f);
   r.mutable_sampling()->set_seed(0);  // set to zero is still "set"
   for (int i = 0; i < 4; ++i) r.mutable_stop()->add_stop_token_ids(i);  // == cap
-  absl::StatusOr<GenerateRequest> got = ValidateAndConvert(r, kLimits, 5);
+  absl::StatusOr<GenerateRequest> got = Convert(r, kLimits, 5);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(got->sampling.greedy());
   EXPECT_EQ(got->sampling.top_k, 311);
@@ -253,6 +265,111 @@ TEST(GrpcStatusTest, CodesAndMessagesCarryOver) {
   EXPECT_EQ(ToGrpcCode(absl::StatusCode::kAlreadyExists), grpc::StatusCode::ALREADY_EXISTS);
   EXPECT_EQ(ToGrpcCode(absl::StatusCode::kInternal), grpc::StatusCode::INTERNAL);
   EXPECT_EQ(ToGrpcCode(absl::StatusCode::kCancelled), grpc::StatusCode::CANCELLED);
+}
+
+// Text fields, on the fixture whose tokenizer covers its 311 ids.
+class TextValidateTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<Tokenizer> t = Tokenizer::Load(testing::FixtureDir() / "tiny-gqa-untied");
+    ASSERT_TRUE(t.ok()) << t.status();
+    tok_ = new Tokenizer(*std::move(t));
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    tok_ = nullptr;
+  }
+  static absl::StatusOr<ValidatedRequest> Validate(const pb::GenerateRequest& r) {
+    return ValidateAndConvert(r, kLimits, tok_, 3);
+  }
+  static void ExpectRejected(const pb::GenerateRequest& r, absl::string_view field) {
+    absl::StatusOr<ValidatedRequest> got = Validate(r);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.status().code(), kInvalid) << got.status();
+    EXPECT_EQ(std::string(got.status().message()).rfind(std::string(field), 0), 0u) << got.status();
+  }
+  static Tokenizer* tok_;
+};
+Tokenizer* TextValidateTest::tok_ = nullptr;
+
+TEST_F(TextValidateTest, PromptTextIsEncodedWithBosUnlessTurnedOff) {
+  pb::GenerateRequest r;
+  r.set_prompt_text("the cat is on it");
+  absl::StatusOr<ValidatedRequest> got = Validate(r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  absl::StatusOr<std::vector<int32_t>> want = tok_->Encode("the cat is on it", true);
+  ASSERT_TRUE(want.ok());
+  EXPECT_EQ(got->engine.prompt, *want);
+  ASSERT_FALSE(got->engine.prompt.empty());
+  EXPECT_EQ(got->engine.prompt[0], 1);        // BOS, from the post-processor
+  EXPECT_LT(got->engine.prompt.size(), 17u);  // merges apply: fewer ids than bytes + BOS
+  // The unset max_new_tokens is what the context leaves after the encoded prompt.
+  EXPECT_EQ(got->engine.stop.max_new_tokens,
+            kLimits.max_context - static_cast<int32_t>(want->size()));
+
+  r.mutable_text()->set_add_special_tokens(false);
+  got = Validate(r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->engine.prompt, std::vector<int32_t>(want->begin() + 1, want->end()));
+}
+
+TEST_F(TextValidateTest, InvalidUtf8IsRefusedNamingTheFieldAndTheByte) {
+  pb::GenerateRequest r;
+  r.set_prompt_text(std::string("ok \xC3\x28", 5));  // a lead byte followed by ASCII
+  absl::StatusOr<ValidatedRequest> got = Validate(r);
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), kInvalid);
+  EXPECT_EQ(got.status().message(), "prompt_text: not valid UTF-8 (byte 3)");
+
+  r = Good();
+  r.mutable_stop()->add_stop_strings("fine");
+  r.mutable_stop()->add_stop_strings(std::string("\xFF", 1));
+  ExpectRejected(r, "stop.stop_strings[1]: not valid UTF-8 (byte 0)");
+}
+
+TEST_F(TextValidateTest, TooLongTextPromptNamesPromptText) {
+  pb::GenerateRequest r;
+  std::string text;
+  for (int i = 0; i < 300; ++i) text += " zq";  // no merges: 2 ids per repeat
+  r.set_prompt_text(text);
+  ExpectRejected(r, "prompt_text");
+  r.set_prompt_text("the end");
+  r.mutable_stop()->set_max_new_tokens(kLimits.max_context);
+  ExpectRejected(r, "stop.max_new_tokens");
+  absl::StatusOr<ValidatedRequest> got = Validate(r);
+  EXPECT_THAT(std::string(got.status().message()), HasSubstr("prompt_text ("));
+}
+
+TEST_F(TextValidateTest, StopStringsAreCappedInNumberAndLength) {
+  pb::GenerateRequest r = Good();
+  for (int i = 0; i < kLimits.max_stop_strings; ++i) r.mutable_stop()->add_stop_strings("x");
+  ASSERT_TRUE(Validate(r).ok());
+  r.mutable_stop()->add_stop_strings("x");
+  ExpectRejected(r, "stop.stop_strings: 17 strings exceed the cap of 16");
+
+  r = Good();
+  r.mutable_stop()->add_stop_strings(std::string(kLimits.max_stop_string_bytes, 'a'));
+  ASSERT_TRUE(Validate(r).ok());
+  r.mutable_stop()->add_stop_strings(std::string(kLimits.max_stop_string_bytes + 1, 'a'));
+  ExpectRejected(r, "stop.stop_strings[1]: 257 bytes exceed the cap of 256");
+
+  r = Good();
+  r.mutable_stop()->add_stop_strings("");
+  ExpectRejected(r, "stop.stop_strings[0]: is empty");
+}
+
+TEST_F(TextValidateTest, TextSpecCarriesStopsAndSkipSpecial) {
+  pb::GenerateRequest r = Good();
+  r.mutable_stop()->add_stop_strings("\n\n");
+  r.mutable_stop()->add_stop_strings("é");
+  absl::StatusOr<ValidatedRequest> got = Validate(r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_THAT(got->text.stop_strings, ElementsAre("\n\n", "é"));
+  EXPECT_TRUE(got->text.decode.skip_special_tokens);  // the default
+  r.mutable_text()->set_skip_special_tokens(false);
+  got = Validate(r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_FALSE(got->text.decode.skip_special_tokens);
 }
 
 }  // namespace
