@@ -69,7 +69,9 @@ ABSL_FLAG(std::optional<double>, presence_penalty, std::nullopt, "passed to the 
 ABSL_FLAG(std::optional<double>, frequency_penalty, std::nullopt, "passed to the server");
 ABSL_FLAG(bool, send_seed, true,
           "send a per-request sampling seed derived from --seed (false: the server draws one)");
-ABSL_FLAG(double, connect_timeout_s, 10, "time allowed to connect and fetch ModelInfo");
+ABSL_FLAG(double, connect_timeout_s, 10,
+          "time allowed to connect and fetch ModelInfo, and for each Tokenize call that counts "
+          "a text prompt");
 ABSL_FLAG(double, request_timeout_s, 0, "per-request gRPC deadline (0 = none)");
 ABSL_FLAG(double, drain_timeout_s, 60,
           "after sending stops, wait this long for in-flight requests, then cancel them");

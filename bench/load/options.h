@@ -47,7 +47,7 @@ struct LoadOptions {
   bool shuffle_prompts = true;     // false: requests take the file's prompts in file order
   bool add_special_tokens = true;  // TextParams.add_special_tokens, for requests and counts
   SamplingOptions sampling;
-  double connect_timeout_s = 10;  // channel connect + GetModelInfo
+  double connect_timeout_s = 10;  // channel connect + GetModelInfo, and each counting Tokenize
   double request_timeout_s = 0;   // per-request gRPC deadline, 0 = none
   double drain_timeout_s = 60;    // after sending stops, in-flight requests get this long, then
                                   // are cancelled (so a run always ends)
