@@ -38,8 +38,8 @@ std::vector<std::string> Texts(const PromptFile& f) {
 
 TEST(PromptFileTest, JsonArrayOfStringsKeepsOrderEntriesAndLines) {
   const PromptFile f =
-      Parse("[\n  \"first, [not] a \\\"bracket\\\"\",\n\n  \"second\",\"third\"\n]", "p.json");
-  EXPECT_THAT(Texts(f), ::testing::ElementsAre("first, [not] a \"bracket\"", "second", "third"));
+      Parse("[\n  \"first, \\\"quoted, [x]\\\" end\",\n\n  \"second\",\"third\"\n]", "p.json");
+  EXPECT_THAT(Texts(f), ::testing::ElementsAre("first, \"quoted, [x]\" end", "second", "third"));
   ASSERT_EQ(f.prompts.size(), 3u);
   EXPECT_EQ(f.prompts[0].line, 2);
   EXPECT_EQ(f.prompts[1].line, 4);
