@@ -163,6 +163,7 @@ struct StreamFacts {
   uint64_t seed = 0;
   double ttft_ms = -1;        // first message carrying tokens
   double last_token_ms = -1;  // last message carrying tokens
+  size_t first_tokens = 0;    // tokens in the first message carrying any
 };
 
 double MsSince(std::chrono::steady_clock::time_point start) {
@@ -182,10 +183,12 @@ void PrintSummary(const StreamFacts& f, double total_ms) {
   absl::StrAppend(&line, ", prompt_tokens: ", last.usage().prompt_tokens(),
                   ", completion_tokens: ", completion, ", seed: ", f.seed,
                   absl::StrFormat(", ttft: %.1f ms", f.ttft_ms));
-  // Decode rate: the tokens after the first message's, over the time after it.
-  if (f.ids.size() >= 2 && f.last_token_ms > f.ttft_ms) {
-    absl::StrAppend(&line, absl::StrFormat(", %.1f tok/s", (f.ids.size() - 1) * 1000.0 /
-                                                               (f.last_token_ms - f.ttft_ms)));
+  // Decode rate: the tokens after the first message's, over the time after it (the server
+  // coalesces, so the first message may carry several).
+  if (f.ids.size() > f.first_tokens && f.last_token_ms > f.ttft_ms) {
+    absl::StrAppend(
+        &line, absl::StrFormat(", decode: %.1f tok/s", (f.ids.size() - f.first_tokens) * 1000.0 /
+                                                           (f.last_token_ms - f.ttft_ms)));
   }
   absl::StrAppend(&line, absl::StrFormat(", total: %.1f ms", total_ms));
   std::fprintf(stderr, "%s\n", line.c_str());
@@ -207,7 +210,10 @@ int Generate(v1::Generation::Stub& stub, const v1::GenerateRequest& req, bool te
     if (first) facts.seed = msg.seed();
     if (msg.token_ids_size() > 0) {
       facts.last_token_ms = MsSince(start);
-      if (facts.ttft_ms < 0) facts.ttft_ms = facts.last_token_ms;
+      if (facts.ttft_ms < 0) {
+        facts.ttft_ms = facts.last_token_ms;
+        facts.first_tokens = static_cast<size_t>(msg.token_ids_size());
+      }
     }
     for (int32_t t : msg.token_ids()) {
       facts.ids.push_back(t);
