@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include "absl/strings/str_cat.h"
+#include "bench/common/grpc_code.h"
 #include "bench/load/arrivals.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
@@ -97,8 +98,10 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
       record_.message_ms.push_back(now_ms);
       record_.message_tokens.push_back(response_.token_ids_size());
     }
-    if (response_.has_usage())
+    if (response_.has_usage()) {
       record_.usage_completion_tokens = response_.usage().completion_tokens();
+      record_.usage_prompt_tokens = response_.usage().prompt_tokens();
+    }
     if (response_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
       record_.finish_reason = FinishReasonName(response_.finish_reason());
     }
@@ -165,12 +168,18 @@ class Phase {
     Prepared p;
     p.record.index = i;
     p.record.request_id = absl::StrCat(spec_.id_prefix, "-", i);
-    p.record.input_tokens = static_cast<int32_t>(spec.prompt_ids.size());
+    p.record.input_tokens = spec.input_len;
+    p.record.prompt_entry = spec.prompt_entry;
     p.record.requested_output_tokens = spec.output_len;
     v1::GenerateRequest& r = p.request;
     r.set_request_id(p.record.request_id);
-    r.mutable_prompt_token_ids()->mutable_ids()->Assign(spec.prompt_ids.begin(),
-                                                        spec.prompt_ids.end());
+    if (workload_.text) {
+      r.set_prompt_text(spec.prompt_text);
+      r.mutable_text()->set_add_special_tokens(o.add_special_tokens);
+    } else {
+      r.mutable_prompt_token_ids()->mutable_ids()->Assign(spec.prompt_ids.begin(),
+                                                          spec.prompt_ids.end());
+    }
     v1::SamplingParams* s = r.mutable_sampling();
     s->set_temperature(o.sampling.temperature);
     if (o.sampling.top_k) s->set_top_k(*o.sampling.top_k);
@@ -304,25 +313,7 @@ bool StopRequested() {
 }
 
 std::string StatusCodeName(int code) {
-  static constexpr const char* kNames[] = {"OK",
-                                           "CANCELLED",
-                                           "UNKNOWN",
-                                           "INVALID_ARGUMENT",
-                                           "DEADLINE_EXCEEDED",
-                                           "NOT_FOUND",
-                                           "ALREADY_EXISTS",
-                                           "PERMISSION_DENIED",
-                                           "RESOURCE_EXHAUSTED",
-                                           "FAILED_PRECONDITION",
-                                           "ABORTED",
-                                           "OUT_OF_RANGE",
-                                           "UNIMPLEMENTED",
-                                           "INTERNAL",
-                                           "UNAVAILABLE",
-                                           "DATA_LOSS",
-                                           "UNAUTHENTICATED"};
-  if (code >= 0 && code < static_cast<int>(std::size(kNames))) return kNames[code];
-  return absl::StrCat("CODE_", code);
+  return GrpcCodeName(code);
 }
 
 nlohmann::json ModelInfoToJson(const v1::ModelInfo& info) {

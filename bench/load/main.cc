@@ -19,6 +19,7 @@
 #include "bench/load/options.h"
 #include "bench/load/report.h"
 #include "bench/load/stats.h"
+#include "bench/load/text_source.h"
 #include "bench/load/workload.h"
 #include "common/flags.h"
 
@@ -31,13 +32,34 @@ ABSL_FLAG(int32_t, concurrency, 0,
 ABSL_FLAG(int64_t, num_requests, 0, "measured requests to send (0 = bounded by --duration_s only)");
 ABSL_FLAG(double, duration_s, 0, "stop sending after this many seconds (0 = no time bound)");
 ABSL_FLAG(int64_t, warmup_requests, 0, "requests sent before the measured run, not recorded");
-ABSL_FLAG(uint64_t, seed, 0, "seeds arrivals, lengths, prompt ids and per-request sampling seeds");
-ABSL_FLAG(int32_t, input_len, 32, "prompt length in tokens (shorthand for --input_dist=fixed:N)");
-ABSL_FLAG(int32_t, output_len, 32, "output length (shorthand for --output_dist=fixed:N)");
+ABSL_FLAG(uint64_t, seed, 0,
+          "seeds arrivals, lengths, prompt ids, the order of file prompts and per-request "
+          "sampling seeds");
+ABSL_FLAG(std::optional<int32_t>, input_len, std::nullopt,
+          "random prompts' length in tokens (default 32; shorthand for --input_dist=fixed:N)");
+ABSL_FLAG(std::optional<int32_t>, output_len, std::nullopt,
+          "output length (default 32; shorthand for --output_dist=fixed:N). Given (or "
+          "--output_dist), it overrides the replies of a --prompts_file");
 ABSL_FLAG(std::string, input_dist, "",
-          "prompt length distribution: fixed:N | uniform:MIN:MAX | normal:MEAN:STD "
+          "random prompts' length distribution: fixed:N | uniform:MIN:MAX | normal:MEAN:STD "
           "(overrides --input_len)");
 ABSL_FLAG(std::string, output_dist, "", "output length distribution, as --input_dist");
+ABSL_FLAG(std::string, prompts_file, "",
+          "send text prompts from this file instead of random ids (the server needs a tokenizer). "
+          "JSON (an array) or JSONL (one entry a line); an entry is a string, "
+          "{\"prompt\": ...}, {\"text\": ...}, ShareGPT's {\"conversations\": [{\"from\": "
+          "\"human\", \"value\": ...}, {\"from\": \"gpt\", ...}]} or OpenAI's "
+          "{\"messages\": [{\"role\": \"user\", \"content\": ...}, ...]}. The first human/user "
+          "turn is the prompt, as raw text (no chat template); the reply after it sets the output "
+          "length (its token count) unless --output_len/--output_dist is given. Entries without a "
+          "prompt and prompts that do not fit max_context with their output are skipped (counted)");
+ABSL_FLAG(std::string, prompt_text, "", "send this one text prompt in every request");
+ABSL_FLAG(bool, shuffle_prompts, true,
+          "take the --prompts_file prompts in an order shuffled by --seed (false: file order); "
+          "request i uses prompt i mod N of that order");
+ABSL_FLAG(bool, add_special_tokens, true,
+          "text prompts: let the tokenizer add its special tokens (BOS); also how they are "
+          "counted");
 ABSL_FLAG(double, temperature, 0.0, "sampling temperature (0 = greedy)");
 ABSL_FLAG(std::optional<int32_t>, top_k, std::nullopt, "top_k passed to the server");
 ABSL_FLAG(std::optional<double>, top_p, std::nullopt, "top_p passed to the server");
@@ -47,7 +69,9 @@ ABSL_FLAG(std::optional<double>, presence_penalty, std::nullopt, "passed to the 
 ABSL_FLAG(std::optional<double>, frequency_penalty, std::nullopt, "passed to the server");
 ABSL_FLAG(bool, send_seed, true,
           "send a per-request sampling seed derived from --seed (false: the server draws one)");
-ABSL_FLAG(double, connect_timeout_s, 10, "time allowed to connect and fetch ModelInfo");
+ABSL_FLAG(double, connect_timeout_s, 10,
+          "time allowed to connect and fetch ModelInfo, and for each Tokenize call that counts "
+          "a text prompt");
 ABSL_FLAG(double, request_timeout_s, 0, "per-request gRPC deadline (0 = none)");
 ABSL_FLAG(double, drain_timeout_s, 60,
           "after sending stops, wait this long for in-flight requests, then cancel them");
@@ -69,16 +93,19 @@ enum ExitCode {
   kInterrupted = 130
 };
 
+constexpr int32_t kDefaultLength = 32;  // --input_len and --output_len
+
 int Fail(int code, const absl::Status& status) {
   std::fprintf(stderr, "tailserve-load: %s\n", std::string(status.message()).c_str());
   return code;
 }
 
-absl::StatusOr<LengthDist> LengthFlag(const std::string& dist_flag, int32_t len,
+absl::StatusOr<LengthDist> LengthFlag(const std::string& dist_flag, std::optional<int32_t> len,
                                       const char* dist_name, const char* len_name) {
   if (!dist_flag.empty()) return ParseLengthDist(dist_flag, dist_name);
-  if (len < 1) return absl::InvalidArgumentError(absl::StrCat(len_name, ": must be >= 1"));
-  return LengthDist{LengthDist::Kind::kFixed, static_cast<double>(len), 0};
+  const int32_t n = len.value_or(kDefaultLength);
+  if (n < 1) return absl::InvalidArgumentError(absl::StrCat(len_name, ": must be >= 1"));
+  return LengthDist{LengthDist::Kind::kFixed, static_cast<double>(n), 0};
 }
 
 template <typename To, typename From>
@@ -118,6 +145,12 @@ absl::StatusOr<LoadOptions> OptionsFromFlags() {
   if (!output.ok()) return output.status();
   o.input = *input;
   o.output = *output;
+  o.input_len_set = absl::GetFlag(FLAGS_input_len) || !absl::GetFlag(FLAGS_input_dist).empty();
+  o.output_len_set = absl::GetFlag(FLAGS_output_len) || !absl::GetFlag(FLAGS_output_dist).empty();
+  o.prompts_file = absl::GetFlag(FLAGS_prompts_file);
+  o.prompt_text = absl::GetFlag(FLAGS_prompt_text);
+  o.shuffle_prompts = absl::GetFlag(FLAGS_shuffle_prompts);
+  o.add_special_tokens = absl::GetFlag(FLAGS_add_special_tokens);
   o.sampling.temperature = static_cast<float>(absl::GetFlag(FLAGS_temperature));
   o.sampling.top_k = absl::GetFlag(FLAGS_top_k);
   o.sampling.top_p = Narrow<float>(absl::GetFlag(FLAGS_top_p));
@@ -145,7 +178,9 @@ int Main(int argc, char** argv) {
       argc, argv,
       "load-tests a tailserve server.\n  open loop:   tailserve-load --target=HOST:PORT --rate=20 "
       "--num_requests=200\n  closed loop: tailserve-load --target=HOST:PORT --concurrency=8 "
-      "--duration_s=60\nSee docs/load-client.md.",
+      "--duration_s=60\n  text prompts: tailserve-load --target=HOST:PORT "
+      "--prompts_file=sharegpt.json "
+      "--rate=10 --num_requests=500\nSee docs/load-client.md.",
       "bench/load/");
   if (rest.size() > 1) {
     return Fail(kBadFlags, absl::InvalidArgumentError(
@@ -159,12 +194,23 @@ int Main(int argc, char** argv) {
   auto info = (*client)->GetModelInfo();
   if (!info.ok()) return Fail(kNoServer, info.status());
 
-  const WorkloadOptions workload{.seed = options->seed,
-                                 .input = options->input,
-                                 .output = options->output,
-                                 .vocab_size = info->vocab_size(),
-                                 .max_context = info->max_context(),
-                                 .max_new_tokens = info->max_new_tokens()};
+  WorkloadOptions workload{.seed = options->seed,
+                           .input = options->input,
+                           .output = options->output,
+                           .vocab_size = info->vocab_size(),
+                           .max_context = info->max_context(),
+                           .max_new_tokens = info->max_new_tokens()};
+  nlohmann::json prompt_facts = {{"source", PromptSource(*options)}};
+  if (PromptSource(*options) != "random") {
+    auto text = LoadTextSource(**client, *options, *info);
+    if (!text.ok()) {
+      return Fail(text.status().code() == absl::StatusCode::kUnavailable ? kNoServer : kBadFlags,
+                  text.status());
+    }
+    for (const std::string& note : text->notes) std::printf("tailserve-load: %s\n", note.c_str());
+    workload.text = text->prompts;
+    prompt_facts = text->facts;
+  }
   if (auto s = CheckWorkloadFits(workload); !s.ok()) return Fail(kBadFlags, s);
 
   std::signal(SIGINT, OnSignal);
@@ -196,7 +242,8 @@ int Main(int argc, char** argv) {
                           .model_info = ModelInfoToJson(*info),
                           .run = {{"wall_s", result->wall_s},
                                   {"cancelled_at_drain", result->cancelled_at_drain},
-                                  {"interrupted", result->interrupted}},
+                                  {"interrupted", result->interrupted},
+                                  {"prompts", prompt_facts}},
                           .records = result->records,
                           .metrics = &metrics};
     if (auto s = WriteReport(options->out_dir, in); !s.ok()) return Fail(kNoOutput, s);

@@ -10,6 +10,11 @@ std::string ModeName(LoopMode mode) {
   return mode == LoopMode::kOpen ? "open" : "closed";
 }
 
+std::string PromptSource(const LoadOptions& o) {
+  if (!o.prompts_file.empty()) return "file";
+  return o.prompt_text.empty() ? "random" : "text";
+}
+
 absl::Status ValidateOptions(const LoadOptions& o) {
   auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
   if (o.target.empty()) return bad("--target: must be host:port");
@@ -37,6 +42,14 @@ absl::Status ValidateOptions(const LoadOptions& o) {
   if (!(o.sampling.temperature >= 0) || std::isinf(o.sampling.temperature)) {
     return bad("--temperature: must be finite and >= 0");
   }
+  if (!o.prompts_file.empty() && !o.prompt_text.empty()) {
+    return bad("--prompts_file and --prompt_text: choose one");
+  }
+  if (PromptSource(o) != "random" && o.input_len_set) {
+    return bad(
+        "--input_len / --input_dist: with --prompts_file or --prompt_text the input lengths "
+        "are the prompts' token counts; drop them");
+  }
   return absl::OkStatus();
 }
 
@@ -59,8 +72,9 @@ nlohmann::json OptionsToJson(const LoadOptions& o) {
       {"duration_s", o.duration_s},
       {"warmup_requests", o.warmup_requests},
       {"seed", o.seed},
-      {"input_dist", o.input.ToString()},
+      {"prompt_source", PromptSource(o)},
       {"output_dist", o.output.ToString()},
+      {"output_len_set", o.output_len_set},
       {"ignore_eos", true},
       {"sampling", sampling},
       {"connect_timeout_s", o.connect_timeout_s},
@@ -70,6 +84,14 @@ nlohmann::json OptionsToJson(const LoadOptions& o) {
       {"out_dir", o.out_dir},
       {"allow_errors", o.allow_errors},
   };
+  if (PromptSource(o) == "random") {
+    j["input_dist"] = o.input.ToString();
+  } else {
+    j["prompts_file"] = o.prompts_file;
+    j["prompt_text"] = o.prompt_text;
+    j["shuffle_prompts"] = o.shuffle_prompts;
+    j["add_special_tokens"] = o.add_special_tokens;
+  }
   if (o.mode == LoopMode::kOpen) {
     // JSON has no infinity; keep the flag's spelling.
     j["rate_per_s"] =

@@ -39,8 +39,15 @@ struct LoadOptions {
   uint64_t seed = 0;
   LengthDist input = {LengthDist::Kind::kFixed, 32, 0};
   LengthDist output = {LengthDist::Kind::kFixed, 32, 0};
+  bool input_len_set = false;   // --input_len or --input_dist was given
+  bool output_len_set = false;  // --output_len or --output_dist was given (replies do not count)
+  // The text path; both empty sends random prompt ids. At most one is set.
+  std::string prompts_file;
+  std::string prompt_text;
+  bool shuffle_prompts = true;     // false: requests take the file's prompts in file order
+  bool add_special_tokens = true;  // TextParams.add_special_tokens, for requests and counts
   SamplingOptions sampling;
-  double connect_timeout_s = 10;  // channel connect + GetModelInfo
+  double connect_timeout_s = 10;  // channel connect + GetModelInfo, and each counting Tokenize
   double request_timeout_s = 0;   // per-request gRPC deadline, 0 = none
   double drain_timeout_s = 60;    // after sending stops, in-flight requests get this long, then
                                   // are cancelled (so a run always ends)
@@ -51,6 +58,9 @@ struct LoadOptions {
 
 // Checks ranges and combinations; errors name the flag.
 absl::Status ValidateOptions(const LoadOptions& options);
+
+// "file", "text" or "random": where prompts come from.
+std::string PromptSource(const LoadOptions& options);
 
 // The full configuration, as recorded in summary.json.
 nlohmann::json OptionsToJson(const LoadOptions& options);

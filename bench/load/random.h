@@ -17,6 +17,7 @@ enum class Stream : uint32_t {
   kOutputLen = 3,
   kPromptIds = 4,
   kSamplingSeed = 5,
+  kPromptOrder = 6,
 };
 
 // Uniform double in [0, 1) with 53 random bits.

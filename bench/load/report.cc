@@ -69,6 +69,8 @@ nlohmann::json RecordToJson(const RequestRecord& r) {
           {"status_code", r.status_code},
           {"error", r.status_message},
           {"input_tokens", r.input_tokens},
+          {"usage_prompt_tokens", r.usage_prompt_tokens},
+          {"prompt_entry", r.prompt_entry},
           {"requested_output_tokens", r.requested_output_tokens},
           {"output_tokens", r.OutputTokens()},
           {"usage_completion_tokens", r.usage_completion_tokens},
@@ -96,6 +98,7 @@ nlohmann::json MetricsToJson(const RunMetrics& m) {
                       {"requests_ok", m.requests_ok},
                       {"requests_failed", m.requests_failed},
                       {"output_len_mismatches", m.output_len_mismatches},
+                      {"input_len_mismatches", m.input_len_mismatches},
                       {"errors_by_code", m.errors_by_code},
                       {"duration_s", Num(m.duration_s)},
                       {"request_throughput_per_s", Num(m.request_throughput)},
@@ -159,6 +162,12 @@ std::string FormatSummaryTable(const RunMetrics& m, const std::string& headline)
                           "  WARNING: %d successful requests got a token count other than the "
                           "requested (pinned) output length\n",
                           m.output_len_mismatches);
+  }
+  if (m.input_len_mismatches > 0) {
+    absl::StrAppendFormat(&s,
+                          "  WARNING: %d successful requests had a Usage.prompt_tokens other than "
+                          "their input length\n",
+                          m.input_len_mismatches);
   }
   return s;
 }

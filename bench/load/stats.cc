@@ -94,6 +94,9 @@ RunMetrics ComputeRunMetrics(std::span<const RequestRecord> records, int target_
     m.output_tokens += tokens;
     m.input_tokens += r.input_tokens;
     if (tokens != r.requested_output_tokens) ++m.output_len_mismatches;
+    if (r.usage_prompt_tokens >= 0 && r.usage_prompt_tokens != r.input_tokens) {
+      ++m.input_len_mismatches;
+    }
     const RequestMetrics rm = ComputeRequestMetrics(r);
     ttft.push_back(rm.ttft_ms);
     tpot.push_back(rm.tpot_ms);

@@ -25,7 +25,8 @@ namespace ts::load {
 struct RequestRecord {
   int64_t index = 0;  // 0-based position in the schedule
   std::string request_id;
-  int32_t input_tokens = 0;
+  int32_t input_tokens = 0;   // prompt ids sent, or the text prompt's Tokenize count
+  int64_t prompt_entry = -1;  // text path: the prompt's entry in --prompts_file; -1 = random ids
   int32_t requested_output_tokens = 0;
   double intended_ms = 0;                // when the schedule says it should have been sent
   double send_ms = 0;                    // when the call was actually started
@@ -33,6 +34,7 @@ struct RequestRecord {
   std::vector<double> message_ms;        // [num_token_messages] arrival of each message with tokens
   std::vector<int32_t> message_tokens;   // [num_token_messages] tokens in that message, each >= 1
   int32_t usage_completion_tokens = -1;  // the server's final Usage; -1 when it sent none
+  int32_t usage_prompt_tokens = -1;      // likewise
   std::string finish_reason;             // e.g. "LENGTH"; empty when none arrived
   int status_code = 0;                   // grpc::StatusCode value; 0 = OK
   std::string status_name = "OK";
@@ -83,6 +85,8 @@ struct RunMetrics {
   int64_t requests_failed = 0;
   // Successful requests whose token count differs from the requested (pinned) output length.
   int64_t output_len_mismatches = 0;
+  // Successful requests whose Usage.prompt_tokens differs from input_tokens (the client's count).
+  int64_t input_len_mismatches = 0;
   std::map<std::string, int64_t> errors_by_code;  // status name -> count, failures only
   // Window: first intended send to last stream end, over all requests.
   double duration_s = 0;

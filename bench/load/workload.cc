@@ -134,7 +134,7 @@ int32_t SampleLength(const LengthDist& dist, double u0, double u1, int32_t cap) 
 }
 
 absl::Status CheckWorkloadFits(const WorkloadOptions& o) {
-  if (o.vocab_size <= 0) {
+  if (!o.text && o.vocab_size <= 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("server ModelInfo.vocab_size is ", o.vocab_size, "; cannot draw prompt ids"));
   }
@@ -145,7 +145,8 @@ absl::Status CheckWorkloadFits(const WorkloadOptions& o) {
                                                    " can exceed the server's max_new_tokens ",
                                                    o.max_new_tokens));
   }
-  if (o.max_context > 0 && max_in > 0 && max_out > 0 && max_in + max_out > o.max_context) {
+  if (!o.text && o.max_context > 0 && max_in > 0 && max_out > 0 &&
+      max_in + max_out > o.max_context) {
     return absl::InvalidArgumentError(absl::StrCat(
         "input length ", o.input.ToString(), " + output length ", o.output.ToString(),
         " can reach ", max_in + max_out, " tokens, over the server's max_context ", o.max_context));
@@ -157,7 +158,31 @@ absl::Status CheckWorkloadFits(const WorkloadOptions& o) {
   return absl::OkStatus();
 }
 
+namespace {
+
+RequestSpec MakeTextRequestSpec(const WorkloadOptions& o, uint64_t index) {
+  const TextPromptSet& set = *o.text;
+  const TextPrompt& prompt = set.prompts[set.order[index % set.order.size()]];
+  RequestSpec spec;
+  spec.prompt_text = prompt.text;
+  spec.input_len = prompt.input_tokens;
+  spec.prompt_entry = prompt.entry;
+  int32_t out_cap = o.max_new_tokens > 0 ? o.max_new_tokens : kNoCap;
+  if (o.max_context > 0) out_cap = std::min(out_cap, o.max_context - prompt.input_tokens);
+  if (set.output_from_reply && prompt.reply_tokens >= 0) {
+    spec.output_len = std::clamp(prompt.reply_tokens, 1, std::max(out_cap, 1));
+  } else {
+    spec.output_len = SampleLength(o.output, Uniform01(o.seed, index, Stream::kOutputLen, 0),
+                                   Uniform01(o.seed, index, Stream::kOutputLen, 1), out_cap);
+  }
+  spec.sampling_seed = Bits64(o.seed, index, Stream::kSamplingSeed);
+  return spec;
+}
+
+}  // namespace
+
 RequestSpec MakeRequestSpec(const WorkloadOptions& o, uint64_t index) {
+  if (o.text) return MakeTextRequestSpec(o, index);
   RequestSpec spec;
   int32_t out_cap = o.max_new_tokens > 0 ? o.max_new_tokens : kNoCap;
   if (o.max_context > 0) out_cap = std::min(out_cap, o.max_context - 1);
@@ -166,6 +191,7 @@ RequestSpec MakeRequestSpec(const WorkloadOptions& o, uint64_t index) {
   const int32_t in_cap = o.max_context > 0 ? o.max_context - spec.output_len : kNoCap;
   const int32_t input_len = SampleLength(o.input, Uniform01(o.seed, index, Stream::kInputLen, 0),
                                          Uniform01(o.seed, index, Stream::kInputLen, 1), in_cap);
+  spec.input_len = input_len;
   spec.prompt_ids.resize(static_cast<size_t>(input_len));
   for (int32_t p = 0; p < input_len; ++p) {
     spec.prompt_ids[static_cast<size_t>(p)] = static_cast<int32_t>(

@@ -79,6 +79,7 @@ class FakeGeneration final : public v1::Generation::Service {
       if (sent == n) {
         msg.set_finish_reason(v1::FINISH_REASON_LENGTH);
         msg.mutable_usage()->set_completion_tokens(n);
+        msg.mutable_usage()->set_prompt_tokens(req->prompt_token_ids().ids_size());
       }
       if (!writer->Write(msg)) return grpc::Status(grpc::StatusCode::CANCELLED, "write failed");
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -187,6 +188,8 @@ TEST_F(LoadClientTest, ClosedLoopRecordsEveryStream) {
     EXPECT_EQ(r.OutputTokens(), 7);
     EXPECT_EQ(r.message_tokens, (std::vector<int32_t>{3, 3, 1}));
     EXPECT_EQ(r.usage_completion_tokens, 7);
+    EXPECT_EQ(r.usage_prompt_tokens, r.input_tokens);
+    EXPECT_EQ(r.prompt_entry, -1);
     EXPECT_EQ(r.finish_reason, "LENGTH");
     EXPECT_LE(r.intended_ms, r.send_ms);
     EXPECT_LE(r.send_ms, r.message_ms.front());
