@@ -52,6 +52,10 @@ ABSL_FLAG(int32_t, queue_limit, 256,
 ABSL_FLAG(int32_t, max_context, 0, "Prompt + new tokens per request; 0 = the model's maximum.");
 ABSL_FLAG(int32_t, kv_blocks, 0, "KV pool size in blocks; 0 = max_batch full-length sequences.");
 ABSL_FLAG(int32_t, kv_block_size, 16, "Tokens per KV block.");
+ABSL_FLAG(double, cpu_kv_gib, 8.0,
+          "CPU backend: memory for the fp32 KV pool. Without --kv_blocks the pool is max_batch "
+          "full-length sequences or what this holds, whichever is less; a max_context above the "
+          "pool's tokens is lowered to them (both printed at startup).");
 ABSL_FLAG(int32_t, drain_timeout_s, 30,
           "On SIGTERM/SIGINT, how long open and queued requests may take to finish. Streams still "
           "open when it runs out are cut with UNAVAILABLE and tailserve exits 3 (0 when all "
@@ -157,19 +161,65 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& mode
   return std::make_unique<Tokenizer>(*std::move(tok));
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const std::vector<int32_t>& buckets,
-                                                        int32_t context, int32_t block,
+// The fp32 KV pool of the CPU backend. A real checkpoint's context (128K for Llama-3.1) times
+// max_batch would ask for terabytes, so without --kv_blocks the pool is capped by --cpu_kv_gib and
+// *context is lowered to what the pool holds; the startup log says which limit applied.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const ModelConfig& config,
+                                                        const std::vector<int32_t>& buckets,
+                                                        int32_t* context, int32_t block,
                                                         int32_t max_batch) {
-  int32_t blocks = absl::GetFlag(FLAGS_kv_blocks);
-  if (blocks <= 0) blocks = max_batch * ((context + block - 1) / block);
+  const double gib = absl::GetFlag(FLAGS_cpu_kv_gib);
+  if (!(gib > 0) || gib > 1 << 20) {
+    return absl::InvalidArgumentError(absl::StrCat("--cpu_kv_gib: ", gib, " is outside (0, 2^20]"));
+  }
+  const int64_t budget = static_cast<int64_t>(gib * (int64_t{1} << 30));
+  const int64_t bytes_per_block = int64_t{2} * config.num_layers * config.num_kv_heads *
+                                  config.head_dim * static_cast<int64_t>(sizeof(float)) * block;
+  const int64_t fit = budget / bytes_per_block;
+  int64_t blocks = absl::GetFlag(FLAGS_kv_blocks);
+  if (blocks > 0) {
+    if (blocks > fit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_blocks: ", blocks, " blocks of ", block, " tokens need ",
+                       blocks * bytes_per_block >> 20, " MiB of fp32 KV, above --cpu_kv_gib ", gib,
+                       " (", fit, " blocks fit)"));
+    }
+  } else {
+    const int64_t want = int64_t{max_batch} * ((*context + block - 1) / block);
+    blocks = std::min(want, fit);
+    if (blocks < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--cpu_kv_gib: ", gib, " GiB hold no KV block of ", bytes_per_block, " bytes"));
+    }
+    if (blocks < want) {
+      std::printf(
+          "tailserve: KV pool capped by --cpu_kv_gib %.1f: %lld blocks (%lld tokens), shared by "
+          "up to --max_batch %d sequences (%d full-length ones would need %.1f GiB)\n",
+          gib, static_cast<long long>(blocks), static_cast<long long>(blocks * block), max_batch,
+          max_batch, static_cast<double>(want * bytes_per_block) / (int64_t{1} << 30));
+    }
+  }
+  if (blocks * block < *context) {
+    if (absl::GetFlag(FLAGS_max_context) > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--max_context: ", *context, " tokens do not fit the KV pool of ", blocks * block,
+          " tokens; raise --kv_blocks or --cpu_kv_gib, or lower --max_context"));
+    }
+    std::printf(
+        "tailserve: max_context lowered from the model's %d to the KV pool's %lld tokens "
+        "(--max_context, --cpu_kv_gib)\n",
+        *context, static_cast<long long>(blocks * block));
+    *context = static_cast<int32_t>(blocks * block);
+  }
   int32_t threads = absl::GetFlag(FLAGS_threads);
   if (threads <= 0) threads = std::max(1u, std::thread::hardware_concurrency());
   CpuBackendOptions options{.model_dir = absl::GetFlag(FLAGS_model_dir),
                             .max_slots = buckets.back(),
-                            .num_kv_blocks = blocks,
+                            .num_kv_blocks = static_cast<int32_t>(blocks),
                             .kv_block_size = block,
                             .buckets = buckets,
-                            .num_threads = threads};
+                            .num_threads = threads,
+                            .max_kv_bytes = budget};
   return CreateCpuBackend(options);
 }
 
@@ -197,8 +247,10 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32
 #endif
 }
 
+// *context: the max_context the engine is to use (the backend may lower the model's).
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
-                                                     const std::vector<int32_t>& buckets) {
+                                                     const std::vector<int32_t>& buckets,
+                                                     int32_t* max_context) {
   const std::string kind = absl::GetFlag(FLAGS_backend);
   if (kind != "cpu" && kind != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat("--backend: unknown '", kind, "' (cpu|cuda)"));
@@ -211,8 +263,11 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
   std::unique_ptr<Backend> backend;
   if (kind == "cuda") {
     TS_ASSIGN_OR_RETURN(backend, MakeCudaBackend(buckets, context, block));
+    // 0: whatever the backend's memory plan settled on.
+    *max_context = absl::GetFlag(FLAGS_max_context);
   } else {
-    TS_ASSIGN_OR_RETURN(backend, MakeCpuBackend(buckets, context, block, max_batch));
+    TS_ASSIGN_OR_RETURN(backend, MakeCpuBackend(config, buckets, &context, block, max_batch));
+    *max_context = context;
   }
   DebugBackendOptions debug{
       .step_delay = std::chrono::milliseconds(absl::GetFlag(FLAGS_debug_step_delay_ms)),
@@ -267,12 +322,13 @@ absl::StatusOr<Loaded> Load() {
   if (max_batch < 1) return absl::InvalidArgumentError("--max_batch: must be >= 1");
   TS_ASSIGN_OR_RETURN(std::vector<int32_t> buckets,
                       ParseBuckets(absl::GetFlag(FLAGS_buckets), max_batch));
-  TS_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(config, buckets));
+  int32_t max_context = 0;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(config, buckets, &max_context));
   const BackendInfo info = backend->info();
   EngineOptions options{.max_batch = max_batch,
                         .buckets = buckets,
                         .queue_limit = absl::GetFlag(FLAGS_queue_limit),
-                        .max_context = absl::GetFlag(FLAGS_max_context),
+                        .max_context = max_context,
                         .stream_buffer_tokens = absl::GetFlag(FLAGS_stream_buffer_tokens)};
   TS_ASSIGN_OR_RETURN(out.engine, Engine::Create(std::move(options), std::move(backend)));
   // The CUDA backend prints its own, measured budget while it allocates.

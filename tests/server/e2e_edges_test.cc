@@ -45,6 +45,54 @@ TEST(ServerEdgeTest, ATokenizerThatCannotServeTheModelRefusesToStart) {
       "exceed the model's vocab_size 311");
 }
 
+// The fixture's weights under a config that claims Llama-3.1's 131072 positions: what a real
+// checkpoint's default context asks of the CPU backend's fp32 KV pool.
+std::filesystem::path LongContextFixture() {
+  const auto src = FixtureDir() / "tiny-gqa-untied";
+  const auto dir =
+      std::filesystem::temp_directory_path() / absl::StrCat("tailserve-long-context-", getpid());
+  std::filesystem::create_directories(dir);
+  std::ifstream in(src / "config.json");
+  nlohmann::json config = nlohmann::json::parse(in);
+  config["max_position_embeddings"] = 131072;
+  std::ofstream(dir / "config.json") << config.dump(1);
+  std::filesystem::remove(dir / "model.safetensors");
+  std::filesystem::create_symlink(src / "model.safetensors", dir / "model.safetensors");
+  return dir;
+}
+
+TEST(ServerEdgeTest, ALongContextModelStartsOnTheCpuWithItsBudgetPrinted) {
+  const auto dir = LongContextFixture();
+  const std::string model = absl::StrCat("--model_dir=", dir.string());
+  // 0.01 GiB hold 873 blocks of 16 tokens (12288 bytes each: 3 layers, 2 kv heads, head_dim 16).
+  std::unique_ptr<Server> server = Server::Launch({model, "--cpu_kv_gib=0.01", "--max_batch=16"});
+  ASSERT_NE(server, nullptr);
+  EXPECT_TRUE(server->process().WaitForLine("KV pool capped by --cpu_kv_gib 0.0", 1s).ok())
+      << server->process().Output();
+  EXPECT_TRUE(server->process()
+                  .WaitForLine("max_context lowered from the model's 131072 to the KV pool's "
+                               "13968 tokens",
+                               1s)
+                  .ok())
+      << server->process().Output();
+  grpc::ClientContext ctx;
+  pb::ModelInfo info;
+  ASSERT_TRUE(server->stub().GetModelInfo(&ctx, pb::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.max_context(), 13968);
+  const StreamResult r = Generate(server->stub(), Greedy({1, 15, 27}, 8));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens.size(), 8u);
+  server.reset();
+
+  // Asked for explicitly, a context or pool that does not fit is refused naming the flags.
+  ExpectRefusal({model, "--cpu_kv_gib=0.01", "--max_context=131072"},
+                "--max_context: 131072 tokens do not fit the KV pool of 13968 tokens");
+  ExpectRefusal({model, "--cpu_kv_gib=0.01", "--kv_blocks=100000"},
+                "--kv_blocks: 100000 blocks of 16 tokens need 1171 MiB of fp32 KV, above "
+                "--cpu_kv_gib 0.01 (873 blocks fit)");
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ServerEdgeTest, SecondServerOnABusyPortRefusesToStart) {
   std::unique_ptr<Server> first = Server::Launch({});
   ASSERT_NE(first, nullptr);
