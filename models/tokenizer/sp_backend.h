@@ -1,5 +1,6 @@
-// The interface between SpProcessor and the SentencePiece library, which lives in a shared
-// object of its own (libts_sentencepiece.so, sp_backend.cc) that SpProcessor loads on first use.
+// (docs/text.md, "libsentencepiece is loaded apart") The interface between SpProcessor and the
+// SentencePiece library, which lives in a shared object of its own (libts_sentencepiece.so,
+// sp_backend.cc) that SpProcessor loads on first use.
 //
 // Why: Debian's libsentencepiece.so carries its own copy of protobuf-lite and exports its
 // symbols. Linked into a process that also uses libprotobuf (the gRPC server), the dynamic linker

@@ -1,6 +1,6 @@
 // Generated ids to the text a client is sent: UTF-8-safe deltas, with stop strings matched on the
 // text (a match may span tokens). Text that could still begin a stop string is held back until it
-// cannot, so a stop string and what follows it are never sent.
+// cannot, so a stop string and what follows it are never sent. Rules: docs/text.md, Stop strings.
 #pragma once
 
 #include <cstddef>

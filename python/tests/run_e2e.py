@@ -6,8 +6,8 @@
 Starts `$TS_TAILSERVE_BIN --model_dir $TS_MODEL_DIR --backend cpu --port 0` (the model must have a
 tokenizer), reads the bound address from its line `tailserve listening on HOST:PORT`, checks text
 in and out through the client (and through the raw stub what the client would not send), runs the
-first ```python block of python/README.md, then stops the server with SIGTERM and expects it to
-drain and exit 0. Without TS_TAILSERVE_BIN it skips (exit 77); with it, every failure fails.
+first ```python block of python/README.md and of the top README.md, then stops the server with
+SIGTERM and expects it to drain and exit 0. Without TS_TAILSERVE_BIN it skips (exit 77); with it, every failure fails.
 """
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ from tailserve.v1 import generation_pb2 as pb
 from tailserve.v1 import generation_pb2_grpc as pb_grpc
 
 SKIP = 77  # CTest's SKIP_RETURN_CODE
-README = Path(__file__).resolve().parent.parent / "README.md"
+# The package's README and the repository's: each carries the example, and each must work as written.
+READMES = [Path(__file__).resolve().parent.parent / "README.md",
+           Path(__file__).resolve().parent.parent.parent / "README.md"]
 PROMPT = "In the beginning"
 NEW_TOKENS = 24
 STARTUP_S = 300  # loading a model on the CPU; a bound, not a measurement
@@ -169,16 +171,18 @@ def check_invalid_utf8(client: tailserve.Client, target: str) -> None:
 
 
 def check_readme_example(target: str) -> None:
-    match = re.search(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
-    if match is None:
-        raise AssertionError(f"no ```python block in {README}")
-    with tempfile.TemporaryDirectory() as cwd:  # away from the source tree
-        run = subprocess.run([sys.executable, "-c", match.group(1)], cwd=cwd, text=True,
-                             capture_output=True, timeout=CALL_S,
-                             env={**os.environ, "TAILSERVE_TARGET": target})
-    check(run.returncode == 0 and run.stdout.strip() != "",
-          f"README example: exit {run.returncode}\nstdout:\n{run.stdout}\nstderr:\n{run.stderr}")
-    print(f"ok: the README example printed:\n{run.stdout}")
+    for readme in READMES:
+        match = re.search(r"```python\n(.*?)```", readme.read_text(), re.DOTALL)
+        if match is None:
+            raise AssertionError(f"no ```python block in {readme}")
+        with tempfile.TemporaryDirectory() as cwd:  # away from the source tree
+            run = subprocess.run([sys.executable, "-c", match.group(1)], cwd=cwd, text=True,
+                                 capture_output=True, timeout=CALL_S,
+                                 env={**os.environ, "TAILSERVE_TARGET": target})
+        check(run.returncode == 0 and run.stdout.strip() != "",
+              f"{readme} example: exit {run.returncode}\nstdout:\n{run.stdout}\n"
+              f"stderr:\n{run.stderr}")
+        print(f"ok: the example in {readme} printed:\n{run.stdout}")
 
 
 def main() -> int:
