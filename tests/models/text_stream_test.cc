@@ -11,22 +11,15 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "models/tokenizer/utf8.h"
-#include "tests/common/test_paths.h"
+#include "tests/common/fixture_tokenizer.h"
 
 namespace ts {
 namespace {
 
 class TextStreamTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    absl::StatusOr<Tokenizer> t = Tokenizer::Load(testing::FixtureDir() / "tiny-gqa-untied");
-    ASSERT_TRUE(t.ok()) << t.status();
-    tok_ = new Tokenizer(*std::move(t));
-  }
-  static void TearDownTestSuite() {
-    delete tok_;
-    tok_ = nullptr;
-  }
+  static void SetUpTestSuite() { tok_ = testing::FixtureTokenizer(); }
+  void SetUp() override { ASSERT_NE(tok_, nullptr); }
   static std::vector<int32_t> Ids(const std::string& text) {
     absl::StatusOr<std::vector<int32_t>> ids = tok_->Encode(text, false);
     EXPECT_TRUE(ids.ok()) << ids.status();
@@ -58,9 +51,9 @@ class TextStreamTest : public ::testing::Test {
     if (run.stop_token < 0) run.text += s.Finish();
     return run;
   }
-  static Tokenizer* tok_;
+  static const Tokenizer* tok_;
 };
-Tokenizer* TextStreamTest::tok_ = nullptr;
+const Tokenizer* TextStreamTest::tok_ = nullptr;
 
 TEST_F(TextStreamTest, WithoutStopsTheDeltasAddUpToTheDecodedText) {
   std::mt19937 rng(7);

@@ -10,7 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/grpc_status.h"
-#include "tests/common/test_paths.h"
+#include "tests/common/fixture_tokenizer.h"
 
 namespace ts::server {
 namespace {
@@ -270,15 +270,8 @@ TEST(GrpcStatusTest, CodesAndMessagesCarryOver) {
 // Text fields, on the fixture whose tokenizer covers its 311 ids.
 class TextValidateTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    absl::StatusOr<Tokenizer> t = Tokenizer::Load(testing::FixtureDir() / "tiny-gqa-untied");
-    ASSERT_TRUE(t.ok()) << t.status();
-    tok_ = new Tokenizer(*std::move(t));
-  }
-  static void TearDownTestSuite() {
-    delete tok_;
-    tok_ = nullptr;
-  }
+  static void SetUpTestSuite() { tok_ = testing::FixtureTokenizer(); }
+  void SetUp() override { ASSERT_NE(tok_, nullptr); }
   static absl::StatusOr<ValidatedRequest> Validate(const pb::GenerateRequest& r) {
     return ValidateAndConvert(r, kLimits, tok_, 3);
   }
@@ -288,9 +281,9 @@ class TextValidateTest : public ::testing::Test {
     EXPECT_EQ(got.status().code(), kInvalid) << got.status();
     EXPECT_EQ(std::string(got.status().message()).rfind(std::string(field), 0), 0u) << got.status();
   }
-  static Tokenizer* tok_;
+  static const Tokenizer* tok_;
 };
-Tokenizer* TextValidateTest::tok_ = nullptr;
+const Tokenizer* TextValidateTest::tok_ = nullptr;
 
 TEST_F(TextValidateTest, PromptTextIsEncodedWithBosUnlessTurnedOff) {
   pb::GenerateRequest r;
