@@ -55,6 +55,22 @@ CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& co
   return m;
 }
 
+// The kernels' device-side copy of a request's sampling parameters (kernels/ does not know
+// models/sampling.h); `position` is the absolute position of the token to be sampled.
+k::SamplingRow ToSamplingRow(const SamplingParams& p, uint64_t position) {
+  k::SamplingRow r;
+  r.temperature = p.temperature;
+  r.top_k = p.top_k;
+  r.top_p = p.top_p;
+  r.min_p = p.min_p;
+  r.repetition_penalty = p.repetition_penalty;
+  r.presence_penalty = p.presence_penalty;
+  r.frequency_penalty = p.frequency_penalty;
+  r.seed = p.seed;
+  r.position = position;
+  return r;
+}
+
 absl::Status ValidateOptions(const CudaBackendOptions& o) {
   if (o.max_slots < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_slots: must be >= 1, got ", o.max_slots));
@@ -208,7 +224,7 @@ absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index) {
   row.ignore_eos = in.stop.ignore_eos ? 1 : 0;
   row.num_stop_ids = static_cast<int32_t>(in.stop.stop_token_ids.size());
   std::copy(in.stop.stop_token_ids.begin(), in.stop.stop_token_ids.end(), row.stop_ids);
-  row.sampling = k::MakeSamplingRow(in.sampling, 0);
+  row.sampling = ToSamplingRow(in.sampling, 0);
 
   const size_t mb = s.max_blocks_per_seq;
   int32_t* table = h.slot_block_tables + index * mb;
@@ -263,7 +279,7 @@ absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
     TS_RETURN_IF_ERROR(StageSlot(in, static_cast<int32_t>(i)));
     seqs.push_back(PrefillSeq{in.prompt, in.block_table});
     slot_ids.push_back(in.slot);
-    params.push_back(k::MakeSamplingRow(in.sampling, in.prompt.size()));
+    params.push_back(ToSamplingRow(in.sampling, in.prompt.size()));
   }
   TS_RETURN_IF_ERROR(model_->EnqueuePrefill(seqs, stream_));
   TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(slot_ids, params, stream_));

@@ -16,6 +16,7 @@
 #include "kernels/postprocess.cuh"
 #include "kernels/rope_kv.cuh"
 #include "models/llama_weights.h"
+#include "models/rope.h"
 
 namespace ts {
 
@@ -328,7 +329,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   TS_RETURN_IF_ERROR(m->PlanGemms());
   TS_RETURN_IF_ERROR(k::ResetDecodeAttentionWorkspace(m->dev_.attention_workspace,
                                                       m->plan_.attention_workspace_bytes, nullptr));
-  TS_ASSIGN_OR_RETURN(std::vector<float> inv_freq, k::ComputeInvFreq(o.config));
+  TS_ASSIGN_OR_RETURN(std::vector<float> inv_freq, RopeInvFreq(o.config));
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpy(m->dev_.inv_freq, inv_freq.data(),
                                      inv_freq.size() * sizeof(float), cudaMemcpyHostToDevice));
   TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&m->staging_free_, cudaEventDisableTiming));

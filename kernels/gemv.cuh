@@ -71,7 +71,7 @@ enum class GemvEpilogue : int32_t {
 struct GemvRopeKv {
   const int32_t* positions = nullptr;     // [m] absolute position of each row
   const int32_t* slot_mapping = nullptr;  // [m] KvSlotFor; kNoKvWrite = no K/V write
-  const float* inv_freq = nullptr;        // [head_dim / 2], from ComputeInvFreq
+  const float* inv_freq = nullptr;        // [head_dim / 2], models/rope.h
   __nv_bfloat16* k_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
   __nv_bfloat16* v_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
   // [1], optional: set to 1 when a slot lies outside [kNoKvWrite, num_blocks * block_size) (that

@@ -12,12 +12,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <vector>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
 #include "kernels/kv_layout.cuh"
-#include "models/config.h"
 
 namespace ts::kernels {
 
@@ -30,7 +27,7 @@ struct RopeKvParams {
   __nv_bfloat16* q_out = nullptr;
   const int32_t* positions = nullptr;     // [rows] absolute position of each token
   const int32_t* slot_mapping = nullptr;  // [rows] KvSlotFor; kNoKvWrite = no KV write
-  const float* inv_freq = nullptr;        // [head_dim / 2], from ComputeInvFreq
+  const float* inv_freq = nullptr;        // [head_dim / 2], models/rope.h
   __nv_bfloat16* k_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
   __nv_bfloat16* v_cache = nullptr;       // [num_blocks][num_kv_heads][block_size][head_dim]
   // [1], optional. A slot outside [kNoKvWrite, num_blocks * block_size) (kBadKvSlot included) is a
@@ -55,12 +52,5 @@ absl::Status ValidateRopeKvTargets(const char* prefix, const KvLayout& layout, i
                                    const int32_t* positions, const int32_t* slot_mapping,
                                    const float* inv_freq, const __nv_bfloat16* k_cache,
                                    const __nv_bfloat16* v_cache, const int32_t* error_flag);
-
-// inv_freq[i], i < head_dim / 2, exactly as transformers computes it in fp32:
-//   default: 1 / rope_theta^(2i / head_dim);
-//   llama3:  wavelengths longer than original_max_position_embeddings / low_freq_factor are
-//            divided by `factor`, shorter than .../high_freq_factor kept, smoothly blended between.
-// InvalidArgument for an odd or non-positive head_dim or llama3 factors that divide by zero.
-absl::StatusOr<std::vector<float>> ComputeInvFreq(const ModelConfig& config);
 
 }  // namespace ts::kernels

@@ -21,12 +21,12 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "models/sampling.h"
 
 namespace ts::kernels {
 
-// One row's (or slot's) sampling parameters in device memory. Same meaning and ranges as
-// ts::SamplingParams (validated at the request edge); MakeSamplingRow converts.
+// One row's (or slot's) sampling parameters in device memory. Same meaning and ranges as the
+// engine's SamplingParams (models/sampling.h, validated at the request edge), which the engine
+// converts; kernels/ includes nothing from models/.
 struct SamplingRow {
   float temperature = 1.0f;  // 0 = greedy
   int32_t top_k = 0;         // 0 or >= vocab = off
@@ -40,20 +40,6 @@ struct SamplingRow {
   uint64_t position = 0;  // absolute position of the token being sampled
 };
 static_assert(sizeof(SamplingRow) == 48);
-
-inline SamplingRow MakeSamplingRow(const ts::SamplingParams& p, uint64_t position) {
-  SamplingRow r;
-  r.temperature = p.temperature;
-  r.top_k = p.top_k;
-  r.top_p = p.top_p;
-  r.min_p = p.min_p;
-  r.repetition_penalty = p.repetition_penalty;
-  r.presence_penalty = p.presence_penalty;
-  r.frequency_penalty = p.frequency_penalty;
-  r.seed = p.seed;
-  r.position = position;
-  return r;
-}
 
 struct SamplingKernelParams {
   const float* logits = nullptr;  // [rows, vocab], read only

@@ -10,6 +10,7 @@
 #include "models/checkpoint.h"
 #include "models/cpu_ops.h"
 #include "models/llama_weights.h"
+#include "models/rope.h"
 #include "models/thread_pool.h"
 
 namespace ts {
@@ -190,7 +191,7 @@ absl::StatusOr<std::unique_ptr<CpuModel>> CpuModel::Load(const std::filesystem::
     jobs.emplace_back(src.down_proj, w.wdown.data());
   }
   ConvertAll(*m.pool, jobs);
-  m.inv_freq = cpu::RopeInvFreq(config);
+  TS_ASSIGN_OR_RETURN(m.inv_freq, RopeInvFreq(config));
   return model;
 }
 

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numbers>
 
 // The hot loops get an AVX2+FMA clone picked at load time by the CPU, plus a baseline clone, so a
 // binary built here still runs on any x86-64 (the GPU machine's host included).
@@ -125,34 +124,6 @@ void RmsNorm(const float* x, const float* w, int64_t n, float eps, float* out) {
   const float variance = static_cast<float>(sum_sq / static_cast<double>(n));
   const float r = 1.0f / std::sqrt(variance + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
-}
-
-std::vector<float> RopeInvFreq(const ModelConfig& config) {
-  const int dim = config.head_dim;
-  std::vector<float> inv_freq(dim / 2);
-  // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim)), all in fp32.
-  for (int i = 0; i < dim / 2; ++i) {
-    const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim);
-    inv_freq[i] = 1.0f / std::pow(config.rope_theta, exponent);
-  }
-  if (config.rope_scaling.type != RopeType::kLlama3) return inv_freq;
-
-  // transformers' _compute_llama3_parameters, term by term: long wavelengths are divided by
-  // `factor`, short ones kept, the band in between interpolated smoothly.
-  const RopeScaling& rs = config.rope_scaling;
-  const float old_context = static_cast<float>(rs.original_max_position_embeddings);
-  const float low_freq_wavelen = old_context / rs.low_freq_factor;
-  const float high_freq_wavelen = old_context / rs.high_freq_factor;
-  for (float& f : inv_freq) {
-    const float wavelen = static_cast<float>(2.0 * std::numbers::pi) / f;
-    const float scaled = wavelen > low_freq_wavelen ? f / rs.factor : f;
-    const float smooth =
-        (old_context / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor);
-    const float smoothed = (1.0f - smooth) * scaled / rs.factor + smooth * scaled;
-    const bool medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
-    f = medium ? smoothed : scaled;
-  }
-  return inv_freq;
 }
 
 void ApplyRope(float* v, const float* cos, const float* sin, int64_t half) {

@@ -35,10 +35,6 @@ void Axpy(float alpha, const float* x, float* y, int64_t n);
 // One row, HF order: out = w * (x * rsqrt(mean(x^2) + eps)). x, w, out: [n]; out may alias x.
 void RmsNorm(const float* x, const float* w, int64_t n, float eps, float* out);
 
-// inv_freq[i], i in [0, head_dim/2), exactly as transformers computes it (fp32), including the
-// llama3 wavelength-band scaling.
-std::vector<float> RopeInvFreq(const ModelConfig& config);
-
 // Rotates one head vector in place, HF rotate_half convention: for i < half,
 // (v[i], v[i+half]) <- (v[i]*c - v[i+half]*s, v[i+half]*c + v[i]*s).
 // v: [2*half]; cos, sin: [half] for this token's position.

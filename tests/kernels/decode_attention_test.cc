@@ -43,6 +43,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/decode_attention.cuh"
 #include "kernels/rope_kv.cuh"
+#include "models/rope.h"
 #include "tests/kernels/attention_test_util.h"
 
 namespace ts::kernels::testing {
@@ -514,7 +515,7 @@ TEST(DecodeAttentionTest, PdlReadsTheCurrentTokenOnlyAfterTheWait) {
     ModelConfig config;
     config.head_dim = d;
     config.rope_theta = 500000.0f;
-    const absl::StatusOr<std::vector<float>> inv = ComputeInvFreq(config);
+    const absl::StatusOr<std::vector<float>> inv = ts::RopeInvFreq(config);
     ASSERT_TRUE(inv.ok()) << inv.status();
     GuardedBuffer<float> dinv(inv->size());
     dqkv.Upload(ToBf16(qkv));

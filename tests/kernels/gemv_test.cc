@@ -16,6 +16,7 @@
 
 #include "kernels/gemv.cuh"
 #include "kernels/rope_kv.cuh"
+#include "models/rope.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace ts::kernels {
@@ -516,7 +517,7 @@ void RunRopeCase(const RopeCase& rc, int m, bool norm, std::vector<int32_t> slot
   c.rope_theta = 500000.0f;
   c.rope_scaling.type = RopeType::kLlama3;
   c.rope_scaling.factor = 8.0f;
-  auto inv = ComputeInvFreq(c);
+  auto inv = ts::RopeInvFreq(c);
   ASSERT_TRUE(inv.ok()) << inv.status();
   GuardedBuffer<int32_t> dpos(m), dslots(m), flag(1);
   GuardedBuffer<float> dinv(inv->size());

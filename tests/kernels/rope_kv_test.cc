@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/rope_kv.cuh"
+#include "models/rope.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace ts::kernels {
@@ -64,7 +65,7 @@ Inputs MakeInputs(const Shape& s, uint32_t seed) {
   c.rope_theta = 500000.0f;
   c.rope_scaling.type = RopeType::kLlama3;
   c.rope_scaling.factor = 8.0f;
-  auto inv = ComputeInvFreq(c);
+  auto inv = ts::RopeInvFreq(c);
   EXPECT_TRUE(inv.ok()) << inv.status();
   in.inv_freq = *inv;
   return in;

@@ -18,9 +18,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -34,6 +34,22 @@
 
 namespace ts::kernels {
 namespace {
+
+// The test's own copy of the engine's conversion (engine/cuda_backend.cc): the CPU reference
+// takes ts::SamplingParams, the kernel SamplingRow.
+SamplingRow MakeSamplingRow(const ts::SamplingParams& p, uint64_t position) {
+  SamplingRow r;
+  r.temperature = p.temperature;
+  r.top_k = p.top_k;
+  r.top_p = p.top_p;
+  r.min_p = p.min_p;
+  r.repetition_penalty = p.repetition_penalty;
+  r.presence_penalty = p.presence_penalty;
+  r.frequency_penalty = p.frequency_penalty;
+  r.seed = p.seed;
+  r.position = position;
+  return r;
+}
 
 using testing::GuardedBuffer;
 

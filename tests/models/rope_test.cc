@@ -1,16 +1,16 @@
-// ComputeInvFreq against values transformers 5.24 computed (LlamaRotaryEmbedding(config).inv_freq),
-// for the default rope and llama3 scaling in Llama 3.2 1B (head_dim 64, factor 32) and Llama 3.1 8B
-// (head_dim 128, factor 8) shapes. Host-only: runs without a GPU.
-// Regenerate: for each config below, print([float.hex(x) for x in
+// RopeInvFreq (models/rope.h) against values transformers 5.24 computed
+// (LlamaRotaryEmbedding(config).inv_freq), for the default rope and llama3 scaling in Llama 3.2 1B
+// (head_dim 64, factor 32) and Llama 3.1 8B (head_dim 128, factor 8) shapes. Host-only: runs
+// without a GPU. Regenerate: for each config below, print([float.hex(x) for x in
 //   transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(LlamaConfig(...)).inv_freq]).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <vector>
 
-#include "kernels/rope_kv.cuh"
+#include "models/rope.h"
 
-namespace ts::kernels {
+namespace ts {
 namespace {
 
 // LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_theta=10000.0)
@@ -64,7 +64,7 @@ ModelConfig Config(int head_dim, float theta, float factor) {
 
 // Same fp32 operations as transformers; only pow() may differ by an ulp between libms.
 void ExpectMatches(const ModelConfig& c, const std::vector<float>& want) {
-  const auto got = ComputeInvFreq(c);
+  const auto got = RopeInvFreq(c);
   ASSERT_TRUE(got.ok()) << got.status();
   ASSERT_EQ(got->size(), want.size());
   int exact = 0;
@@ -85,8 +85,8 @@ TEST(RopeInvFreqTest, Llama3MatchesTransformers) {
 }
 
 TEST(RopeInvFreqTest, Llama3ScalingChangesOnlyLowFrequencies) {
-  const auto plain = ComputeInvFreq(Config(128, 500000.0f, 0));
-  const auto scaled = ComputeInvFreq(Config(128, 500000.0f, 8.0f));
+  const auto plain = RopeInvFreq(Config(128, 500000.0f, 0));
+  const auto scaled = RopeInvFreq(Config(128, 500000.0f, 8.0f));
   ASSERT_TRUE(plain.ok() && scaled.ok());
   EXPECT_EQ((*plain)[0], (*scaled)[0]);                 // short wavelengths are kept
   EXPECT_FLOAT_EQ((*plain)[63] / 8.0f, (*scaled)[63]);  // long ones divided by factor
@@ -94,13 +94,13 @@ TEST(RopeInvFreqTest, Llama3ScalingChangesOnlyLowFrequencies) {
 
 TEST(RopeInvFreqTest, RejectsBadConfigs) {
   ModelConfig c = Config(63, 10000.0f, 0);
-  EXPECT_EQ(ComputeInvFreq(c).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RopeInvFreq(c).status().code(), absl::StatusCode::kInvalidArgument);
   c = Config(64, 0.0f, 0);
-  EXPECT_EQ(ComputeInvFreq(c).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RopeInvFreq(c).status().code(), absl::StatusCode::kInvalidArgument);
   c = Config(64, 500000.0f, 8.0f);
   c.rope_scaling.high_freq_factor = c.rope_scaling.low_freq_factor;
-  EXPECT_EQ(ComputeInvFreq(c).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RopeInvFreq(c).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
-}  // namespace ts::kernels
+}  // namespace ts
