@@ -4,8 +4,9 @@
 #include <cmath>
 
 // The hot loops get an AVX2+FMA clone picked at load time by the CPU, plus a baseline clone, so a
-// binary built here still runs on any x86-64 (the GPU machine's host included).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// binary built here still runs on any x86-64 (the GPU machine's host included). Not under
+// ThreadSanitizer: the clones' ifunc resolvers run before its runtime is up and crash the binary.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define TS_HOT_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define TS_HOT_CLONES

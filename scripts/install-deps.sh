@@ -4,7 +4,7 @@
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config libabsl-dev nlohmann-json3-dev libgtest-dev libgmock-dev
       libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
-      libpcre2-dev libsentencepiece-dev python3-venv)
+      libpcre2-dev libsentencepiece-dev python3-venv libtsan2)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
