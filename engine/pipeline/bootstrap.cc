@@ -1,0 +1,292 @@
+#include "engine/pipeline/bootstrap.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace ts::pipeline {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kHelloMagic = 0x53425354;  // "TSBS"
+constexpr uint32_t kAckMagic = 0x4b4f5354;    // "TSOK"
+constexpr uint32_t kVersion = 1;
+constexpr uint32_t kMaxBlob = 1 << 16;
+
+// A socket closed on scope exit.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  Fd& operator=(Fd&& o) noexcept {
+    std::swap(fd_, o.fd_);
+    return *this;
+  }
+  ~Fd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+std::string Errno(const char* what) {
+  return absl::StrCat(what, ": ", std::strerror(errno));
+}
+
+int MillisLeft(Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return static_cast<int>(std::max<int64_t>(0, left.count()));
+}
+
+// Waits until `fd` is ready for `events` or the deadline passes (false).
+bool WaitFor(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    pollfd p{.fd = fd, .events = events, .revents = 0};
+    const int n = poll(&p, 1, MillisLeft(deadline));
+    if (n > 0) return true;
+    if (n == 0) return false;
+    if (errno != EINTR) return false;
+  }
+}
+
+// Exactly `n` bytes, or an error naming `peer`; DeadlineExceeded when time runs out.
+absl::Status SendAll(int fd, const void* data, size_t n, Clock::time_point deadline,
+                     const std::string& peer) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    if (!WaitFor(fd, POLLOUT, deadline)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("pipeline bootstrap: sending to ", peer, " did not finish in time"));
+    }
+    const ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (k <= 0)
+      return absl::UnavailableError(
+          absl::StrCat("pipeline bootstrap: ", peer, ": ", Errno("send")));
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RecvAll(int fd, void* data, size_t n, Clock::time_point deadline,
+                     const std::string& peer) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    if (!WaitFor(fd, POLLIN, deadline)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("pipeline bootstrap: ", peer, " sent nothing in time"));
+    }
+    const ssize_t k = recv(fd, p, n, 0);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (k == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("pipeline bootstrap: ", peer, " closed the connection"));
+    }
+    if (k < 0)
+      return absl::UnavailableError(
+          absl::StrCat("pipeline bootstrap: ", peer, ": ", Errno("recv")));
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return absl::OkStatus();
+}
+
+struct Hello {
+  uint32_t magic, version;
+  int32_t rank, world_size;
+};
+
+void SetNonBlocking(int fd) {
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+absl::StatusOr<addrinfo*> Resolve(const BootstrapOptions& o, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  if (passive) hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  const std::string port = absl::StrCat(o.port);
+  if (const int rc = getaddrinfo(o.leader_host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("pipeline bootstrap: cannot resolve ", o.leader_host, ": ", gai_strerror(rc)));
+  }
+  return res;
+}
+
+absl::StatusOr<std::string> Lead(const BootstrapOptions& o, std::string_view blob,
+                                 const std::function<void(int32_t)>& on_listening,
+                                 Clock::time_point deadline) {
+  const std::string where = absl::StrCat(o.leader_host, ":", o.port);
+  absl::StatusOr<addrinfo*> res = Resolve(o, /*passive=*/true);
+  if (!res.ok()) return res.status();
+  Fd listener(socket((*res)->ai_family, SOCK_STREAM, 0));
+  const int one = 1;
+  setsockopt(listener.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  const bool bound = listener.get() >= 0 &&
+                     bind(listener.get(), (*res)->ai_addr, (*res)->ai_addrlen) == 0 &&
+                     listen(listener.get(), o.world_size) == 0;
+  freeaddrinfo(*res);
+  if (!bound) {
+    return absl::UnavailableError(absl::StrCat("pipeline bootstrap: rank 0 cannot listen on ",
+                                               where, ": ", std::strerror(errno)));
+  }
+  SetNonBlocking(listener.get());
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+  const int32_t port =
+      ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                       : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  if (on_listening) on_listening(port);
+
+  std::map<int32_t, Fd> peers;  // rank -> connection
+  while (static_cast<int32_t>(peers.size()) < o.world_size - 1) {
+    if (!WaitFor(listener.get(), POLLIN, deadline)) {
+      std::vector<int32_t> missing;
+      for (int32_t r = 1; r < o.world_size; ++r) {
+        if (peers.count(r) == 0) missing.push_back(r);
+      }
+      return absl::DeadlineExceededError(absl::StrCat(
+          "pipeline bootstrap: rank 0 of ", o.world_size, " waited ", o.timeout.count(),
+          " ms on port ", port, "; rank", missing.size() > 1 ? "s " : " ",
+          absl::StrJoin(missing, ", "), " never connected"));
+    }
+    Fd conn(accept(listener.get(), nullptr, nullptr));
+    if (conn.get() < 0) continue;
+    SetNonBlocking(conn.get());
+    Hello h{};
+    // A peer sends its hello at once; one that does not (a port scanner, a stale client) is
+    // dropped after a few seconds rather than holding up the others until the deadline.
+    const auto hello_by = std::min(deadline, Clock::now() + std::chrono::seconds(5));
+    if (!RecvAll(conn.get(), &h, sizeof(h), hello_by, "a connecting peer").ok() ||
+        h.magic != kHelloMagic) {
+      continue;
+    }
+    if (h.version != kVersion || h.world_size != o.world_size) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "pipeline bootstrap: rank ", h.rank, " says world size ", h.world_size, " (protocol ",
+          h.version, "); rank 0 has ", o.world_size, " (protocol ", kVersion, ")"));
+    }
+    if (h.rank < 1 || h.rank >= o.world_size || peers.count(h.rank) != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "pipeline bootstrap: a peer claims rank ", h.rank,
+          peers.count(h.rank) != 0 ? ", which another peer already holds"
+                                   : absl::StrCat(", outside [1, ", o.world_size, ")")));
+    }
+    peers.emplace(h.rank, std::move(conn));
+  }
+  const uint32_t size = static_cast<uint32_t>(blob.size());
+  for (auto& [rank, fd] : peers) {
+    const std::string peer = absl::StrCat("rank ", rank);
+    if (absl::Status s = SendAll(fd.get(), &size, sizeof(size), deadline, peer); !s.ok()) return s;
+    if (absl::Status s = SendAll(fd.get(), blob.data(), blob.size(), deadline, peer); !s.ok())
+      return s;
+  }
+  for (auto& [rank, fd] : peers) {
+    uint32_t ack = 0;
+    const std::string peer = absl::StrCat("rank ", rank);
+    if (absl::Status s = RecvAll(fd.get(), &ack, sizeof(ack), deadline, peer); !s.ok()) return s;
+    if (ack != kAckMagic) {
+      return absl::UnavailableError(absl::StrCat("pipeline bootstrap: ", peer, " sent a bad ack"));
+    }
+  }
+  return std::string(blob);
+}
+
+// Connects to the leader, retrying while it is not up yet.
+absl::StatusOr<Fd> Connect(const BootstrapOptions& o, Clock::time_point deadline) {
+  const std::string where = absl::StrCat(o.leader_host, ":", o.port);
+  std::string last = "no attempt";
+  while (Clock::now() < deadline) {
+    absl::StatusOr<addrinfo*> res = Resolve(o, /*passive=*/false);
+    if (!res.ok()) return res.status();
+    Fd fd(socket((*res)->ai_family, SOCK_STREAM, 0));
+    SetNonBlocking(fd.get());
+    int rc = connect(fd.get(), (*res)->ai_addr, (*res)->ai_addrlen);
+    freeaddrinfo(*res);
+    if (rc != 0 && errno == EINPROGRESS) {
+      const auto attempt = std::min(deadline, Clock::now() + std::chrono::seconds(1));
+      if (WaitFor(fd.get(), POLLOUT, attempt)) {
+        int err = 0;
+        socklen_t len = sizeof(err);
+        getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+        rc = err == 0 ? 0 : -1;
+        errno = err;
+      } else {
+        errno = ETIMEDOUT;
+      }
+    }
+    if (rc == 0) return fd;
+    last = std::strerror(errno);
+    std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(
+        std::chrono::milliseconds(100), std::chrono::milliseconds(MillisLeft(deadline))));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("pipeline bootstrap: rank ", o.rank, " could not reach the leader at ", where,
+                   " within ", o.timeout.count(), " ms (", last, ")"));
+}
+
+absl::StatusOr<std::string> Follow(const BootstrapOptions& o, Clock::time_point deadline) {
+  absl::StatusOr<Fd> fd = Connect(o, deadline);
+  if (!fd.ok()) return fd.status();
+  const std::string leader = absl::StrCat("the leader at ", o.leader_host, ":", o.port);
+  const Hello h{kHelloMagic, kVersion, o.rank, o.world_size};
+  if (absl::Status s = SendAll(fd->get(), &h, sizeof(h), deadline, leader); !s.ok()) return s;
+  uint32_t size = 0;
+  if (absl::Status s = RecvAll(fd->get(), &size, sizeof(size), deadline, leader); !s.ok()) return s;
+  if (size > kMaxBlob) {
+    return absl::UnavailableError(absl::StrCat("pipeline bootstrap: ", leader, " announced ", size,
+                                               " bytes, more than ", kMaxBlob));
+  }
+  std::string blob(size, '\0');
+  if (absl::Status s = RecvAll(fd->get(), blob.data(), size, deadline, leader); !s.ok()) return s;
+  const uint32_t ack = kAckMagic;
+  if (absl::Status s = SendAll(fd->get(), &ack, sizeof(ack), deadline, leader); !s.ok()) return s;
+  return blob;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ExchangeBootstrapBlob(
+    const BootstrapOptions& o, std::string_view blob,
+    const std::function<void(int32_t)>& on_listening) {
+  if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline bootstrap: rank ", o.rank, " is outside [0, world size ", o.world_size, ")"));
+  }
+  if (o.port < 0 || o.port > 65535 || (o.rank > 0 && o.port == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("pipeline bootstrap: port ", o.port, " (rank ",
+                                                   o.rank, ") is not a leader port"));
+  }
+  if (o.timeout.count() <= 0) {
+    return absl::InvalidArgumentError("pipeline bootstrap: the timeout must be positive");
+  }
+  if (blob.size() > kMaxBlob) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline bootstrap: ", blob.size(), " bytes exceed ", kMaxBlob));
+  }
+  const Clock::time_point deadline = Clock::now() + o.timeout;
+  if (o.rank == 0) return Lead(o, blob, on_listening, deadline);
+  return Follow(o, deadline);
+}
+
+}  // namespace ts::pipeline
