@@ -212,31 +212,44 @@ absl::StatusOr<std::string> Lead(const BootstrapOptions& o, std::string_view blo
   return std::string(blob);
 }
 
-// Connects to the leader, retrying while it is not up yet.
+// One connection attempt to one address, bounded by `by`; errno says why on failure.
+bool TryConnect(const addrinfo* a, Clock::time_point by, Fd* out) {
+  Fd fd(socket(a->ai_family, SOCK_STREAM, 0));
+  if (fd.get() < 0) return false;
+  SetNonBlocking(fd.get());
+  int rc = connect(fd.get(), a->ai_addr, a->ai_addrlen);
+  if (rc != 0 && errno == EINPROGRESS) {
+    if (WaitFor(fd.get(), POLLOUT, by)) {
+      int err = 0;
+      socklen_t len = sizeof(err);
+      getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+      rc = err == 0 ? 0 : -1;
+      errno = err;
+    } else {
+      errno = ETIMEDOUT;
+    }
+  }
+  if (rc != 0) return false;
+  *out = std::move(fd);
+  return true;
+}
+
+// Connects to the leader, retrying while it is not up yet. Every address the name resolves to is
+// tried ("localhost" may give ::1 first while the leader listens on 127.0.0.1).
 absl::StatusOr<Fd> Connect(const BootstrapOptions& o, Clock::time_point deadline) {
   const std::string where = absl::StrCat(o.leader_host, ":", o.port);
   std::string last = "no attempt";
   while (Clock::now() < deadline) {
     absl::StatusOr<addrinfo*> res = Resolve(o, /*passive=*/false);
     if (!res.ok()) return res.status();
-    Fd fd(socket((*res)->ai_family, SOCK_STREAM, 0));
-    SetNonBlocking(fd.get());
-    int rc = connect(fd.get(), (*res)->ai_addr, (*res)->ai_addrlen);
-    freeaddrinfo(*res);
-    if (rc != 0 && errno == EINPROGRESS) {
-      const auto attempt = std::min(deadline, Clock::now() + std::chrono::seconds(1));
-      if (WaitFor(fd.get(), POLLOUT, attempt)) {
-        int err = 0;
-        socklen_t len = sizeof(err);
-        getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-        rc = err == 0 ? 0 : -1;
-        errno = err;
-      } else {
-        errno = ETIMEDOUT;
-      }
+    Fd fd;
+    bool connected = false;
+    for (const addrinfo* a = *res; a != nullptr && !connected; a = a->ai_next) {
+      connected = TryConnect(a, std::min(deadline, Clock::now() + std::chrono::seconds(1)), &fd);
+      if (!connected) last = std::strerror(errno);
     }
-    if (rc == 0) return fd;
-    last = std::strerror(errno);
+    freeaddrinfo(*res);
+    if (connected) return fd;
     std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(
         std::chrono::milliseconds(100), std::chrono::milliseconds(MillisLeft(deadline))));
   }

@@ -71,6 +71,18 @@ TEST(BootstrapTest, EveryRankGetsTheLeadersBlob) {
   EXPECT_EQ(*lead, blob);
 }
 
+TEST(BootstrapTest, AFollowerTriesEveryAddressItsLeaderNameResolvesTo) {
+  // The leader listens on 127.0.0.1 only; "localhost" may resolve to ::1 first.
+  Leader leader = StartLeader(2, "by name", 10s);
+  ASSERT_GT(leader.port, 0);
+  absl::StatusOr<std::string> got = ExchangeBootstrapBlob(
+      {.rank = 1, .world_size = 2, .leader_host = "localhost", .port = leader.port, .timeout = 10s},
+      "");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "by name");
+  EXPECT_TRUE(leader.result.get().ok());
+}
+
 TEST(BootstrapTest, AFollowerStartedBeforeTheLeaderWaitsForIt) {
   // Learn a free port, release it, and start the follower first.
   int32_t port = 0;
