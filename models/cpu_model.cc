@@ -86,6 +86,7 @@ void ConvertAll(ThreadPool& pool, const std::vector<std::pair<const TensorView*,
 
 struct CpuModel::Impl {
   ModelConfig config;
+  CpuStage stage;  // num_layers resolved
   std::unique_ptr<ThreadPool> pool;
   std::vector<float> embed;       // [vocab, hidden]
   std::vector<float> final_norm;  // [hidden]
@@ -110,7 +111,8 @@ struct CpuModel::Impl {
   const float* lm_head_data() const { return lm_head.empty() ? embed.data() : lm_head.data(); }
 
   absl::Status Validate(std::span<const SeqChunk> chunks, const CpuKvPool& kv) const;
-  void Prepare(std::span<const SeqChunk> chunks);
+  // hidden_in: empty on the embedding stage, else [T][hidden].
+  void Prepare(std::span<const SeqChunk> chunks, std::span<const float> hidden_in);
   void RunLayer(int l, CpuKvPool& kv);
   void Attention(int l, CpuKvPool& kv);
   void NormRows(const float* in, int64_t rows, const float* w, float* dst);
@@ -150,29 +152,44 @@ absl::StatusOr<std::unique_ptr<CpuModel>> CpuModel::Load(const std::filesystem::
         absl::StrCat(dir.string(), "/config.json: num_attention_heads (", config.num_heads,
                      ") must be a multiple of num_key_value_heads (", config.num_kv_heads, ")"));
   }
+  CpuStage stage = options.stage;
+  if (stage.num_layers < 0) stage.num_layers = config.num_layers - stage.first_layer;
+  if (stage.first_layer < 0 || stage.num_layers < 1 ||
+      stage.first_layer + stage.num_layers > config.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("stage: layers [", stage.first_layer, ", ",
+                                                   stage.first_layer + stage.num_layers,
+                                                   ") outside the model's ", config.num_layers));
+  }
   TS_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(dir));
   TS_ASSIGN_OR_RETURN(LlamaTensors t, BindLlamaTensors(*ckpt, config));
 
   std::unique_ptr<CpuModel> model(new CpuModel());
   Impl& m = *model->impl_;
   m.config = config;
+  m.stage = stage;
   m.pool = std::make_unique<ThreadPool>(options.num_threads, options.min_parallel_work);
   const int64_t hidden = config.hidden_size, inter = config.intermediate_size;
   const int64_t vocab = config.vocab_size;
 
   std::vector<std::pair<const TensorView*, float*>> jobs;
-  m.embed.resize(vocab * hidden);
-  jobs.emplace_back(t.embed, m.embed.data());
-  m.final_norm.resize(hidden);
-  jobs.emplace_back(t.final_norm, m.final_norm.data());
-  if (t.lm_head != t.embed) {
-    m.lm_head.resize(vocab * hidden);
-    jobs.emplace_back(t.lm_head, m.lm_head.data());
+  const bool tied = t.lm_head == t.embed;
+  // A tied head reads the embedding matrix as its lm_head.
+  if (stage.embedding || (stage.head && tied)) {
+    m.embed.resize(vocab * hidden);
+    jobs.emplace_back(t.embed, m.embed.data());
   }
-  m.layers.resize(config.num_layers);
+  if (stage.head) {
+    m.final_norm.resize(hidden);
+    jobs.emplace_back(t.final_norm, m.final_norm.data());
+    if (!tied) {
+      m.lm_head.resize(vocab * hidden);
+      jobs.emplace_back(t.lm_head, m.lm_head.data());
+    }
+  }
+  m.layers.resize(stage.num_layers);
   const int64_t q_rows = m.q_dim(), kv_rows = m.kv_dim();
-  for (int l = 0; l < config.num_layers; ++l) {
-    const LlamaLayerTensors& src = t.layers[l];
+  for (int l = 0; l < stage.num_layers; ++l) {
+    const LlamaLayerTensors& src = t.layers[stage.first_layer + l];
     LayerWeights& w = m.layers[l];
     w.attn_norm.resize(hidden);
     w.wqkv.resize((q_rows + 2 * kv_rows) * hidden);
@@ -196,12 +213,12 @@ absl::StatusOr<std::unique_ptr<CpuModel>> CpuModel::Load(const std::filesystem::
 }
 
 absl::Status CpuModel::Impl::Validate(std::span<const SeqChunk> chunks, const CpuKvPool& kv) const {
-  if (kv.num_layers() != config.num_layers || kv.num_kv_heads() != config.num_kv_heads ||
+  if (kv.num_layers() != stage.num_layers || kv.num_kv_heads() != config.num_kv_heads ||
       kv.head_dim() != config.head_dim) {
     return absl::InvalidArgumentError(
         absl::StrCat("kv pool shape (layers ", kv.num_layers(), ", kv_heads ", kv.num_kv_heads(),
-                     ", head_dim ", kv.head_dim(), ") does not match the model (",
-                     config.num_layers, ", ", config.num_kv_heads, ", ", config.head_dim, ")"));
+                     ", head_dim ", kv.head_dim(), ") does not match the model (", stage.num_layers,
+                     ", ", config.num_kv_heads, ", ", config.head_dim, ")"));
   }
   const int64_t bs = kv.block_size();
   std::vector<int32_t> used;
@@ -245,7 +262,7 @@ absl::Status CpuModel::Impl::Validate(std::span<const SeqChunk> chunks, const Cp
   return absl::OkStatus();
 }
 
-void CpuModel::Impl::Prepare(std::span<const SeqChunk> chunks) {
+void CpuModel::Impl::Prepare(std::span<const SeqChunk> chunks, std::span<const float> hidden_in) {
   tokens.clear();
   for (const SeqChunk& ch : chunks) {
     for (size_t i = 0; i < ch.tokens.size(); ++i) {
@@ -272,6 +289,10 @@ void CpuModel::Impl::Prepare(std::span<const SeqChunk> chunks) {
   gu.resize(T * 2 * config.intermediate_size);
   act.resize(T * config.intermediate_size);
   out.resize(T * hidden);
+  if (!stage.embedding) {
+    std::memcpy(x.data(), hidden_in.data(), T * hidden * sizeof(float));
+    return;
+  }
   int64_t t = 0;
   for (const SeqChunk& ch : chunks) {
     for (int32_t id : ch.tokens) {
@@ -379,17 +400,40 @@ void CpuModel::Impl::RunLayer(int l, CpuKvPool& kv) {
 
 absl::Status CpuModel::Forward(std::span<const SeqChunk> chunks, CpuKvPool& kv, LogitsMode mode,
                                std::vector<float>* logits) {
-  if (logits == nullptr) return absl::InvalidArgumentError("logits must not be null");
+  if (!impl_->stage.embedding || !impl_->stage.head) {
+    return absl::FailedPreconditionError("Forward needs the whole model; this one is a stage");
+  }
+  return ForwardStage(chunks, kv, {}, mode, logits);
+}
+
+int32_t CpuModel::num_stage_layers() const {
+  return impl_->stage.num_layers;
+}
+
+absl::Status CpuModel::ForwardStage(std::span<const SeqChunk> chunks, CpuKvPool& kv,
+                                    std::span<const float> hidden_in, LogitsMode mode,
+                                    std::vector<float>* out) {
+  if (out == nullptr) return absl::InvalidArgumentError("logits must not be null");
   Impl& m = *impl_;
   TS_RETURN_IF_ERROR(m.Validate(chunks, kv));
-  m.Prepare(chunks);
-  for (int l = 0; l < m.config.num_layers; ++l) m.RunLayer(l, kv);
+  const int64_t hidden = m.config.hidden_size, vocab = m.config.vocab_size;
+  int64_t total = 0;
+  for (const SeqChunk& ch : chunks) total += static_cast<int64_t>(ch.tokens.size());
+  if (!m.stage.embedding && static_cast<int64_t>(hidden_in.size()) != total * hidden) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden_in: ", hidden_in.size(), " floats, want ", total, " x ", hidden));
+  }
+  m.Prepare(chunks, hidden_in);
+  for (int l = 0; l < m.stage.num_layers; ++l) m.RunLayer(l, kv);
+  if (!m.stage.head) {
+    out->assign(m.x.begin(), m.x.begin() + total * hidden);
+    return absl::OkStatus();
+  }
 
   // Final norm only on the rows whose logits are wanted; h holds them packed.
-  const int64_t hidden = m.config.hidden_size, vocab = m.config.vocab_size;
   int64_t rows = 0;
   if (mode == LogitsMode::kAll) {
-    rows = static_cast<int64_t>(m.tokens.size());
+    rows = total;
     m.NormRows(m.x.data(), rows, m.final_norm.data(), m.h.data());
   } else {
     int64_t last = -1;
@@ -400,14 +444,14 @@ absl::Status CpuModel::Forward(std::span<const SeqChunk> chunks, CpuKvPool& kv, 
       ++rows;
     }
   }
-  logits->resize(rows * vocab);
+  out->resize(rows * vocab);
   cpu::Gemm(*m.pool, {.x = m.h.data(),
                       .ldx = hidden,
                       .rows = rows,
                       .w = m.lm_head_data(),
                       .n = vocab,
                       .k = hidden,
-                      .y = logits->data(),
+                      .y = out->data(),
                       .ldy = vocab});
   return absl::OkStatus();
 }

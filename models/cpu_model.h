@@ -55,11 +55,22 @@ struct SeqChunk {
 
 enum class LogitsMode { kLastPerChunk, kAll };
 
+// The part of the model one pipeline stage holds (docs/pipeline.md): decoder layers
+// [first_layer, first_layer + num_layers), and whether it looks up the token embeddings (the first
+// stage) and runs the final norm and lm_head (the last). Only those tensors are loaded.
+struct CpuStage {
+  int32_t first_layer = 0;
+  int32_t num_layers = -1;  // -1: through the last layer
+  bool embedding = true;
+  bool head = true;
+};
+
 struct CpuModelOptions {
   int num_threads = 0;  // 0 = hardware concurrency; counts the calling thread
   // Multiply-adds a thread must get before a region is split; 0 = ThreadPool's default (32K).
   // 1 splits every region, so tests exercise the threaded paths on tiny models.
   int64_t min_parallel_work = 0;
+  CpuStage stage{};  // the whole model by default
 };
 
 class CpuModel {
@@ -80,6 +91,17 @@ class CpuModel {
   // Not thread-safe: one Forward at a time per model (it reuses scratch buffers).
   absl::Status Forward(std::span<const SeqChunk> chunks, CpuKvPool& kv, LogitsMode mode,
                        std::vector<float>* logits);
+
+  // One pipeline stage's part of Forward, with Forward's checks. Input: the chunks' token
+  // embeddings (stage.embedding) or `hidden_in` ([total tokens][hidden], the previous stage's
+  // output; the chunks still give each token's id, position and blocks). Output: logits as
+  // Forward gives them (stage.head), else the residual stream after the stage's last layer,
+  // [total tokens][hidden]. `kv` holds the stage's layers only: a CpuKvPool over a config whose
+  // num_layers is num_stage_layers(). Chaining the stages gives Forward's result bit for bit.
+  absl::Status ForwardStage(std::span<const SeqChunk> chunks, CpuKvPool& kv,
+                            std::span<const float> hidden_in, LogitsMode mode,
+                            std::vector<float>* out);
+  int32_t num_stage_layers() const;
 
  private:
   CpuModel();
