@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs dependencies, builds, runs ctest, then builds the engine's concurrent
-# tests (ring, scheduler, engine, CPU backend, in-process pipeline) once more with ThreadSanitizer and runs them: any
-# race report fails them. Used by CI (.ci/run).
+# tests (ring, scheduler, engine, CPU backend, in-process pipeline) once more with ThreadSanitizer
+# and runs them: any race report fails them. Used by CI (.ci/run).
 #   BUILD_DIR (default build), JOBS (default nproc), CTEST_ARGS (extra ctest arguments),
 #   TSAN=0 skips the ThreadSanitizer pass (TSAN_DIR, default $BUILD_DIR-tsan)
 set -euo pipefail
