@@ -193,7 +193,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const ModelConfig& confi
     }
     if (blocks < want) {
       std::printf(
-          "tailserve: KV pool capped by --cpu_kv_gib %.1f: %lld blocks (%lld tokens), shared by "
+          "tailserve: KV pool capped by --cpu_kv_gib %g: %lld blocks (%lld tokens), shared by "
           "up to --max_batch %d sequences (%d full-length ones would need %.1f GiB)\n",
           gib, static_cast<long long>(blocks), static_cast<long long>(blocks * block), max_batch,
           max_batch, static_cast<double>(want * bytes_per_block) / (int64_t{1} << 30));

@@ -67,7 +67,9 @@ TEST(ServerEdgeTest, ALongContextModelStartsOnTheCpuWithItsBudgetPrinted) {
   // 0.01 GiB hold 873 blocks of 16 tokens (12288 bytes each: 3 layers, 2 kv heads, head_dim 16).
   std::unique_ptr<Server> server = Server::Launch({model, "--cpu_kv_gib=0.01", "--max_batch=16"});
   ASSERT_NE(server, nullptr);
-  EXPECT_TRUE(server->process().WaitForLine("KV pool capped by --cpu_kv_gib 0.0", 1s).ok())
+  EXPECT_TRUE(server->process()
+                  .WaitForLine("KV pool capped by --cpu_kv_gib 0.01: 873 blocks (13968 tokens)", 1s)
+                  .ok())
       << server->process().Output();
   EXPECT_TRUE(server->process()
                   .WaitForLine("max_context lowered from the model's 131072 to the KV pool's "
