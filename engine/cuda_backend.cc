@@ -1,4 +1,5 @@
 #include "engine/cuda_backend.h"
+#include "engine/sampling_row.h"
 
 #include <algorithm>
 #include <atomic>
@@ -53,22 +54,6 @@ CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& co
   m.timing_skip_ops = o.timing_skip_ops;
   m.attention_min_split_tokens = o.attention_min_split_tokens;
   return m;
-}
-
-// The kernels' device-side copy of a request's sampling parameters (kernels/ does not know
-// models/sampling.h); `position` is the absolute position of the token to be sampled.
-k::SamplingRow ToSamplingRow(const SamplingParams& p, uint64_t position) {
-  k::SamplingRow r;
-  r.temperature = p.temperature;
-  r.top_k = p.top_k;
-  r.top_p = p.top_p;
-  r.min_p = p.min_p;
-  r.repetition_penalty = p.repetition_penalty;
-  r.presence_penalty = p.presence_penalty;
-  r.frequency_penalty = p.frequency_penalty;
-  r.seed = p.seed;
-  r.position = position;
-  return r;
 }
 
 absl::Status ValidateOptions(const CudaBackendOptions& o) {

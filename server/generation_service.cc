@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "engine/backend.h"
 #include "models/tokenizer/text_stream.h"
 #include "server/grpc_status.h"
@@ -513,9 +514,7 @@ absl::Status GenerationService::TokenizeInto(const pb::TokenizeRequest& request,
   }
   switch (request.input_case()) {
     case pb::TokenizeRequest::kText: {
-      if (const std::optional<size_t> at = InvalidUtf8Offset(request.text())) {
-        return absl::InvalidArgumentError(absl::StrCat("text: not valid UTF-8 (byte ", *at, ")"));
-      }
+      TS_RETURN_IF_ERROR(CheckUtf8("text", request.text()));
       const bool add_special =
           !request.params().has_add_special_tokens() || request.params().add_special_tokens();
       absl::StatusOr<std::vector<int32_t>> ids = tok->Encode(request.text(), add_special);

@@ -18,12 +18,16 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
+}  // namespace
+
 absl::Status CheckUtf8(absl::string_view field, std::string_view text) {
-  if (const std::optional<size_t> at = InvalidUtf8Offset(text)) {
-    return Invalid(field, absl::StrCat("not valid UTF-8 (byte ", *at, ")"));
+  if (const size_t at = utf8::ValidPrefix(text); at < text.size()) {
+    return Invalid(field, absl::StrCat("not valid UTF-8 (byte ", at, ")"));
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 absl::Status NeedTokenizer(const Tokenizer* tokenizer, absl::string_view field) {
   if (tokenizer != nullptr) return absl::OkStatus();
@@ -192,15 +196,6 @@ absl::StatusOr<StopParams> ConvertStop(const pb::StopParams& s, int32_t prompt_l
 }
 
 }  // namespace
-
-std::optional<size_t> InvalidUtf8Offset(std::string_view s) {
-  for (size_t i = 0; i < s.size();) {
-    const size_t n = utf8::SequenceLength(s, i);
-    if (n == 0) return i;
-    i += n;
-  }
-  return std::nullopt;
-}
 
 absl::StatusOr<ValidatedRequest> ValidateAndConvert(const pb::GenerateRequest& request,
                                                     const ValidationLimits& limits,

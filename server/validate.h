@@ -6,7 +6,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -49,13 +48,13 @@ struct ValidatedRequest {
 // `tokenizer` (null when the model has none) encodes prompt_text.
 // Errors: INVALID_ARGUMENT naming the field (invalid UTF-8 too); FAILED_PRECONDITION for
 // prompt_text or stop_strings without a tokenizer.
+// INVALID_ARGUMENT "field: not valid UTF-8 (byte N)" unless `text` is valid UTF-8: the check every
+// text field a client sends gets, so that its error says where the encoding breaks.
+absl::Status CheckUtf8(absl::string_view field, std::string_view text);
+
 absl::StatusOr<ValidatedRequest> ValidateAndConvert(const tailserve::v1::GenerateRequest& request,
                                                     const ValidationLimits& limits,
                                                     const Tokenizer* tokenizer,
                                                     uint64_t drawn_seed);
-
-// The first invalid byte's offset when `s` is not valid UTF-8. Used for every text field a
-// client sends, so that its error says where the encoding breaks.
-std::optional<size_t> InvalidUtf8Offset(std::string_view s);
 
 }  // namespace ts::server

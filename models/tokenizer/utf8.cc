@@ -46,13 +46,18 @@ size_t SequenceLength(std::string_view s, size_t i) {
   return p.matched == p.needed ? p.needed : 0;
 }
 
-bool IsValid(std::string_view s) {
-  for (size_t i = 0; i < s.size();) {
+size_t ValidPrefix(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
     const size_t n = SequenceLength(s, i);
-    if (n == 0) return false;
+    if (n == 0) break;
     i += n;
   }
-  return true;
+  return i;
+}
+
+bool IsValid(std::string_view s) {
+  return ValidPrefix(s) == s.size();
 }
 
 std::string Lossy(std::string_view s) {

@@ -28,28 +28,13 @@
 #include <vector>
 
 #include "common/philox.h"
+#include "engine/sampling_row.h"
 #include "kernels/sampling.cuh"
 #include "models/sampling.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace ts::kernels {
 namespace {
-
-// The test's own copy of the engine's conversion (engine/cuda_backend.cc): the CPU reference
-// takes ts::SamplingParams, the kernel SamplingRow.
-SamplingRow MakeSamplingRow(const ts::SamplingParams& p, uint64_t position) {
-  SamplingRow r;
-  r.temperature = p.temperature;
-  r.top_k = p.top_k;
-  r.top_p = p.top_p;
-  r.min_p = p.min_p;
-  r.repetition_penalty = p.repetition_penalty;
-  r.presence_penalty = p.presence_penalty;
-  r.frequency_penalty = p.frequency_penalty;
-  r.seed = p.seed;
-  r.position = position;
-  return r;
-}
 
 using testing::GuardedBuffer;
 
@@ -133,7 +118,7 @@ GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {})
     std::copy(l.begin(), l.end(), logits.begin() + size_t(r) * vocab);
     const int s = o.slots[r];
     if (s < 0 || s >= o.num_slots) continue;
-    params[o.params_by_slot ? s : r] = MakeSamplingRow(c.params, c.position);
+    params[o.params_by_slot ? s : r] = ToSamplingRow(c.params, c.position);
     if (!reset[s]) {  // rows may share a slot when they only read it
       reset[s] = 1;
       std::fill_n(counts.begin() + size_t(s) * vocab, vocab, 0);
@@ -745,7 +730,7 @@ TEST(SamplingTest, CapturesInGraph) {
     logits.insert(logits.end(), rows[r].logits.begin(), rows[r].logits.end());
     ts::SamplingParams sp = rows[r].params;
     sp.repetition_penalty = 1.0f, sp.presence_penalty = 0.0f, sp.frequency_penalty = 0.0f;
-    params.push_back(MakeSamplingRow(sp, rows[r].position));
+    params.push_back(ToSamplingRow(sp, rows[r].position));
   }
   GuardedBuffer<float> d_logits(logits.size());
   GuardedBuffer<SamplingRow> d_params(kRows);
