@@ -23,6 +23,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
+# scripts/gpu-bundle.sh writes both; the archive is what fits the device tool's carry limit.
+[ -d .bundle ] || [ ! -f .bundle.tar.xz ] || tar -xJf .bundle.tar.xz
 export LD_LIBRARY_PATH=$PWD/.bundle/lib:${LD_LIBRARY_PATH:-}
 export TS_SOURCE_DIR=$PWD TS_BINARY_DIR=$PWD/.bundle TS_TAILSERVE_BIN=$PWD/.bundle/bin/tailserve
 export TS_REQUIRE_GPU=1
