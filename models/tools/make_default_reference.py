@@ -10,8 +10,9 @@ BOS comes first) it records:
     token, not a stop: what tailserve produces with --ignore_eos;
   - a teacher-forced check: the fp32 greedy sequence (prompt + new tokens) run through one forward
     pass in fp32 and in bf16; for each of the generated positions, the top-1 id and the
-    top1 - top2 logit margin of each dtype. A test can then skip, or loosen, the positions whose
-    margin is too small for its dtype;
+    top1 - top2 logit margin of each dtype (the top-1 is argmax's: the lowest id among tied
+    maxima). A test can then skip, or loosen, the positions whose margin is too small for its
+    dtype;
   - the sha256 of model.safetensors and tokenizer.json, so a test can tell that the reference
     belongs to the model beside it.
 
@@ -98,7 +99,10 @@ def main():
     def teacher_forced(model, seq, n_prompt):
         logits = logits_of(model, seq)[n_prompt - 1:len(seq) - 1]  # the positions that predict
         top = torch.topk(logits, 2, dim=-1)                          # the generated tokens
-        return {"top1": top.indices[:, 0].tolist(),
+        # The top-1 is argmax's, the first of tied maxima, as greedy() and transformers' own
+        # generate pick it; topk orders ties arbitrarily, and bf16 logits tie often (their step
+        # is 1/16 at 8-16). The margin of a tie is 0.
+        return {"top1": torch.argmax(logits, dim=-1).tolist(),
                 "margin": [round(float(m), 6) for m in top.values[:, 0] - top.values[:, 1]]}
 
     def first_difference(a, b):
