@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "models/config.h"
 #include "models/sampling.h"
 
@@ -104,31 +105,53 @@ struct BackendInfo {
   const char* name = "";
 };
 
-// What one step did, for stats and for the scheduler tests.
+// What one host-driven step did, for the scheduler tests.
 struct StepReport {
   int32_t active = 0;  // slots decoded this step
   int32_t bucket = 0;  // padded batch size used
 };
 
-enum class RunMode {
-  kOneStep,    // host-driven: one decode step over the active slots, then return
-  kUntilIdle,  // device loop: keep stepping until no slot is active or Pause() is called
+// Where a backend's decoding stands (Backend::Poll): the step counter replaces per-step reports
+// for stats and for the watchdog, since in loop mode no host call sees each step.
+struct LoopStatus {
+  uint64_t steps = 0;    // decode steps completed since creation (at least one row each)
+  bool running = false;  // a loop is decoding now (kLoop mode)
 };
 
+enum class RunMode {
+  kOneStep,  // host-driven: one decode step over the active slots, then return
+  // Loop: make sure the backend's own decode loop runs while any slot is active (relaunching it
+  // if it exited), then return at once; tokens keep arriving in the rings. Prefill returns
+  // before its work is done, and its slots join the running loop at a step boundary. A backend
+  // with no loop of its own decodes until no slot is active instead.
+  kLoop,
+};
+
+// Threading: every method is called by one thread at a time (the engine thread). A backend's
+// loop, when it has one, runs on its own thread or on the GPU and shares with the caller only
+// the slot protocol below: rings, cancel flags and FINISHED marks (engine/README.md).
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual const BackendInfo& info() const = 0;
 
   // Fills KV for the new slots, samples each first token into its ring (finishing it at once if
-  // a stop condition holds) and publishes the slot as ACTIVE for Run.
+  // a stop condition holds) and publishes the slot as ACTIVE. In kOneStep mode the first tokens
+  // are in the rings when it returns; a loop backend may return before, and the slot's first
+  // token then arrives in its ring like any other. A slot's ring is reset before this returns.
   virtual absl::Status Prefill(std::span<const SlotInit> slots) = 0;
-  // Decodes while any slot is active: one step, or until idle (device loop).
+  // Decodes while any slot is active: one step, or keeps the loop running (RunMode).
   virtual absl::Status Run(RunMode mode) = 0;
+  // Stops a running loop at the next step boundary and waits until it has (graph updates,
+  // shutdown, tests); the next Run(kLoop) resumes it. Prefills already handed over still
+  // complete. Nothing to do for a backend that only decodes inside Run.
+  virtual absl::Status Pause() { return absl::OkStatus(); }
+  // Step counter and loop state. Also surfaces a loop's failure (a device error) as the status.
+  virtual absl::StatusOr<LoopStatus> Poll() = 0;
   // Takes effect within one step: the slot finishes with kCancelled.
   virtual void Cancel(SlotId slot) = 0;
   virtual const TokenRing& Ring(SlotId slot) const = 0;
-  // After the engine has seen FINISHED: the slot is FREE again and its ring reset.
+  // After the engine has seen FINISHED: the slot is FREE again.
   virtual void Release(SlotId slot) = 0;
   // Report of the last completed step (kOneStep mode).
   virtual StepReport last_step() const = 0;

@@ -73,48 +73,87 @@ CpuBackend::CpuBackend(std::unique_ptr<CpuModel> model, const CpuBackendOptions&
     slots_[i].ring = TokenRing(storage_.data() + static_cast<size_t>(i) * options.ring_capacity,
                                options.ring_capacity);
   }
+  if (options.loop_thread) loop_ = std::thread([this] { LoopMain(); });
 }
 
-CpuBackend::~CpuBackend() = default;
+CpuBackend::~CpuBackend() {
+  if (!loop_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  paused_cv_.notify_all();
+  loop_.join();
+}
 
-absl::Status CpuBackend::ValidateInit(const SlotInit& in) const {
-  TS_RETURN_IF_ERROR(ValidateSlotInit(in, info_));
-  if (slots_[in.slot].state != SlotState::kFree) {
-    return absl::FailedPreconditionError(absl::StrCat("prefill slot ", in.slot, ": not FREE"));
+absl::Status CpuBackend::ValidateInits(std::span<const SlotInit> inits) const {
+  for (size_t i = 0; i < inits.size(); ++i) {
+    const SlotInit& in = inits[i];
+    TS_RETURN_IF_ERROR(ValidateSlotInit(in, info_));
+    if (slots_[in.slot].state.load(std::memory_order_acquire) != SlotState::kFree) {
+      return absl::FailedPreconditionError(absl::StrCat("prefill slot ", in.slot, ": not FREE"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (inits[j].slot == in.slot) {
+        return absl::InvalidArgumentError(absl::StrCat("prefill slot ", in.slot, ": listed twice"));
+      }
+    }
   }
   return absl::OkStatus();
 }
 
 absl::Status CpuBackend::Prefill(std::span<const SlotInit> inits) {
   if (inits.empty()) return absl::OkStatus();
-  std::vector<SeqChunk> chunks;
-  chunks.reserve(inits.size());
-  for (size_t i = 0; i < inits.size(); ++i) {
-    TS_RETURN_IF_ERROR(ValidateInit(inits[i]));
-    for (size_t j = 0; j < i; ++j) {
-      if (inits[j].slot == inits[i].slot) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("prefill slot ", inits[i].slot, ": listed twice"));
-      }
-    }
-    chunks.push_back(
-        SeqChunk{.tokens = inits[i].prompt, .start_pos = 0, .block_table = inits[i].block_table});
+  TS_RETURN_IF_ERROR(ValidateInits(inits));
+  std::vector<PrefillJob> jobs;
+  jobs.reserve(inits.size());
+  for (const SlotInit& in : inits) {
+    // The slot is FREE, so no thread writes its ring: the engine may read it from seq 1 at once.
+    Slot& s = slots_[in.slot];
+    s.ring.Reset();
+    s.cancel.store(false, std::memory_order_relaxed);
+    jobs.push_back(PrefillJob{.slot = in.slot,
+                              .prompt = {in.prompt.begin(), in.prompt.end()},
+                              .block_table = {in.block_table.begin(), in.block_table.end()},
+                              .sampling = in.sampling,
+                              .stop = in.stop});
   }
-  // One Forward over every new prompt; a failure leaves all these slots FREE.
+  if (!loop_.joinable()) return StartSlots(jobs);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!loop_error_.ok()) return loop_error_;
+    for (PrefillJob& job : jobs) {
+      slots_[job.slot].state.store(SlotState::kPending, std::memory_order_release);
+      pending_.push_back(std::move(job));
+    }
+  }
+  work_cv_.notify_one();
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::StartSlots(std::span<PrefillJob> jobs) {
+  if (jobs.empty()) return absl::OkStatus();
+  std::vector<SeqChunk> chunks;
+  chunks.reserve(jobs.size());
+  for (const PrefillJob& job : jobs) {
+    chunks.push_back(
+        SeqChunk{.tokens = job.prompt, .start_pos = 0, .block_table = job.block_table});
+  }
+  // One Forward over every new prompt; host-driven, a failure leaves all these slots FREE.
   TS_RETURN_IF_ERROR(model_->Forward(chunks, kv_, LogitsMode::kLastPerChunk, &logits_));
   const size_t vocab = static_cast<size_t>(info_.model.vocab_size);
-  for (size_t i = 0; i < inits.size(); ++i) {
-    const SlotInit& in = inits[i];
-    Slot& s = slots_[in.slot];
-    s.prompt.assign(in.prompt.begin(), in.prompt.end());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    PrefillJob& job = jobs[i];
+    Slot& s = slots_[job.slot];
+    s.prompt = std::move(job.prompt);
     s.output.clear();
-    s.output.reserve(in.stop.max_new_tokens);
-    s.block_table.assign(in.block_table.begin(), in.block_table.end());
-    s.sampling = in.sampling;
-    s.stop = in.stop;
+    s.output.reserve(job.stop.max_new_tokens);
+    s.block_table = std::move(job.block_table);
+    s.sampling = job.sampling;
+    s.stop = std::move(job.stop);
     s.seq = 0;
-    s.cancel.store(false, std::memory_order_relaxed);
-    s.state = SlotState::kActive;
+    s.state.store(SlotState::kActive, std::memory_order_release);
     SampleAndPush(s, std::span<float>(logits_.data() + i * vocab, vocab));
   }
   return absl::OkStatus();
@@ -126,25 +165,29 @@ void CpuBackend::SampleAndPush(Slot& s, std::span<float> logits) {
   const int32_t index = static_cast<int32_t>(s.output.size());
   s.output.push_back(token);
   const FinishReason reason = CheckStop(s.stop, info_.model.eos_token_ids, token, index);
+  if (reason != FinishReason::kNone) s.state.store(SlotState::kFinished, std::memory_order_release);
   s.ring.Push(++s.seq, token, RingFlags(reason));
-  if (reason != FinishReason::kNone) s.state = SlotState::kFinished;
 }
 
-absl::Status CpuBackend::OneStep() {
+absl::StatusOr<int32_t> CpuBackend::OneStep() {
+  if (step_hook_) step_hook_(steps_.load(std::memory_order_relaxed));
   std::vector<SlotId> decode;
   for (SlotId i = 0; i < info_.max_slots; ++i) {
     Slot& s = slots_[i];
-    if (s.state != SlotState::kActive) continue;
+    if (s.state.load(std::memory_order_acquire) != SlotState::kActive) continue;
     if (s.cancel.load(std::memory_order_relaxed)) {
+      s.state.store(SlotState::kFinished, std::memory_order_release);
       s.ring.Push(++s.seq, -1, RingFlags(FinishReason::kCancelled));
-      s.state = SlotState::kFinished;
       continue;
     }
     decode.push_back(i);
   }
   const int32_t n = static_cast<int32_t>(decode.size());
-  last_ = StepReport{.active = n, .bucket = PickBucket(buckets_, n)};
-  if (n == 0) return absl::OkStatus();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_ = StepReport{.active = n, .bucket = PickBucket(buckets_, n)};
+  }
+  if (n == 0) return 0;
   std::vector<SeqChunk> chunks;
   chunks.reserve(n);
   for (SlotId i : decode) {
@@ -156,18 +199,90 @@ absl::Status CpuBackend::OneStep() {
                  .block_table = s.block_table});
   }
   TS_RETURN_IF_ERROR(model_->Forward(chunks, kv_, LogitsMode::kLastPerChunk, &logits_));
+  // Counted before the tokens are pushed: whoever has read a step's token sees the step counted.
+  steps_.fetch_add(1, std::memory_order_relaxed);
   const size_t vocab = static_cast<size_t>(info_.model.vocab_size);
   for (int32_t r = 0; r < n; ++r) {
     SampleAndPush(slots_[decode[r]], std::span<float>(logits_.data() + r * vocab, vocab));
   }
-  return absl::OkStatus();
+  return n;
+}
+
+bool CpuBackend::AnyActive() const {
+  return std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) {
+    return s.state.load(std::memory_order_acquire) == SlotState::kActive;
+  });
+}
+
+bool CpuBackend::LoopHasWorkLocked() const {
+  if (!loop_error_.ok() || pause_ == PauseState::kPaused) return false;
+  // A pause request wakes the loop even when idle, so that Pause has a boundary to wait for.
+  return pause_ == PauseState::kPausing || !pending_.empty() || AnyActive();
+}
+
+// The loop thread. Each pass is one step boundary: take every pending prefill, run it, then one
+// decode step unless a pause was asked for. Only the loop thread makes slots ACTIVE or FINISHED,
+// so AnyActive() read under mu_ is exact here and the wait cannot miss work.
+void CpuBackend::LoopMain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    work_cv_.wait(lock, [&] { return stop_ || LoopHasWorkLocked(); });
+    if (stop_) return;
+    std::vector<PrefillJob> jobs = std::exchange(pending_, {});
+    const bool pausing = pause_ == PauseState::kPausing;
+    lock.unlock();
+    absl::Status status = StartSlots(jobs);
+    if (status.ok() && !pausing) status = OneStep().status();
+    lock.lock();
+    if (!status.ok()) loop_error_ = status;
+    if (pausing && pause_ == PauseState::kPausing) pause_ = PauseState::kPaused;
+    if (pausing || !status.ok()) paused_cv_.notify_all();
+  }
 }
 
 absl::Status CpuBackend::Run(RunMode mode) {
+  if (loop_.joinable()) {
+    if (mode != RunMode::kLoop) {
+      return absl::FailedPreconditionError(
+          "cpu backend: Run(kOneStep) on a loop_thread backend; its loop decodes (kLoop)");
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!loop_error_.ok()) return loop_error_;
+      pause_ = PauseState::kRunning;
+    }
+    work_cv_.notify_one();
+    return absl::OkStatus();
+  }
+  // Host-driven: one step, or (kLoop with no loop thread) steps until no slot decodes.
+  int32_t decoded = 0;
   do {
-    TS_RETURN_IF_ERROR(OneStep());
-  } while (mode == RunMode::kUntilIdle && last_.active > 0);
+    TS_ASSIGN_OR_RETURN(decoded, OneStep());
+  } while (mode == RunMode::kLoop && decoded > 0);
   return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Pause() {
+  if (!loop_.joinable()) return absl::OkStatus();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (pause_ == PauseState::kRunning) pause_ = PauseState::kPausing;
+  work_cv_.notify_one();
+  paused_cv_.wait(lock, [&] { return pause_ == PauseState::kPaused || !loop_error_.ok(); });
+  return loop_error_;
+}
+
+absl::StatusOr<LoopStatus> CpuBackend::Poll() {
+  LoopStatus status{.steps = steps_.load(std::memory_order_relaxed)};
+  if (!loop_.joinable()) return status;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!loop_error_.ok()) return loop_error_;
+  status.running = pause_ == PauseState::kRunning && (!pending_.empty() || AnyActive());
+  return status;
+}
+
+StepReport CpuBackend::last_step() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_;
 }
 
 void CpuBackend::Cancel(SlotId slot) {
@@ -187,16 +302,17 @@ void CpuBackend::Release(SlotId slot) {
   TS_CHECK_GE(slot, 0);
   TS_CHECK_LT(slot, info_.max_slots);
   Slot& s = slots_[slot];
-  s.state = SlotState::kFree;
+  // A loop thread may still be decoding a slot that is not FINISHED: releasing it would race.
+  const SlotState state = s.state.load(std::memory_order_acquire);
+  TS_CHECK(!loop_.joinable() || state == SlotState::kFinished || state == SlotState::kFree);
   s.cancel.store(false, std::memory_order_relaxed);
-  s.seq = 0;
-  s.output.clear();
-  s.ring.Reset();
+  s.state.store(SlotState::kFree, std::memory_order_release);
 }
 
 int32_t CpuBackend::num_free_slots() const {
-  return static_cast<int32_t>(std::count_if(
-      slots_.begin(), slots_.end(), [](const Slot& s) { return s.state == SlotState::kFree; }));
+  return static_cast<int32_t>(std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) {
+    return s.state.load(std::memory_order_acquire) == SlotState::kFree;
+  }));
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const CpuBackendOptions& options) {

@@ -5,12 +5,21 @@
 // runs after every token like the GPU's postprocess kernel. A token's logits never depend on its
 // batch neighbours (CpuModel guarantees bit-identical rows), and sampling depends only on (seed,
 // position), so streams are reproducible whatever the batch composition.
+//
+// With loop_thread, a thread of the backend's own plays the device-resident loop: Prefill only
+// validates and hands the request over, and the thread runs the same prefill and step code at
+// each step boundary while the engine thread admits, cancels and drains rings beside it. The two
+// threads share only what the GPU loop shares with the host: rings, cancel flags, slot states.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -32,6 +41,9 @@ struct CpuBackendOptions {
   // The fp32 KV pool is allocated up front; a pool above this is refused with a message instead of
   // failing the allocation (a long-context model's default pool can be hundreds of GiB).
   int64_t max_kv_bytes = int64_t{8} << 30;
+  // Decode on a loop thread of the backend's own (RunMode::kLoop only): Prefill returns before
+  // the prompt is processed and tokens arrive in the rings while the engine thread works.
+  bool loop_thread = false;
 };
 
 class CpuBackend : public Backend {
@@ -39,23 +51,35 @@ class CpuBackend : public Backend {
   // Takes ownership of a loaded model (tests share nothing; the server loads once).
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(std::unique_ptr<CpuModel> model,
                                                             const CpuBackendOptions& options);
-  ~CpuBackend() override;
+  ~CpuBackend() override;  // stops and joins the loop thread; a step in progress completes
 
   const BackendInfo& info() const override { return info_; }
   absl::Status Prefill(std::span<const SlotInit> slots) override;
   absl::Status Run(RunMode mode) override;
+  absl::Status Pause() override;
+  absl::StatusOr<LoopStatus> Poll() override;
   void Cancel(SlotId slot) override;
   const TokenRing& Ring(SlotId slot) const override;
   void Release(SlotId slot) override;
-  StepReport last_step() const override { return last_; }
+  StepReport last_step() const override;
 
   int32_t num_free_slots() const;
+  // Test hook, set before the first Prefill: runs on the decoding thread at every step boundary,
+  // before the cancel check, with the number of steps done so far and no lock held (it may call
+  // Poll), so a test can park the loop at a known step.
+  void set_step_hook(std::function<void(uint64_t steps)> hook) { step_hook_ = std::move(hook); }
 
  private:
-  enum class SlotState : uint8_t { kFree, kActive, kFinished };
+  // FREE -> (Prefill) PENDING -> (prefill run) ACTIVE -> (stop rule, cancel) FINISHED -> (Release)
+  // FREE. PENDING lasts until the loop thread takes the prefill; host-driven it is never seen.
+  enum class SlotState : uint8_t { kFree, kPending, kActive, kFinished };
   struct Slot {
-    SlotState state = SlotState::kFree;
+    // Written by the decoding thread except FREE -> PENDING (Prefill) and FINISHED -> FREE
+    // (Release). FINISHED is stored before the finishing ring entry, so an engine that saw the
+    // entry never races the store with its Release.
+    std::atomic<SlotState> state{SlotState::kFree};
     std::atomic<bool> cancel{false};
+    // The decoding thread's own (the engine thread's when host-driven).
     std::vector<int32_t> prompt;       // [prompt_len]
     std::vector<int32_t> output;       // [generated]
     std::vector<int32_t> block_table;  // [ceil((prompt_len + max_new_tokens) / block_size)]
@@ -64,13 +88,28 @@ class CpuBackend : public Backend {
     uint32_t seq = 0;  // last seq pushed to the ring
     TokenRing ring;
   };
+  // A prefill with its own copy of the request (SlotInit's spans point into the caller's memory).
+  struct PrefillJob {
+    SlotId slot = -1;
+    std::vector<int32_t> prompt;
+    std::vector<int32_t> block_table;
+    SamplingParams sampling;
+    StopParams stop;
+  };
+  enum class PauseState : uint8_t { kRunning, kPausing, kPaused };
 
   CpuBackend(std::unique_ptr<CpuModel> model, const CpuBackendOptions& options,
              int32_t num_kv_blocks);
-  absl::Status ValidateInit(const SlotInit& init) const;
+  absl::Status ValidateInits(std::span<const SlotInit> inits) const;
+  // One Forward over the new prompts, then each slot ACTIVE with its first token in the ring.
+  absl::Status StartSlots(std::span<PrefillJob> jobs);
   // Samples the next token from `logits` ([vocab]), pushes it and applies the stop rule.
   void SampleAndPush(Slot& s, std::span<float> logits);
-  absl::Status OneStep();
+  // One decode step over the ACTIVE slots; cancelled ones get their finish-only entry instead.
+  absl::StatusOr<int32_t> OneStep();  // rows decoded
+  void LoopMain();
+  bool LoopHasWorkLocked() const;  // mu_ held
+  bool AnyActive() const;
 
   std::unique_ptr<CpuModel> model_;
   CpuKvPool kv_;
@@ -78,8 +117,21 @@ class CpuBackend : public Backend {
   BackendInfo info_;
   std::vector<Slot> slots_;         // [max_slots]
   std::vector<RingEntry> storage_;  // [max_slots][ring_capacity]
-  std::vector<float> logits_;       // [rows][vocab], reused
+  std::vector<float> logits_;       // [rows][vocab], reused by the decoding thread
+  std::function<void(uint64_t)> step_hook_;
+  std::atomic<uint64_t> steps_{0};  // decode steps with at least one row
+
+  // Shared between the engine thread and the loop thread.
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;    // the loop thread waits here for work or a pause request
+  std::condition_variable paused_cv_;  // Pause waits here for the loop to reach a boundary
+  std::vector<PrefillJob> pending_;    // handed over by Prefill, taken at the next step boundary
+  PauseState pause_ = PauseState::kRunning;
+  absl::Status loop_error_;  // sticky: the first failed Forward on the loop thread
+  bool stop_ = false;
   StepReport last_;
+
+  std::thread loop_;  // last: started once everything above exists
 };
 
 // Loads options.model_dir and builds the backend.

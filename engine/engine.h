@@ -29,7 +29,11 @@ struct EngineOptions {
   int32_t max_context = 0;    // prompt + max_new_tokens; 0 = model max_position_embeddings
   int32_t max_stop_ids = 16;  // cap on StopParams::stop_token_ids
   int32_t stream_buffer_tokens = 4096;  // unread tokens per stream before it is cancelled
+  // kOneStep: the engine thread runs each decode step (host-driven). kLoop: the backend's own
+  // loop decodes (the device-resident loop on CUDA), and the engine thread admits, prefills,
+  // cancels, streams and retires beside it, waking every loop_poll_us to drain the rings.
   RunMode run_mode = RunMode::kOneStep;
+  int32_t loop_poll_us = 100;
 };
 
 struct GenerateRequest {

@@ -1,6 +1,7 @@
 #include "engine/scheduler.h"
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -45,6 +46,10 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(EngineOptions optio
         absl::StrCat("queue_limit: must be >= 1, got ", options.queue_limit));
   }
   if (options.max_stop_ids < 0) return absl::InvalidArgumentError("max_stop_ids: negative");
+  if (options.loop_poll_us < 1 || options.loop_poll_us > 1000000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loop_poll_us: must be in [1, 1000000], got ", options.loop_poll_us));
+  }
   if (options.stream_buffer_tokens < 1) {
     return absl::InvalidArgumentError("stream_buffer_tokens: must be >= 1");
   }
@@ -193,8 +198,15 @@ bool Scheduler::WaitForWork() {
   std::unique_lock<std::mutex> lock(mu_);
   // A non-empty queue with nothing running is always admissible (Create checked that one
   // max-length request fits the pool), so this never wakes into a step that cannot progress.
-  cv_.wait(lock,
-           [&] { return stopped_ || !cancels_.empty() || !queue_.empty() || !running_.empty(); });
+  auto new_work = [&] { return stopped_ || !cancels_.empty() || !queue_.empty(); };
+  if (running_.empty() || options_.run_mode == RunMode::kOneStep) {
+    // Host-driven, every Step blocks in its decode step, so running requests are work at once.
+    cv_.wait(lock, [&] { return new_work() || !running_.empty(); });
+  } else {
+    // The loop decodes without us: wake for new requests and cancels at once, else every
+    // poll interval to stream what the rings hold and to retire finished requests.
+    cv_.wait_for(lock, std::chrono::microseconds(options_.loop_poll_us), new_work);
+  }
   return !stopped_;
 }
 
@@ -316,8 +328,9 @@ absl::Status Scheduler::RunBackend(StepTrace* trace) {
   if (trace->decoded.empty()) return absl::OkStatus();
   trace->did_work = true;
   TS_RETURN_IF_ERROR(backend_->Run(options_.run_mode));
-  trace->report = backend_->last_step();
-  if (options_.run_mode != RunMode::kOneStep || trace->report.active > 0) ++steps_;
+  if (options_.run_mode == RunMode::kOneStep) trace->report = backend_->last_step();
+  TS_ASSIGN_OR_RETURN(const LoopStatus loop, backend_->Poll());
+  steps_ = loop.steps;
   return absl::OkStatus();
 }
 
@@ -328,6 +341,9 @@ void Scheduler::Drain() {
 }
 
 void Scheduler::DrainOne(Request* r) {
+  // After an overrun only the finish mark matters: tokens the loop wrote after the gap belong to
+  // a stream the client can no longer trust, in this drain and every later one.
+  const bool broken_before = !r->error.ok();
   const TokenRing& ring = backend_->Ring(r->slot);
   drain_buf_.clear();
   token_buf_.clear();
@@ -356,6 +372,7 @@ void Scheduler::DrainOne(Request* r) {
       break;
     }
   }
+  if (broken_before) token_buf_.clear();
   if (!token_buf_.empty()) {
     r->stream->Append(token_buf_);
     r->generated += static_cast<int32_t>(token_buf_.size());

@@ -60,6 +60,8 @@ class DebugBackend final : public Backend {
   const TokenRing& Ring(SlotId slot) const override { return inner_->Ring(slot); }
   void Release(SlotId slot) override { inner_->Release(slot); }
   StepReport last_step() const override { return inner_->last_step(); }
+  absl::Status Pause() override { return inner_->Pause(); }
+  absl::StatusOr<LoopStatus> Poll() override { return inner_->Poll(); }
 
  private:
   void WaitForGate() {

@@ -1,6 +1,8 @@
 // The CPU backend behind the real Engine (threaded), on the committed tiny-gqa-untied fixture:
 // greedy streams equal transformers' greedy tokens, seeded sampling is reproducible across runs
 // and batch compositions, concurrent requests get their own tokens, and the KV pool comes back.
+// The engine tests run in three modes: host-driven (kOneStep), kLoop on a backend without a loop
+// thread (Run decodes until idle), and kLoop on the loop thread (cpu_loop_test.cc has the rest).
 #include "engine/cpu_backend.h"
 
 #include <gtest/gtest.h>
@@ -56,7 +58,16 @@ CpuBackendOptions BackendOptions(int32_t max_slots) {
   return o;
 }
 
-class CpuEngineTest : public ::testing::Test {
+struct Mode {
+  const char* name;
+  RunMode run_mode;
+  bool loop_thread;
+};
+constexpr Mode kHostDriven = {"HostDriven", RunMode::kOneStep, false};
+constexpr Mode kLoopInRun = {"LoopInRun", RunMode::kLoop, false};
+constexpr Mode kLoopThread = {"LoopThread", RunMode::kLoop, true};
+
+class CpuEngineFixture : public ::testing::Test {
  protected:
   void SetUp() override { ref_ = LoadReference(); }
 
@@ -68,6 +79,7 @@ class CpuEngineTest : public ::testing::Test {
     if (!model.ok()) return nullptr;
     CpuBackendOptions o = BackendOptions(max_slots);
     o.model_dir = dir;
+    o.loop_thread = mode_.loop_thread;
     auto backend = CpuBackend::Create(std::move(*model), o);
     EXPECT_TRUE(backend.ok()) << backend.status();
     if (!backend.ok()) return nullptr;
@@ -75,9 +87,10 @@ class CpuEngineTest : public ::testing::Test {
     return std::move(*backend);
   }
 
-  static std::unique_ptr<Engine> MakeEngineOver(std::unique_ptr<Backend> backend, int32_t max_slots,
-                                                EngineOptions eo = {}) {
+  std::unique_ptr<Engine> MakeEngineOver(std::unique_ptr<Backend> backend, int32_t max_slots,
+                                         EngineOptions eo = {}) {
     eo.max_batch = max_slots;
+    eo.run_mode = mode_.run_mode;
     auto engine = Engine::Create(std::move(eo), std::move(backend));
     EXPECT_TRUE(engine.ok()) << engine.status();
     return engine.ok() ? std::move(*engine) : nullptr;
@@ -131,11 +144,29 @@ class CpuEngineTest : public ::testing::Test {
     return std::vector<int32_t>(v.begin(), v.begin() + std::min(n, v.size()));
   }
 
+  Mode mode_ = kHostDriven;
   Reference ref_;
   CpuBackend* backend_ = nullptr;
 };
 
-TEST_F(CpuEngineTest, GreedyMatchesTransformersAloneAndBatched) {
+class CpuEngineTest : public CpuEngineFixture, public ::testing::WithParamInterface<Mode> {
+ protected:
+  void SetUp() override {
+    mode_ = GetParam();
+    CpuEngineFixture::SetUp();
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Modes, CpuEngineTest,
+                         ::testing::Values(kHostDriven, kLoopInRun, kLoopThread),
+                         [](const ::testing::TestParamInfo<Mode>& info) {
+                           return info.param.name;
+                         });
+
+// GatedBackend parks the engine thread, which holds decoding back only when host-driven.
+using CpuEngineHostDrivenTest = CpuEngineFixture;
+
+TEST_P(CpuEngineTest, GreedyMatchesTransformersAloneAndBatched) {
   ASSERT_EQ(ref_.prompts.size(), 3u);
   const int32_t n = static_cast<int32_t>(ref_.greedy[0].size());
   for (size_t i = 0; i < ref_.prompts.size(); ++i) {
@@ -158,7 +189,7 @@ TEST_F(CpuEngineTest, GreedyMatchesTransformersAloneAndBatched) {
   EXPECT_EQ(backend_->num_free_slots(), 4);
 }
 
-TEST_F(CpuEngineTest, SeededSamplingRepeatsAcrossRunsAndBatchCompositions) {
+TEST_P(CpuEngineTest, SeededSamplingRepeatsAcrossRunsAndBatchCompositions) {
   const GenerateRequest target = Sampled(ref_.prompts[1], 24, 1234);
   const std::vector<int32_t> first = RunAlone(target);
   const std::vector<int32_t> second = RunAlone(target);
@@ -179,7 +210,7 @@ TEST_F(CpuEngineTest, SeededSamplingRepeatsAcrossRunsAndBatchCompositions) {
   EXPECT_EQ(out[2].tokens, Prefix(ref_.greedy[2], 10));
 }
 
-TEST_F(CpuEngineTest, SixteenConcurrentClientsGetTheirOwnTokens) {
+TEST_P(CpuEngineTest, SixteenConcurrentClientsGetTheirOwnTokens) {
   // Expected streams: greedy ones from the reference, sampled ones from a run alone.
   std::vector<GenerateRequest> reqs;
   std::vector<std::vector<int32_t>> expected;
@@ -219,7 +250,7 @@ TEST_F(CpuEngineTest, SixteenConcurrentClientsGetTheirOwnTokens) {
   }
 }
 
-TEST_F(CpuEngineTest, StopRulesOnTheRealModel) {
+TEST_P(CpuEngineTest, StopRulesOnTheRealModel) {
   const std::vector<int32_t>& stream = ref_.greedy[0];
   // The first token that occurs again later in the reference stream.
   size_t first_at = 0;
@@ -256,7 +287,7 @@ size_t FirstOf(const std::vector<int32_t>& stream, const std::vector<int32_t>& i
   return stream.size();
 }
 
-TEST_F(CpuEngineTest, EosEndsTheStreamOnTheRealModel) {
+TEST_P(CpuEngineTest, EosEndsTheStreamOnTheRealModel) {
   // A prompt whose transformers continuation holds one of the model's EOS ids.
   ASSERT_FALSE(ref_.eos_token_ids.empty());
   auto eos_index = [&](size_t i) { return FirstOf(ref_.greedy[i], ref_.eos_token_ids); };
@@ -297,7 +328,7 @@ TEST_F(CpuEngineTest, EosEndsTheStreamOnTheRealModel) {
 // Llama-3 style: generation_config.json lists several EOS ids, and any of them ends a stream. The
 // fixture is copied with one more EOS id, taken from a reference continuation, so that two
 // prompts in one batch end on two different ids.
-TEST_F(CpuEngineTest, AnyOfSeveralEosIdsEndsTheStream) {
+TEST_P(CpuEngineTest, AnyOfSeveralEosIdsEndsTheStream) {
   ASSERT_EQ(ref_.greedy.size(), 3u);
   const std::vector<int32_t>& model_eos = ref_.eos_token_ids;
   // The prompt that ends on the model's own EOS, and another whose stream has none.
@@ -365,7 +396,7 @@ TEST_F(CpuEngineTest, AnyOfSeveralEosIdsEndsTheStream) {
 // The engine thread is parked at the start of decode step kHoldAt while the test cancels, so the
 // cancel lands at a known token count whatever the load: the held step still decodes (its cancel
 // check ran before the gate), and the next step sees the cancel before sampling.
-TEST_F(CpuEngineTest, CancelFreesTheSlotAndBlocks) {
+TEST_F(CpuEngineHostDrivenTest, CancelFreesTheSlotAndBlocks) {
   constexpr int kHoldAt = 5;
   auto gate = std::make_shared<Gate>();
   auto engine = MakeEngineOver(std::make_unique<GatedBackend>(MakeBackend(2), kHoldAt, gate), 2);
@@ -436,8 +467,8 @@ TEST(CpuBackend, ReportsBucketsAndRejectsBadPrefill) {
   ASSERT_EQ(e0.size(), 3u);
   ASSERT_EQ(e2.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(e0[i].token, e2[i].token);
-  // Until idle: one more token each reaches max_new_tokens = 4.
-  ASSERT_TRUE(b.Run(RunMode::kUntilIdle).ok());
+  // kLoop without a loop thread decodes until idle: one more token each reaches max_new_tokens = 4.
+  ASSERT_TRUE(b.Run(RunMode::kLoop).ok());
   ASSERT_TRUE(b.Ring(0).Drain(&n0, &e0));
   ASSERT_EQ(e0.size(), 4u);
   EXPECT_EQ(RingReason(e0[3].flags), FinishReason::kLength);

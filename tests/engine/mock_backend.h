@@ -106,7 +106,7 @@ class MockBackend : public Backend {
     }
     do {
       OneStep();
-    } while (mode == RunMode::kUntilIdle && last_.active > 0);
+    } while (mode == RunMode::kLoop && last_.active > 0);
     return absl::OkStatus();
   }
 
@@ -123,6 +123,7 @@ class MockBackend : public Backend {
     s.ring.Reset();
   }
   StepReport last_step() const override { return last_; }
+  absl::StatusOr<LoopStatus> Poll() override { return LoopStatus{.steps = steps_}; }
 
   bool slot_free(SlotId slot) const { return slots_[slot].state == kFree; }
 
@@ -161,6 +162,7 @@ class MockBackend : public Backend {
     const int32_t n = static_cast<int32_t>(rec.active.size());
     rec.bucket = PickBucket(o_.buckets, n);
     last_ = StepReport{.active = n, .bucket = rec.bucket};
+    if (n > 0) ++steps_;
     if (n == 0) return;
     for (SlotId i : rec.active) {
       Slot& s = slots_[i];
@@ -184,6 +186,7 @@ class MockBackend : public Backend {
   std::function<void()> on_prefill_;
   absl::Status fail_next_run_;
   StepReport last_;
+  uint64_t steps_ = 0;
 };
 
 }  // namespace ts::testing
