@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "graphs/device_guard.h"
+#include "graphs/device_loop.cuh"
 #include "kernels/cuda_check.h"
 #include "kernels/kv_layout.cuh"
 #include "kernels/postprocess.cuh"
@@ -53,6 +54,7 @@ CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& co
   m.attention_skip_combine = o.attention_skip_combine;
   m.timing_skip_ops = o.timing_skip_ops;
   m.attention_min_split_tokens = o.attention_min_split_tokens;
+  m.step_stamps = o.step_stamps;
   return m;
 }
 
@@ -75,6 +77,7 @@ CudaBackend::CudaBackend(const CudaBackendOptions& options) : options_(options) 
 CudaBackend::~CudaBackend() {
   // The engine destroys the backend on its own thread, whose current device may be another.
   const graphs::DeviceGuard guard = graphs::DeviceGuard::SetOrIgnore(options_.device);
+  StopLoop();
   // Nothing may still run on our stream when the graphs and the arena go away.
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   graphs_.reset();
@@ -91,7 +94,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
   // current device is restored on return.
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(o.device));
   std::unique_ptr<CudaBackend> b(new CudaBackend(o));
-  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
+  TS_RETURN_IF_ERROR(b->CreateStream());
   TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(ModelOptions(o, config)));
   TS_RETURN_IF_ERROR(model->UploadWeights(*ckpt, b->stream_));
   TS_RETURN_IF_ERROR(b->Init(std::move(model)));
@@ -105,12 +108,21 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::CreateRandom(
   // current device is restored on return.
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(o.device));
   std::unique_ptr<CudaBackend> b(new CudaBackend(o));
-  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&b->stream_, cudaStreamNonBlocking));
+  TS_RETURN_IF_ERROR(b->CreateStream());
   TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
                       CudaModel::Create(ModelOptions(o, spec.config)));
   TS_RETURN_IF_ERROR(model->InitRandomWeights(spec.seed, spec.scale, b->stream_));
   TS_RETURN_IF_ERROR(b->Init(std::move(model)));
   return b;
+}
+
+absl::Status CudaBackend::CreateStream() {
+  // The device loop's stream outranks its prefill stream (InitLoop).
+  int greatest = 0;
+  TS_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(nullptr, &greatest));
+  const int priority = options_.device_loop ? greatest : 0;
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, priority));
+  return absl::OkStatus();
 }
 
 int32_t CudaBackend::RegimeBound(int32_t context) const {
@@ -165,6 +177,7 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
                  st.instantiate_ms, st.upload_ms,
                  static_cast<double>(st.graph_memory_bytes) / (1 << 20));
   }
+  if (options_.device_loop) TS_RETURN_IF_ERROR(InitLoop());
   return absl::OkStatus();
 }
 
@@ -193,13 +206,22 @@ absl::Status CudaBackend::ValidateInit(const SlotInit& in) const {
 
 // Writes the slot's table row, block table and prompt mask into staging row `index` and
 // enqueues their copies (plus the output-count reset) to the slot's device rows.
-absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index) {
+void CudaBackend::ResetSlotHost(SlotId slot) {
+  // No kernel touches these for a slot that is not ACTIVE on the device, and the slot's staging
+  // (which makes it so) is enqueued only after this returns.
+  std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(0, std::memory_order_relaxed);
+  std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
+  slots_[slot].ring.Reset();
+}
+
+absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index, int32_t device_state,
+                                    cudaStream_t stream) {
   const HostLayout& h = model_->host();
   const DeviceLayout& d = model_->dev();
   const ArenaShape& s = model_->plan().shape;
   k::SlotRow& row = h.slot_rows[index];
   row = k::SlotRow{};
-  row.state = k::kSlotActive;
+  row.state = device_state;
   row.prompt_len = static_cast<int32_t>(in.prompt.size());
   row.generated = 0;
   row.last_token = -1;
@@ -224,20 +246,15 @@ absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index) {
 
   const size_t slot = static_cast<size_t>(in.slot);
   TS_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(d.slots + slot, &row, sizeof(k::SlotRow), cudaMemcpyHostToDevice, stream_));
+      cudaMemcpyAsync(d.slots + slot, &row, sizeof(k::SlotRow), cudaMemcpyHostToDevice, stream));
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.slot_block_tables + slot * mb, table,
-                                          mb * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+                                          mb * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.prompt_mask + slot * words, mask,
                                           words * sizeof(uint32_t), cudaMemcpyHostToDevice,
-                                          stream_));
+                                          stream));
   TS_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(d.output_counts + slot * s.dims.vocab, 0,
-                      static_cast<size_t>(s.dims.vocab) * sizeof(*d.output_counts), stream_));
-  // The GPU reads these through the mapped alias at the prefill's postprocess and later steps;
-  // the stream has not reached that kernel yet (nothing of this Prefill was enqueued before).
-  std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(0, std::memory_order_relaxed);
-  std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
-  slots_[slot].ring.Reset();
+                      static_cast<size_t>(s.dims.vocab) * sizeof(*d.output_counts), stream));
   return absl::OkStatus();
 }
 
@@ -256,22 +273,9 @@ absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
       }
     }
   }
-  std::vector<PrefillSeq> seqs;
-  std::vector<int32_t> slot_ids;
-  std::vector<k::SamplingRow> params;
-  for (size_t i = 0; i < inits.size(); ++i) {
-    const SlotInit& in = inits[i];
-    TS_RETURN_IF_ERROR(StageSlot(in, static_cast<int32_t>(i)));
-    seqs.push_back(PrefillSeq{in.prompt, in.block_table});
-    slot_ids.push_back(in.slot);
-    params.push_back(ToSamplingRow(in.sampling, in.prompt.size()));
-  }
-  TS_RETURN_IF_ERROR(model_->EnqueuePrefill(seqs, stream_));
-  TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(slot_ids, params, stream_));
-  // Host-driven mode: the engine drains the first tokens right after Prefill returns, so wait
-  // for this stream (the only one we use) to finish the prefill.
-  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  TS_RETURN_IF_ERROR(CheckErrorFlag("prefill"));
+  for (const SlotInit& in : inits) ResetSlotHost(in.slot);
+  if (options_.device_loop) return EnqueuePrefillJobs(inits);
+  TS_RETURN_IF_ERROR(PrefillOn(inits, /*publish_ready=*/false, stream_));
   for (const SlotInit& in : inits) {
     Slot& s = slots_[in.slot];
     s.state = SlotState::kActive;
@@ -280,6 +284,28 @@ absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
   }
   AfterStep({});
   return absl::OkStatus();
+}
+
+absl::Status CudaBackend::PrefillOn(std::span<const SlotInit> inits, bool publish_ready,
+                                    cudaStream_t stream) {
+  std::vector<PrefillSeq> seqs;
+  std::vector<int32_t> slot_ids;
+  std::vector<k::SamplingRow> params;
+  const int32_t state = publish_ready ? k::kSlotPrefill : k::kSlotActive;
+  for (size_t i = 0; i < inits.size(); ++i) {
+    const SlotInit& in = inits[i];
+    TS_RETURN_IF_ERROR(StageSlot(in, static_cast<int32_t>(i), state, stream));
+    seqs.push_back(PrefillSeq{in.prompt, in.block_table});
+    slot_ids.push_back(in.slot);
+    params.push_back(ToSamplingRow(in.sampling, in.prompt.size()));
+  }
+  TS_RETURN_IF_ERROR(model_->EnqueuePrefill(seqs, stream));
+  TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(slot_ids, params, publish_ready, stream));
+  // Host-driven, the engine drains the first tokens right after Prefill returns; in the device
+  // loop the prefill thread learns here that the slots are published. Either way the staging
+  // rows are free again after this.
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return CheckErrorFlag("prefill");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -315,6 +341,13 @@ absl::Status CudaBackend::MaybeUpdateRegime() {
 absl::Status CudaBackend::Run(RunMode mode) {
   // The engine thread that calls Run is not the thread that created the backend.
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
+  if (options_.device_loop) {
+    if (mode != RunMode::kLoop) {
+      return absl::FailedPreconditionError(
+          "run: this backend runs the device loop; host-driven steps need device_loop = false");
+    }
+    return RunLoop();
+  }
   do {
     TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
     if (index < 0) {
@@ -335,7 +368,8 @@ absl::Status CudaBackend::Run(RunMode mode) {
     TS_RETURN_IF_ERROR(CheckErrorFlag("decode step"));
     AfterStep(rows_);
     last_ = StepReport{.active = static_cast<int32_t>(rows_.size()), .bucket = bucket};
-  } while (mode == RunMode::kUntilIdle);
+    ++steps_;
+  } while (mode == RunMode::kLoop);
   return absl::OkStatus();
 }
 
@@ -362,6 +396,7 @@ absl::Status CudaBackend::CheckErrorFlag(const char* where) const {
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, float>>> CudaBackend::ProfileStep() {
+  if (options_.device_loop) return absl::FailedPreconditionError("ProfileStep: host-driven only");
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
   TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
   if (index < 0) return absl::FailedPreconditionError("ProfileStep: no active slot");
@@ -401,6 +436,7 @@ absl::StatusOr<std::vector<float>> CudaBackend::PromptLogits(std::span<const int
 
 absl::StatusOr<std::vector<std::vector<float>>> CudaBackend::DecodeLogits(
     std::span<const std::vector<int32_t>> prompts, int32_t prefill_len) {
+  if (options_.device_loop) return absl::FailedPreconditionError("DecodeLogits: host-driven only");
   if (num_active() > 0) return absl::FailedPreconditionError("DecodeLogits: slots are active");
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
   const int32_t n = prompts.empty() ? 0 : static_cast<int32_t>(prompts[0].size());
@@ -505,6 +541,7 @@ void CudaBackend::Release(SlotId slot) {
   // never put in a row list, so the GPU does not touch it until the next Prefill rewrites it.
   Slot& s = slots_[slot];
   s.state = SlotState::kFree;
+  if (prefill_done_ != nullptr) prefill_done_[slot].store(false, std::memory_order_relaxed);
   s.prompt_len = 0;
   s.generated = 0;
   std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(0, std::memory_order_relaxed);

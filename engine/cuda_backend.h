@@ -18,10 +18,15 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -31,6 +36,9 @@
 #include "graphs/graph_cache.h"
 
 namespace ts {
+namespace graphs {
+class DeviceLoop;
+}  // namespace graphs
 
 struct CudaBackendOptions {
   std::filesystem::path model_dir;
@@ -43,6 +51,11 @@ struct CudaBackendOptions {
   int device = 0;
   int32_t prefill_chunk_tokens = 2048;
   uint32_t ring_capacity = 1024;
+  // The device-resident loop (docs/device-loop.md): Run(kLoop) keeps a scheduler kernel
+  // tail-launching the bucket graphs with no host call between steps, and Prefill runs on a
+  // prefill thread and stream of its own beside it. false: host-driven, Run(kOneStep) launches
+  // one step and synchronises (the baseline and the fallback).
+  bool device_loop = false;
   bool log_progress = true;            // memory budget and graph capture progress on stderr
   bool small_m_gemv = true;            // see CudaModelOptions::small_m_gemv
   bool fused_decode_layers = true;     // see CudaModelOptions::fused_decode_layers
@@ -52,6 +65,7 @@ struct CudaBackendOptions {
   bool attention_skip_combine = true;  // see CudaModelOptions::attention_skip_combine
   std::vector<std::string> timing_skip_ops = {};  // benchmarks only, see CudaModelOptions
   int32_t attention_min_split_tokens = 64;        // see CudaModelOptions
+  kernels::StepStamps* step_stamps = nullptr;     // benchmarks only, see CudaModelOptions
 };
 
 // Weights generated on the device instead of read from model_dir (benchmarks).
@@ -72,6 +86,8 @@ class CudaBackend : public Backend {
   const BackendInfo& info() const override { return info_; }
   absl::Status Prefill(std::span<const SlotInit> slots) override;
   absl::Status Run(RunMode mode) override;
+  absl::Status Pause() override;
+  absl::StatusOr<LoopStatus> Poll() override;
   void Cancel(SlotId slot) override;
   const TokenRing& Ring(SlotId slot) const override;
   void Release(SlotId slot) override;
@@ -82,6 +98,9 @@ class CudaBackend : public Backend {
   cudaStream_t stream() const { return stream_; }
   const graphs::GraphCache& graph_cache() const { return *graphs_; }
   int32_t num_active() const;
+  // Device loop: blocks until every prefill handed over so far has completed (benchmarks and
+  // tests that want a batch to start decoding together). Returns the prefill thread's error.
+  absl::Status WaitForPrefills();
   // The longest context (prompt + generated) among ACTIVE slots after the last step.
   int32_t max_active_context() const;
   // One decode step like Run(kOneStep), but host-launched op by op, each op timed with events.
@@ -99,7 +118,9 @@ class CudaBackend : public Backend {
       std::span<const std::vector<int32_t>> prompts, int32_t prefill_len);
 
  private:
-  enum class SlotState : uint8_t { kFree, kActive, kFinished };
+  // kPrefilling: handed to the prefill thread (device loop only). kActive: prefilled, decoding
+  // (on the device READY or ACTIVE). kFinished: the GPU's done flag was seen.
+  enum class SlotState : uint8_t { kFree, kPrefilling, kActive, kFinished };
   struct Slot {
     SlotState state = SlotState::kFree;
     int32_t prompt_len = 0;
@@ -108,9 +129,26 @@ class CudaBackend : public Backend {
   };
 
   explicit CudaBackend(const CudaBackendOptions& options);
+  absl::Status CreateStream();
   absl::Status Init(std::unique_ptr<CudaModel> model);
   absl::Status ValidateInit(const SlotInit& init) const;
-  absl::Status StageSlot(const SlotInit& init, int32_t index);
+  // Engine thread: clears the slot's ring and mapped cancel/done flags for a new request.
+  void ResetSlotHost(SlotId slot);
+  // Stages the slot's device row (state `device_state`), block table, prompt mask and count reset
+  // from staging row `index`, on `stream`.
+  absl::Status StageSlot(const SlotInit& init, int32_t index, int32_t device_state,
+                         cudaStream_t stream);
+  // Stages, prefills and samples the first tokens of `inits` on `stream`, then waits for it.
+  absl::Status PrefillOn(std::span<const SlotInit> inits, bool publish_ready, cudaStream_t stream);
+  // Device loop (cuda_backend_loop.cc).
+  absl::Status InitLoop();
+  void StopLoop();
+  absl::Status EnqueuePrefillJobs(std::span<const SlotInit> inits);
+  void PrefillThread();
+  absl::Status LoopError();
+  // Host slot states from the prefill thread's completions and the GPU's done flags.
+  void RefreshSlots();
+  absl::Status RunLoop();
   // Active slots in ascending order; fills the row-list staging and returns the bucket index.
   absl::StatusOr<int32_t> StageRows();
   absl::Status MaybeUpdateRegime();
@@ -128,6 +166,27 @@ class CudaBackend : public Backend {
   std::vector<SlotId> rows_;  // [active] this step's row list, reused (no per-step allocation)
   std::unique_ptr<OpTimer> timer_;
   StepReport last_;
+  uint64_t steps_ = 0;  // host-driven steps that decoded >= 1 row
+
+  // Device loop.
+  struct PrefillJob {
+    SlotInit init;  // spans into the vectors below
+    std::vector<int32_t> prompt;
+    std::vector<int32_t> block_table;
+  };
+  std::unique_ptr<graphs::DeviceLoop> loop_;
+  cudaStream_t prefill_stream_ = nullptr;
+  cudaStream_t control_stream_ = nullptr;
+  std::thread prefill_thread_;
+  std::mutex prefill_mu_;
+  std::condition_variable prefill_cv_;
+  std::deque<std::unique_ptr<PrefillJob>> prefill_queue_;  // guarded by prefill_mu_
+  bool prefill_stop_ = false;                              // guarded by prefill_mu_
+  absl::Status prefill_error_;                             // guarded by prefill_mu_
+  int32_t prefill_inflight_ = 0;  // jobs queued or running; guarded by prefill_mu_
+  std::condition_variable prefill_idle_cv_;
+  // [max_slots] set (release) by the prefill thread once a slot's prefill has completed.
+  std::unique_ptr<std::atomic<bool>[]> prefill_done_;
 };
 
 // Loads options.model_dir and builds the backend.

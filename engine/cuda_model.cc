@@ -250,6 +250,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   m->gemv_warp_tiles_ = o.gemv_warp_tiles;
   m->timing_skip_ops_ = o.timing_skip_ops;
   m->attention_min_split_tokens_ = o.attention_min_split_tokens;
+  m->step_stamps_ = o.step_stamps;
   m->buckets_ = o.buckets;
   m->device_ = o.device;
   m->max_context_ = o.max_context > 0 ? o.max_context : o.config.max_position_embeddings;

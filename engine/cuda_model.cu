@@ -22,6 +22,7 @@ constexpr int kThreads = 128;
 // the row's context needs (the attention kernel reads no further).
 __global__ void __launch_bounds__(kThreads) PrepareDecodeKernel(PrepareDecodeParams p) {
   const int32_t row = blockIdx.x;
+  if (p.stamps != nullptr && row == 0 && threadIdx.x == 0) kernels::StampStepStart(p.stamps);
   const int32_t slot = p.row_slots[row];
   const bool valid = slot >= 0 && slot < p.num_slots && p.slots[slot].state == kernels::kSlotActive;
   if (!valid) {

@@ -81,6 +81,9 @@ struct CudaModelOptions {
   // Decode attention's shortest split when a batch leaves SMs idle
   // (SplitChoiceInputs::min_split_tokens).
   int32_t attention_min_split_tokens = 64;
+  // Benchmarks only: device timestamps of every decode step (kernels/step_stamps.cuh), written
+  // by the captured prepare and postprocess kernels. Owned by the caller; nullptr in production.
+  kernels::StepStamps* step_stamps = nullptr;
 };
 
 // Times each op of a step separately with CUDA events (the --profile mode of tailserve-bench).
@@ -149,9 +152,12 @@ class CudaModel {
   absl::Status EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStream_t stream);
   // Samples the first token of the rows left by EnqueuePrefill. slots[i] is sequence i's slot
   // (its slot table row, counts and mask already written); params[i].position = prompt length.
+  // publish_ready: the slots were staged PREFILL beside a running device loop, and a slot that
+  // does not finish on its first token becomes READY for the loop's scheduler (otherwise they
+  // were staged ACTIVE and stay so).
   absl::Status EnqueuePrefillSample(std::span<const int32_t> slots,
                                     std::span<const kernels::SamplingRow> params,
-                                    cudaStream_t stream);
+                                    bool publish_ready, cudaStream_t stream);
   // Teacher-forced fp32 logits [tokens.size(), vocab] of one prompt (tests). Writes KV through
   // block_table; synchronises `stream`.
   absl::StatusOr<std::vector<float>> PromptLogits(std::span<const int32_t> tokens,
@@ -191,8 +197,11 @@ class CudaModel {
   absl::Status EnqueueLogits(__nv_bfloat16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
                              const cuda_model_internal::LogitsGemm& gemm, cudaStream_t stream,
                              OpTimer* timer) const;
-  absl::Status EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows, cudaStream_t stream,
-                                    OpTimer* timer) const;
+  // Postprocess moves rows in from_state to to_state (kernels::PostprocessParams); `stamps`
+  // (decode steps of a benchmark) records the step's end.
+  absl::Status EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows, int32_t from_state,
+                                    int32_t to_state, kernels::StepStamps* stamps,
+                                    cudaStream_t stream, OpTimer* timer) const;
   // The planned prefill GEMM row count for `tokens` rows (>= tokens).
   int32_t PrefillRowsFor(int32_t tokens) const;
 
@@ -205,6 +214,7 @@ class CudaModel {
   bool gemv_warp_tiles_ = true;
   std::vector<std::string> timing_skip_ops_;
   int32_t attention_min_split_tokens_ = 64;
+  kernels::StepStamps* step_stamps_ = nullptr;
   int32_t attention_ctas_per_sm_ = 0;  // resident decode-attention CTAs per SM (0: default)
   MemoryPlan plan_;
   std::vector<int32_t> buckets_;
@@ -277,6 +287,7 @@ struct PrepareDecodeParams {
   int32_t num_slots = 0;
   int32_t max_blocks = 0;
   int32_t block_size = 0;
+  kernels::StepStamps* stamps = nullptr;  // benchmarks only: the step's start and idle gap
 };
 absl::Status LaunchPrepareDecode(const PrepareDecodeParams& p, cudaStream_t stream);
 

@@ -310,7 +310,9 @@ absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, 
 }
 
 absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows,
-                                             cudaStream_t stream, OpTimer* timer) const {
+                                             int32_t from_state, int32_t to_state,
+                                             k::StepStamps* stamps, cudaStream_t stream,
+                                             OpTimer* timer) const {
   const ModelDims& d = dims();
   const ArenaShape& s = plan_.shape;
   TS_RETURN_IF_ERROR(TimedOp(timer, "sampling", stream, [&] {
@@ -351,6 +353,9 @@ absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t ro
     p.num_slots = s.max_slots;
     p.vocab = d.vocab;
     p.ring_capacity = s.ring_capacity;
+    p.from_state = from_state;
+    p.to_state = to_state;
+    p.stamps = stamps;
     return k::LaunchPostprocess(p, stream);
   });
 }
@@ -381,6 +386,7 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
     p.num_slots = s.max_slots;
     p.max_blocks = s.max_blocks_per_seq;
     p.block_size = s.kv_block_size;
+    p.stamps = step_stamps_;
     return ci::LaunchPrepareDecode(p, stream);
   }));
   TS_RETURN_IF_ERROR(TimedOp(timer, "embedding", stream, [&] {
@@ -401,7 +407,8 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
   at.block_tables = dev_.decode_block_tables;
   TS_RETURN_IF_ERROR(EnqueueLayers(f, bucket, at, *decode_gemm_, stream, timer));
   TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, timer));
-  return EnqueueSampleAndPost(head, bucket, stream, timer);
+  return EnqueueSampleAndPost(head, bucket, k::kSlotActive, k::kSlotActive, step_stamps_, stream,
+                              timer);
 }
 
 }  // namespace ts

@@ -12,6 +12,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/embedding.cuh"
 #include "kernels/kv_layout.cuh"
+#include "kernels/postprocess.cuh"
 
 namespace ts {
 
@@ -133,7 +134,7 @@ absl::Status CudaModel::EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStr
 
 absl::Status CudaModel::EnqueuePrefillSample(std::span<const int32_t> slots,
                                              std::span<const k::SamplingRow> params,
-                                             cudaStream_t stream) {
+                                             bool publish_ready, cudaStream_t stream) {
   const int32_t n = static_cast<int32_t>(slots.size());
   if (n == 0) return absl::OkStatus();
   TS_CHECK_EQ(slots.size(), params.size());
@@ -155,7 +156,9 @@ absl::Status CudaModel::EnqueuePrefillSample(std::span<const int32_t> slots,
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
   const int32_t padded = PickBucket(buckets_, n);
   TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, padded, *prefill_logits_, stream, nullptr));
-  return EnqueueSampleAndPost(head, n, stream, nullptr);
+  const int32_t from = publish_ready ? k::kSlotPrefill : k::kSlotActive;
+  const int32_t to = publish_ready ? k::kSlotReady : k::kSlotActive;
+  return EnqueueSampleAndPost(head, n, from, to, nullptr, stream, nullptr);
 }
 
 absl::StatusOr<std::vector<float>> CudaModel::PromptLogits(std::span<const int32_t> tokens,

@@ -27,13 +27,12 @@ __device__ uint32_t StopReason(const SlotRow& s, const PostprocessParams& p, int
   return 0;
 }
 
-__global__ void __launch_bounds__(kThreads) PostprocessKernel(PostprocessParams p) {
-  const int32_t row = blockIdx.x * kThreads + threadIdx.x;
+__device__ void PostprocessRow(const PostprocessParams& p, int32_t row) {
   if (row >= p.rows) return;
   const int32_t slot = p.row_slots[row];
   if (slot < 0 || slot >= p.num_slots) return;  // padding row: touches nothing
   SlotRow& s = p.slots[slot];
-  if (s.state != kSlotActive) return;
+  if (s.state != p.from_state) return;
 
   const bool cancelled = *static_cast<const volatile int32_t*>(p.cancel + slot) != 0;
   int32_t token = p.tokens[row];
@@ -63,12 +62,25 @@ __global__ void __launch_bounds__(kThreads) PostprocessKernel(PostprocessParams 
   e->flags = RingFlagsFor(reason);
   __threadfence_system();
   e->seq = seq;
-  if (reason != 0) {
+  if (reason == 0) {
+    if (p.to_state != p.from_state) {
+      __threadfence();
+      *static_cast<volatile int32_t*>(&s.state) = p.to_state;
+    }
+  } else {
     s.state = kSlotFinished;
     if (p.done != nullptr) {
       __threadfence_system();
       *static_cast<volatile int32_t*>(p.done + slot) = 1;
     }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) PostprocessKernel(PostprocessParams p) {
+  PostprocessRow(p, static_cast<int32_t>(blockIdx.x * kThreads + threadIdx.x));
+  if (p.stamps != nullptr && blockIdx.x == 0) {
+    __syncthreads();
+    if (threadIdx.x == 0) StampStepEnd(p.stamps);
   }
 }
 

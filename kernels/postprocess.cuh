@@ -16,16 +16,22 @@
 
 #include "absl/status/status.h"
 #include "kernels/sampling.cuh"
+#include "kernels/step_stamps.cuh"
 
 namespace ts::kernels {
 
 inline constexpr int32_t kMaxStopIds = 16;  // StopParams::stop_token_ids capacity per slot
 inline constexpr int32_t kMaxEosIds = 8;    // model EOS ids
 
-// Slot states in SlotRow::state. Only ACTIVE rows are decoded or written.
+// Slot states in SlotRow::state. Only ACTIVE rows are decoded. In the device-resident loop a
+// slot is staged as PREFILL while its prefill runs beside the loop; the prefill's postprocess
+// makes it READY (or FINISHED), and the loop's scheduler kernel turns READY into ACTIVE at a step
+// boundary (docs/device-loop.md).
 inline constexpr int32_t kSlotFree = 0;
 inline constexpr int32_t kSlotActive = 1;
 inline constexpr int32_t kSlotFinished = 2;
+inline constexpr int32_t kSlotPrefill = 3;
+inline constexpr int32_t kSlotReady = 4;
 
 // Finish reasons as ts::FinishReason numbers them (engine/backend.h; the backend static_asserts
 // that they agree) and the ring flag layout: bit 0 FINISHED, bits 8..15 the reason.
@@ -84,6 +90,13 @@ struct PostprocessParams {
   int32_t num_slots = 0;             // > 0
   int32_t vocab = 0;                 // > 0
   uint32_t ring_capacity = 0;        // >= 2
+  // Rows whose slot is in `from_state` are processed (others are skipped); a row that does not
+  // finish moves to `to_state`. A decode step and the host-driven prefill: ACTIVE -> ACTIVE; the
+  // loop's prefill: PREFILL -> READY, stored after a fence so that a scheduler kernel on another
+  // stream that sees READY also sees the row's token, counts and ring record.
+  int32_t from_state = kSlotActive;
+  int32_t to_state = kSlotActive;
+  StepStamps* stamps = nullptr;  // benchmarks only (kernels/step_stamps.cuh): the step's end
 };
 
 // Validates params (InvalidArgument naming the field) and enqueues the kernel on `stream`.

@@ -63,10 +63,15 @@ struct Config {
   bool with_done = true;
   int steps = 40;
   uint32_t seed = 1;
+  // The rows the kernel processes and where a row that does not finish goes: a decode step
+  // ACTIVE -> ACTIVE, the device loop's prefill PREFILL -> READY.
+  int32_t from_state = kSlotActive;
+  int32_t to_state = kSlotActive;
   std::string Name() const {
     return "slots=" + std::to_string(num_slots) + " vocab=" + std::to_string(vocab) +
            " capacity=" + std::to_string(capacity) + " num_eos=" + std::to_string(num_eos) +
-           " done=" + std::to_string(with_done) + " seed=" + std::to_string(seed);
+           " done=" + std::to_string(with_done) + " seed=" + std::to_string(seed) +
+           " states=" + std::to_string(from_state) + "->" + std::to_string(to_state);
   }
 };
 
@@ -81,6 +86,7 @@ struct Coverage {
   int out_of_vocab = 0;     // an emitted token outside [0, vocab): no count
   int wrapped = 0;          // a record at seq > capacity
   int padding = 0, inactive = 0, republished = 0;
+  int moved = 0;  // rows that did not finish and changed state (PREFILL -> READY)
 };
 
 // Each slot's hot tokens start at these counts, so the increments hit the edges.
@@ -110,7 +116,7 @@ class Sim {
     SlotRow s;
     std::memcpy(static_cast<void*>(&s), junk.data(), sizeof(s));
     s.state = state;
-    if (state != kSlotActive) return s;
+    if (state != c_.from_state) return s;
     s.prompt_len = 1 + Pick(4000);
     s.generated = Pick(20);
     s.last_token = Pick(c_.vocab);
@@ -133,7 +139,10 @@ class Sim {
     st_.slots.resize(n);
     for (SlotRow& s : st_.slots) {
       const int k = Pick(10);
-      s = RandomSlot(k < 7 ? kSlotActive : k < 9 ? kSlotFinished : kSlotFree);
+      // With PREFILL rows processed, ACTIVE and READY ones must be skipped.
+      const int32_t other =
+          c_.from_state == kSlotActive ? kSlotFree : (Pick(2) ? kSlotActive : kSlotReady);
+      s = RandomSlot(k < 7 ? c_.from_state : k < 8 ? kSlotFinished : k < 9 ? other : kSlotFree);
     }
     st_.counts.resize(n * c_.vocab);
     for (uint32_t& v : st_.counts) v = gen_() % 5;
@@ -147,13 +156,13 @@ class Sim {
     st_.rings.assign(n * c_.capacity, poison);
     st_.cancel.resize(n);
     for (size_t i = 0; i < n; ++i)
-      st_.cancel[i] = st_.slots[i].state == kSlotActive ? 0 : kPoison32;
+      st_.cancel[i] = st_.slots[i].state == c_.from_state ? 0 : kPoison32;
     st_.done.assign(n, kPoison32);
   }
 
   int32_t RandomToken(int32_t slot) {
     const SlotRow& s = st_.slots[slot];
-    if (s.state != kSlotActive) return static_cast<int32_t>(gen_());  // junk: never read
+    if (s.state != c_.from_state) return static_cast<int32_t>(gen_());  // junk: never read
     const int k = Pick(100);
     if (k < 12 && c_.num_eos > 0) return eos_[Pick(c_.num_eos)];
     if (k < 17 && c_.num_eos < kMaxEosIds) return eos_[c_.num_eos + Pick(kMaxEosIds - c_.num_eos)];
@@ -171,13 +180,13 @@ class Sim {
   std::vector<int32_t> Republish() {
     std::vector<int32_t> changed;
     for (int32_t i = 0; i < c_.num_slots; ++i) {
-      if (st_.slots[i].state != kSlotActive && Pick(10) == 0) {
-        st_.slots[i] = RandomSlot(kSlotActive);
+      if (st_.slots[i].state != c_.from_state && Pick(10) == 0) {
+        st_.slots[i] = RandomSlot(c_.from_state);
         st_.cancel[i] = 0;
         st_.done[i] = kPoison32;
         changed.push_back(i);
         ++cov_->republished;
-      } else if (st_.slots[i].state == kSlotActive && st_.cancel[i] == 0 && Pick(25) == 0) {
+      } else if (st_.slots[i].state == c_.from_state && st_.cancel[i] == 0 && Pick(25) == 0) {
         const int32_t flags[] = {1, -1, 0x10000, 7};
         st_.cancel[i] = flags[Pick(4)];
       }
@@ -210,7 +219,7 @@ class Sim {
       return;
     }
     SlotRow& s = st_.slots[slot];
-    if (s.state != kSlotActive) {
+    if (s.state != c_.from_state) {
       ++cov_->inactive;
       return;
     }
@@ -243,6 +252,9 @@ class Sim {
     if (reason != 0) {
       s.state = kSlotFinished;
       if (c_.with_done) st_.done[slot] = 1;
+    } else if (c_.to_state != c_.from_state) {
+      s.state = c_.to_state;
+      ++cov_->moved;
     }
   }
 
@@ -366,6 +378,8 @@ void RunSteps(const Config& c, Coverage* cov) {
     p.num_slots = c.num_slots;
     p.vocab = c.vocab;
     p.ring_capacity = c.capacity;
+    p.from_state = c.from_state;
+    p.to_state = c.to_state;
     if (step % 3 == 2) {  // as the captured decode graph runs it
       ASSERT_TRUE(
           testing::RunInGraph(stream, [&](cudaStream_t s) { return LaunchPostprocess(p, s); }));
@@ -395,6 +409,7 @@ TEST(PostprocessTest, MatchesTheHostStopRuleStepByStep) {
       {.num_slots = 77, .vocab = 50000, .capacity = 3, .num_eos = 1, .seed = 3},
       {.num_slots = 200, .vocab = 4096, .capacity = 64, .num_eos = 0, .seed = 4},
       {.num_slots = 1, .vocab = 16, .capacity = 2, .num_eos = 3, .seed = 5},
+      {.num_slots = 40, .seed = 6, .from_state = kSlotPrefill, .to_state = kSlotReady},
   };
   for (const Config& c : configs) {
     RunSteps(c, &cov);
@@ -418,6 +433,7 @@ TEST(PostprocessTest, MatchesTheHostStopRuleStepByStep) {
   EXPECT_GT(cov.wrapped, 0);
   EXPECT_GT(cov.padding, 0);
   EXPECT_GT(cov.inactive, 0);
+  EXPECT_GT(cov.moved, 0);
 }
 
 TEST(PostprocessTest, ZeroRowsLaunchNothing) {

@@ -1,0 +1,234 @@
+#include "graphs/device_loop.cuh"
+
+#include <memory>
+#include <new>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "graphs/tail_launch.cuh"
+#include "kernels/cuda_check.h"
+
+namespace ts::graphs {
+namespace {
+
+namespace k = ::ts::kernels;
+
+struct LoopKernelParams {
+  DeviceLoopParams loop;
+  DeviceLoopControl* control;  // [1] device
+  DeviceLoopState* state;      // [1] host-mapped
+};
+
+__device__ void Exit(DeviceLoopState* st, int32_t reason) {
+  *static_cast<volatile int32_t*>(&st->exit_reason) = reason;
+}
+
+// One block, one thread per slot (blockDim.x a multiple of 32 covering num_slots).
+__global__ void SchedulerKernel(LoopKernelParams p) {
+  __shared__ int32_t warp_offset[kDeviceLoopMaxSlots / 32 + 1];
+  __shared__ int32_t max_context;
+  const DeviceLoopParams& q = p.loop;
+  const int32_t tid = static_cast<int32_t>(threadIdx.x);
+  bool active = false;
+  int32_t context = 0;
+  if (tid == 0) max_context = 0;
+  if (tid < q.num_slots) {
+    volatile int32_t* state = &q.slots[tid].state;
+    int32_t s = *state;
+    if (s == k::kSlotReady) {
+      // Pairs with the fence before the prefill postprocess's READY store: this step's kernels
+      // read the row's token, counts and KV that the prefill wrote.
+      __threadfence();
+      *state = k::kSlotActive;
+      s = k::kSlotActive;
+    }
+    active = s == k::kSlotActive;
+    if (active) context = q.slots[tid].prompt_len + q.slots[tid].generated;
+  }
+  // Stable compaction: ascending slot order, as the host-driven mode's row list.
+  const uint32_t ballot = __ballot_sync(0xffffffffu, active);
+  const int32_t warp = tid / 32, lane = tid % 32;
+  const int32_t num_warps = static_cast<int32_t>(blockDim.x) / 32;
+  if (lane == 0) warp_offset[warp + 1] = __popc(ballot);
+  __syncthreads();  // max_context = 0 is visible before anyone raises it
+  if (active) atomicMax(&max_context, context);
+  __syncthreads();
+  if (tid == 0) {
+    warp_offset[0] = 0;
+    for (int32_t w = 1; w <= num_warps; ++w) warp_offset[w] += warp_offset[w - 1];
+  }
+  __syncthreads();
+  const int32_t n = warp_offset[num_warps];
+  const bool pause = *static_cast<const volatile int32_t*>(&p.control->pause) != 0;
+  const bool outside = max_context <= p.control->context_lo || max_context > p.control->context_hi;
+  if (n == 0 || pause || outside) {
+    if (tid == 0) {
+      Exit(p.state, n == 0 ? kLoopExitIdle : pause ? kLoopExitPaused : kLoopExitContext);
+    }
+    return;
+  }
+  int32_t b = 0;
+  while (b + 1 < q.num_buckets && q.buckets[b] < n) ++b;
+  if (active) {
+    q.row_slots[warp_offset[warp] + __popc(ballot & ((1u << lane) - 1u))] = tid;
+  }
+  for (int32_t r = n + tid; r < q.buckets[b]; r += static_cast<int32_t>(blockDim.x)) {
+    q.row_slots[r] = -1;
+  }
+  if (tid != 0) return;
+  // The tail-launched step starts after this whole grid has ended, so every row-list store above
+  // is visible to it without a barrier.
+  DeviceLoopState* st = p.state;
+  // The claim is a device atomic (host-mapped memory need not support them); the host reads the
+  // mirror.
+  const unsigned long long step =
+      atomicAdd(reinterpret_cast<unsigned long long*>(&p.control->steps), 1ull) + 1;
+  *static_cast<volatile uint64_t*>(&st->steps) = step;
+  *static_cast<volatile int32_t*>(&st->last_rows) = n;
+  cudaError_t err = TailLaunchBucket(q.table, q.num_buckets, b);
+  if (err == cudaSuccess)
+    err = cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
+  if (err != cudaSuccess) {
+    volatile int32_t* status = &st->status;
+    if (*status == 0) *status = static_cast<int32_t>(err);
+    Exit(st, kLoopExitError);
+  }
+}
+
+absl::Status Validate(const DeviceLoopParams& p) {
+  if (p.table == nullptr) return absl::InvalidArgumentError("device_loop.table is null");
+  if (p.num_buckets < 1 || p.num_buckets > kDeviceLoopMaxBuckets) {
+    return absl::InvalidArgumentError(absl::StrCat("device_loop.num_buckets must be in [1, ",
+                                                   kDeviceLoopMaxBuckets, "], got ",
+                                                   p.num_buckets));
+  }
+  for (int32_t i = 0; i < p.num_buckets; ++i) {
+    if (p.buckets[i] < 1 || (i > 0 && p.buckets[i] <= p.buckets[i - 1])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device_loop.buckets[", i, "] = ", p.buckets[i],
+                       ": buckets must be positive and strictly ascending"));
+    }
+  }
+  if (p.num_slots < 1 || p.num_slots > kDeviceLoopMaxSlots ||
+      p.num_slots > p.buckets[p.num_buckets - 1]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device_loop.num_slots must be in [1, min(", kDeviceLoopMaxSlots,
+                     ", largest bucket ", p.buckets[p.num_buckets - 1], ")], got ", p.num_slots));
+  }
+  if (p.slots == nullptr) return absl::InvalidArgumentError("device_loop.slots is null");
+  if (p.row_slots == nullptr) return absl::InvalidArgumentError("device_loop.row_slots is null");
+  return absl::OkStatus();
+}
+
+struct GraphDeleter {
+  void operator()(cudaGraph_t g) const { (void)cudaGraphDestroy(g); }
+};
+
+absl::StatusOr<cudaGraphExec_t> Capture(const LoopKernelParams& params, int32_t threads,
+                                        cudaStream_t capture) {
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
+  SchedulerKernel<<<1, threads, 0, capture>>>(params);
+  const cudaError_t launch = cudaGetLastError();
+  cudaGraph_t raw = nullptr;
+  // Ends the capture even after a failed launch, so the stream is usable again.
+  const cudaError_t end = cudaStreamEndCapture(capture, &raw);
+  const std::unique_ptr<CUgraph_st, GraphDeleter> graph(raw);
+  TS_CUDA_RETURN_IF_ERROR(launch);
+  TS_CUDA_RETURN_IF_ERROR(end);
+  cudaGraphExec_t exec = nullptr;
+  TS_CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, raw, cudaGraphInstantiateFlagDeviceLaunch));
+  return exec;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceLoop>> DeviceLoop::Create(const DeviceLoopParams& params,
+                                                               cudaStream_t stream) {
+  TS_RETURN_IF_ERROR(Validate(params));
+  std::unique_ptr<DeviceLoop> loop(new DeviceLoop());
+  TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&loop->control_, sizeof(DeviceLoopControl)));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(loop->control_, 0, sizeof(DeviceLoopControl), stream));
+  void* host = nullptr;
+  TS_CUDA_RETURN_IF_ERROR(
+      cudaHostAlloc(&host, sizeof(DeviceLoopState), cudaHostAllocMapped | cudaHostAllocPortable));
+  loop->state_host_ = new (host) DeviceLoopState();
+  void* alias = nullptr;
+  TS_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&alias, host, 0));
+  loop->state_device_ = static_cast<DeviceLoopState*>(alias);
+  TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&loop->done_, cudaEventDisableTiming));
+  void* staging = nullptr;
+  TS_CUDA_RETURN_IF_ERROR(cudaMallocHost(&staging, sizeof(DeviceLoopControl)));
+  loop->staging_ = new (staging) DeviceLoopControl();
+  const LoopKernelParams kp{
+      .loop = params, .control = loop->control_, .state = loop->state_device_};
+  const int32_t threads = (params.num_slots + 31) / 32 * 32;
+  cudaStream_t capture = nullptr;
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
+  absl::StatusOr<cudaGraphExec_t> exec = Capture(kp, threads, capture);
+  (void)cudaStreamDestroy(capture);
+  if (!exec.ok()) return exec.status();
+  loop->exec_ = *exec;
+  TS_CUDA_RETURN_IF_ERROR(cudaGraphUpload(loop->exec_, stream));
+  return loop;
+}
+
+DeviceLoop::~DeviceLoop() {
+  // The owner has waited for the loop (a destroyed exec may still run, the driver defers it; the
+  // pause word and the state must outlive it).
+  if (launched_) (void)cudaEventSynchronize(done_);
+  if (exec_ != nullptr) (void)cudaGraphExecDestroy(exec_);
+  if (done_ != nullptr) (void)cudaEventDestroy(done_);
+  if (control_ != nullptr) (void)cudaFree(control_);
+  if (state_host_ != nullptr) (void)cudaFreeHost(state_host_);
+  if (staging_ != nullptr) (void)cudaFreeHost(staging_);
+}
+
+absl::Status DeviceLoop::Launch(cudaStream_t stream, int32_t context_lo, int32_t context_hi) {
+  if (Running()) return absl::FailedPreconditionError("device loop: launched while running");
+  if (context_lo >= context_hi) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device loop: empty context window (", context_lo, ", ", context_hi, "]"));
+  }
+  // Pinned staging, read by the copy when the stream gets there: the previous loop has exited,
+  // so the previous copy has too.
+  staging_->context_lo = context_lo;
+  staging_->context_hi = context_hi;
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&control_->context_lo, &staging_->context_lo,
+                                          2 * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(&control_->pause, 0, sizeof(int32_t), stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec_, stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_, stream));
+  launched_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceLoop::RequestPause(cudaStream_t control_stream) {
+  TS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(&control_->pause, 1, sizeof(int32_t), control_stream));
+  return absl::OkStatus();
+}
+
+bool DeviceLoop::Running() const {
+  return launched_ && cudaEventQuery(done_) == cudaErrorNotReady;
+}
+
+absl::Status DeviceLoop::Wait() const {
+  if (launched_) TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(done_));
+  return absl::OkStatus();
+}
+
+uint64_t DeviceLoop::steps() const {
+  return *static_cast<const volatile uint64_t*>(&state_host_->steps);
+}
+
+int32_t DeviceLoop::exit_reason() const {
+  return *static_cast<const volatile int32_t*>(&state_host_->exit_reason);
+}
+
+absl::Status DeviceLoop::status() const {
+  const int32_t s = *static_cast<const volatile int32_t*>(&state_host_->status);
+  if (s == 0) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("device loop: a device-side graph launch failed: ",
+                                          cudaGetErrorString(static_cast<cudaError_t>(s))));
+}
+
+}  // namespace ts::graphs

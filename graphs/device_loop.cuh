@@ -1,0 +1,111 @@
+// The device-resident decode loop's scheduler (docs/device-loop.md): a kernel in a device graph
+// of its own that, at every step boundary,
+//   1. turns the slots the prefill stream made READY into ACTIVE (the publish point),
+//   2. compacts the ACTIVE slots, in ascending slot order, into the decode row list,
+//   3. exits when no slot is ACTIVE, the host asked for a pause, or the longest context left the
+//      window the graphs' attention regime was chosen for (it never spins idle),
+//   4. otherwise claims the step (atomicAdd on the step counter), picks the smallest bucket that
+//      holds the rows, tail-launches that bucket's current exec from the GraphCache's device
+//      table, and tail-launches itself (cudaGetCurrentGraphExec) to decide the next step.
+// Tail launches run after the launching graph ends, in enqueue order, so "step, then scheduler"
+// is exactly one decode step after another with no host call between them; a host event after
+// Launch completes once the loop has exited (graphs/tail_launch.cuh has the rules).
+//
+// The loop shares only device memory with the host: the slot table's state words (the host
+// stages a slot as PREFILL, the prefill's postprocess makes it READY or FINISHED, a decode
+// step's postprocess makes it FINISHED), the pause word (written by the host with an async
+// memset on another stream) and the step counter, mirrored into host-mapped memory each step.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/postprocess.cuh"
+
+namespace ts::graphs {
+
+inline constexpr int32_t kDeviceLoopMaxBuckets = 32;
+inline constexpr int32_t kDeviceLoopMaxSlots = 1024;  // one thread per slot, one block
+
+// Why the last loop exited (DeviceLoopState::exit_reason).
+inline constexpr int32_t kLoopExitIdle = 1;     // no slot was ACTIVE
+inline constexpr int32_t kLoopExitPaused = 2;   // the host asked
+inline constexpr int32_t kLoopExitError = 3;    // a device-side launch failed (status says which)
+inline constexpr int32_t kLoopExitContext = 4;  // the longest context left the launch's window
+
+// Device memory, written by the host only through async memsets.
+struct DeviceLoopControl {
+  int32_t pause = 0;  // non-zero: the loop exits at the next step boundary
+  int32_t reserved = 0;
+  uint64_t steps = 0;  // the step counter the scheduler claims steps on (atomicAdd)
+  // The loop runs steps only while the longest ACTIVE context (prompt_len + generated) is in
+  // (context_lo, context_hi]: the graphs' attention split counts were chosen for that window,
+  // and the host re-chooses them at exactly the step where the host-driven mode would.
+  int32_t context_lo = 0;
+  int32_t context_hi = 0;
+};
+
+// Host-mapped; written by the scheduler kernel, read by the host at any time (volatile).
+struct DeviceLoopState {
+  uint64_t steps = 0;       // decode steps launched since Create
+  int32_t status = 0;       // 0, or the first cudaError_t of a device-side launch
+  int32_t exit_reason = 0;  // of the last exit (0 while the first loop has not exited)
+  int32_t last_rows = 0;    // rows of the newest step
+  int32_t reserved[3] = {};
+};
+
+struct DeviceLoopParams {
+  const cudaGraphExec_t* table = nullptr;       // [num_buckets] device: GraphCache::device_table()
+  int32_t num_buckets = 0;                      // [1, kDeviceLoopMaxBuckets]
+  int32_t buckets[kDeviceLoopMaxBuckets] = {};  // batch sizes, ascending, as the cache's
+  kernels::SlotRow* slots = nullptr;            // [num_slots] device slot table
+  int32_t num_slots = 0;                        // [1, kDeviceLoopMaxSlots], <= buckets.back()
+  int32_t* row_slots = nullptr;  // [buckets.back()] device: the decode row list the step reads
+};
+
+// Owns the scheduler graph (captured once, instantiated for device launch, uploaded), the pause
+// word and the host-mapped state. One owner thread.
+class DeviceLoop {
+ public:
+  // Validates params (InvalidArgument naming the field) and builds the graph on `stream`.
+  static absl::StatusOr<std::unique_ptr<DeviceLoop>> Create(const DeviceLoopParams& params,
+                                                            cudaStream_t stream);
+  ~DeviceLoop();
+  DeviceLoop(const DeviceLoop&) = delete;
+  DeviceLoop& operator=(const DeviceLoop&) = delete;
+
+  // Starts the loop on `stream` (clearing the pause word first) for contexts in
+  // (context_lo, context_hi] (DeviceLoopControl). FailedPrecondition if the previous loop has
+  // not exited. Every bucket exec the loop can reach must be uploaded and must not be updated
+  // until the loop has exited.
+  absl::Status Launch(cudaStream_t stream, int32_t context_lo = 0, int32_t context_hi = INT32_MAX);
+  // Asks the running loop to exit at the next step boundary, through an async memset on
+  // `control_stream` (not the loop's stream, which the loop occupies). Does not wait.
+  absl::Status RequestPause(cudaStream_t control_stream);
+  // True from Launch until the loop and every step it launched have completed.
+  bool Running() const;
+  // Blocks until the loop has exited.
+  absl::Status Wait() const;
+  // The mapped state (volatile reads; exact once the loop has exited).
+  uint64_t steps() const;
+  int32_t exit_reason() const;
+  // OK, or the device-side launch failure of the loop.
+  absl::Status status() const;
+
+ private:
+  DeviceLoop() = default;
+  cudaGraphExec_t exec_ = nullptr;
+  DeviceLoopControl* control_ = nullptr;     // [1] device
+  DeviceLoopControl* staging_ = nullptr;     // [1] pinned: Launch's context window
+  DeviceLoopState* state_host_ = nullptr;    // [1] pinned, mapped
+  DeviceLoopState* state_device_ = nullptr;  // its device alias
+  cudaEvent_t done_ = nullptr;
+  bool launched_ = false;
+};
+
+}  // namespace ts::graphs
