@@ -9,6 +9,13 @@
 // matrix once + the KV read at the run's mean context; the roof is a device-to-device copy
 // measured in the same run (bytes read + written).
 //
+// --modes host,loop: the host-driven mode (Run(kOneStep) per step) and the device-resident loop
+// (one Run(kLoop); the scheduler kernel tail-launches every step). Both modes also read device
+// timestamps of each step (kernels/step_stamps.cuh): the period between two steps' starts (the
+// device's inter-token latency) and the GPU's idle gap from one step's last kernel to the next
+// one's first. --host_load k runs k busy threads per host core while the steps are timed, as a
+// loaded serving host has (gRPC streams, tokenization).
+//
 // --profile: for --profile_shape / --profile_batch, also runs --profile_reps steps host-launched
 // op by op, each op between two events, and prints where a step's time goes.
 //
@@ -17,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -24,6 +32,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -37,6 +46,7 @@
 #include "common/status.h"
 #include "engine/cuda_backend.h"
 #include "kernels/cuda_check.h"
+#include "kernels/step_stamps.cuh"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, shapes, "1b,8b",
@@ -70,6 +80,11 @@ ABSL_FLAG(int32_t, attn_min_split_tokens, 64,
 ABSL_FLAG(bool, attn_skip_combine, true,
           "decode attention without its combine node in buckets that always run one split");
 ABSL_FLAG(bool, gemv, true, "decode GEMMs with <= 8 rows and small weights through kernels/gemv");
+ABSL_FLAG(std::string, modes, "host,loop",
+          "comma-separated: host (host-driven, one Run(kOneStep) per step), loop (the "
+          "device-resident loop)");
+ABSL_FLAG(std::string, host_load, "0",
+          "comma-separated busy threads per host core while steps are timed (0 = idle host)");
 
 namespace ts::bench {
 namespace {
@@ -162,9 +177,81 @@ absl::StatusOr<double> MeasureCopyBandwidth() {
 
 struct Settings {
   std::vector<std::string> shapes;
+  std::vector<std::string> modes;
+  std::vector<int32_t> loads;  // busy threads per core
   std::vector<int32_t> batches;
   int32_t prompt_len = 0, new_tokens = 0;
   double copy_gbps = 0;
+};
+
+// Busy threads, one spinning loop each, for as long as it lives.
+class HostLoad {
+ public:
+  explicit HostLoad(int32_t per_core) {
+    const int32_t n = per_core * static_cast<int32_t>(std::thread::hardware_concurrency());
+    for (int32_t i = 0; i < n; ++i) {
+      threads_.emplace_back([this] {
+        volatile uint64_t x = 0;
+        while (!stop_.load(std::memory_order_relaxed)) x = x + 1;
+      });
+    }
+  }
+  ~HostLoad() {
+    stop_.store(true);
+    for (auto& t : threads_) t.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+};
+
+// The device StepStamps the backend's kernels write, and its arrays.
+class Stamps {
+ public:
+  static absl::StatusOr<std::unique_ptr<Stamps>> Create(uint32_t capacity) {
+    auto s = std::unique_ptr<Stamps>(new Stamps());
+    s->capacity_ = capacity;
+    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->dev_, sizeof(kernels::StepStamps)));
+    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->start_, capacity * sizeof(unsigned long long)));
+    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->gap_, capacity * sizeof(unsigned long long)));
+    TS_RETURN_IF_ERROR(s->Reset());
+    return s;
+  }
+  ~Stamps() {
+    cudaFree(dev_);
+    cudaFree(start_);
+    cudaFree(gap_);
+  }
+  kernels::StepStamps* device() const { return dev_; }
+  absl::Status Reset() {
+    const kernels::StepStamps h{.capacity = capacity_, .start_ns = start_, .gap_ns = gap_};
+    TS_CUDA_RETURN_IF_ERROR(cudaMemcpy(dev_, &h, sizeof(h), cudaMemcpyHostToDevice));
+    return absl::OkStatus();
+  }
+  // Step periods (ms, start to next start) and idle gaps (us) of the stamped steps.
+  absl::Status Read(std::vector<double>* period_ms, std::vector<double>* gap_us) const {
+    kernels::StepStamps h;
+    TS_CUDA_RETURN_IF_ERROR(cudaMemcpy(&h, dev_, sizeof(h), cudaMemcpyDeviceToHost));
+    const uint32_t n = std::min(h.count, capacity_);
+    std::vector<unsigned long long> start(n), gap(n);
+    TS_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(start.data(), start_, n * sizeof(start[0]), cudaMemcpyDeviceToHost));
+    TS_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(gap.data(), gap_, n * sizeof(gap[0]), cudaMemcpyDeviceToHost));
+    for (uint32_t i = 0; i < n; ++i) {
+      gap_us->push_back(gap[i] * 1e-3);
+      if (i > 0) period_ms->push_back((start[i] - start[i - 1]) * 1e-6);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  Stamps() = default;
+  uint32_t capacity_ = 0;
+  kernels::StepStamps* dev_ = nullptr;
+  unsigned long long* start_ = nullptr;
+  unsigned long long* gap_ = nullptr;
 };
 
 // Publishes `batch` random prompts into slots [0, batch) with the KV blocks of slot i at
@@ -211,7 +298,9 @@ absl::Status CheckAndRelease(CudaBackend& b, int32_t batch, uint32_t records) {
   return absl::OkStatus();
 }
 
-absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream* out) {
+absl::Status RunShape(const std::string& shape, const std::string& mode, const Settings& s,
+                      std::ofstream* out) {
+  const bool loop = mode == "loop";
   const ModelConfig config = Shape(shape);
   // The prefill emits the first token; then new_tokens decode steps, the last one finishing.
   const int32_t max_new = s.new_tokens + 1;
@@ -231,7 +320,11 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
   o.attention_skip_combine = absl::GetFlag(FLAGS_attn_skip_combine);
   o.timing_skip_ops = absl::GetFlag(FLAGS_timing_skip);
   o.attention_min_split_tokens = absl::GetFlag(FLAGS_attn_min_split_tokens);
-  std::fprintf(stderr, "== shape %s: building the backend\n", shape.c_str());
+  o.device_loop = loop;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<Stamps> stamps,
+                      Stamps::Create(static_cast<uint32_t>(max_new + 16)));
+  o.step_stamps = stamps->device();
+  std::fprintf(stderr, "== shape %s, mode %s: building the backend\n", shape.c_str(), mode.c_str());
   TS_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaBackend> b,
       CudaBackend::CreateRandom(
@@ -243,67 +336,104 @@ absl::Status RunShape(const std::string& shape, const Settings& s, std::ofstream
   cudaEvent_t e0, e1;
   TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e0));
   TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e1));
-  std::printf("\n%-4s %6s %10s %10s %10s %12s %10s %9s %8s\n", "shape", "batch", "step_ms",
-              "p90_ms", "host_ms", "tokens/s", "GB/step", "GB/s", "of_copy");
+  std::printf("\n%-4s %-5s %6s %5s %10s %10s %10s %10s %9s %9s %12s %9s %8s\n", "shape", "mode",
+              "batch", "load", "step_ms", "p90_ms", "p99_ms", "host_ms", "gap_us", "gap_p99",
+              "tokens/s", "GB/s", "of_copy");
   for (int32_t batch : s.batches) {
-    TS_RETURN_IF_ERROR(PrefillBatch(*b, s, batch, max_new, absl::GetFlag(FLAGS_seed) + batch));
-    std::vector<double> device_ms, host_ms;
-    const int64_t updates0 = b->graph_cache().update_count();
-    for (int32_t step = 0; step < s.new_tokens; ++step) {
-      const auto t0 = std::chrono::steady_clock::now();
-      TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(e0, b->stream()));
-      TS_RETURN_IF_ERROR(b->Run(RunMode::kOneStep));
-      TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1, b->stream()));
-      TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(e1));
-      host_ms.push_back(
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-      float ms = 0;
-      TS_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, e0, e1));
-      device_ms.push_back(ms);
-      if (b->last_step().active != batch) {
-        return absl::InternalError(absl::StrCat("step ", step, ": ", b->last_step().active,
-                                                " active slots, expected ", batch));
+    for (int32_t load : s.loads) {
+      TS_RETURN_IF_ERROR(PrefillBatch(*b, s, batch, max_new, absl::GetFlag(FLAGS_seed) + batch));
+      if (loop) TS_RETURN_IF_ERROR(b->WaitForPrefills());
+      TS_RETURN_IF_ERROR(stamps->Reset());
+      std::vector<double> host_ms, period_ms, gap_us;
+      const int64_t updates0 = b->graph_cache().update_count();
+      TS_ASSIGN_OR_RETURN(const LoopStatus before, b->Poll());
+      {
+        const HostLoad busy(load);
+        if (loop) {
+          // The loop runs every step by itself; it exits only when all slots have finished or
+          // when the longest context crosses an attention regime bound, where Run relaunches it
+          // after the graph update (docs/device-loop.md). An event after a launch completes once
+          // that loop has exited (graphs/tail_launch.cuh).
+          const auto t0 = std::chrono::steady_clock::now();
+          do {
+            TS_RETURN_IF_ERROR(b->Run(RunMode::kLoop));
+            TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1, b->stream()));
+            TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(e1));
+          } while (b->num_active() > 0);
+          host_ms.push_back(
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                  .count() /
+              s.new_tokens);
+        } else {
+          for (int32_t step = 0; step < s.new_tokens; ++step) {
+            const auto t0 = std::chrono::steady_clock::now();
+            TS_RETURN_IF_ERROR(b->Run(RunMode::kOneStep));
+            host_ms.push_back(
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                    .count());
+            if (b->last_step().active != batch) {
+              return absl::InternalError(absl::StrCat("step ", step, ": ", b->last_step().active,
+                                                      " active slots, expected ", batch));
+            }
+          }
+        }
       }
+      TS_ASSIGN_OR_RETURN(const LoopStatus after, b->Poll());
+      if (after.steps - before.steps != static_cast<uint64_t>(s.new_tokens)) {
+        return absl::InternalError(absl::StrCat(mode, ": ", after.steps - before.steps,
+                                                " steps ran, expected ", s.new_tokens));
+      }
+      TS_RETURN_IF_ERROR(stamps->Read(&period_ms, &gap_us));
+      TS_RETURN_IF_ERROR(CheckAndRelease(*b, batch, static_cast<uint32_t>(max_new)));
+      const double med = Quantile(period_ms, 0.5);
+      double gap_mean = 0;
+      for (double g : gap_us) gap_mean += g / std::max<size_t>(gap_us.size(), 1);
+      const double mean_ctx = s.prompt_len + 1 + s.new_tokens / 2.0;
+      const double bytes = weight_bytes + static_cast<double>(batch) * mean_ctx * kv_per_token;
+      const double gbps = bytes / (med * 1e-3) / 1e9;
+      const json row = {{"shape", shape},
+                        {"mode", mode},
+                        {"batch", batch},
+                        {"host_load_per_core", load},
+                        {"prompt_len", s.prompt_len},
+                        {"new_tokens", s.new_tokens},
+                        {"step_ms_median", med},
+                        {"step_ms_p10", Quantile(period_ms, 0.1)},
+                        {"step_ms_p90", Quantile(period_ms, 0.9)},
+                        {"step_ms_p99", Quantile(period_ms, 0.99)},
+                        {"host_step_ms_median", Quantile(host_ms, 0.5)},
+                        {"gap_us_mean", gap_mean},
+                        {"gap_us_median", Quantile(gap_us, 0.5)},
+                        {"gap_us_p99", Quantile(gap_us, 0.99)},
+                        {"tokens_per_s", batch / (med * 1e-3)},
+                        {"weight_bytes", weight_bytes},
+                        {"kv_bytes_per_step_mean", batch * mean_ctx * kv_per_token},
+                        {"bytes_per_step", bytes},
+                        {"achieved_gbps", gbps},
+                        {"copy_gbps", s.copy_gbps},
+                        {"fraction_of_copy", gbps / s.copy_gbps},
+                        {"graph_nodes", b->graph_cache().node_count(
+                                            b->graph_cache().BucketIndexFor(batch).value_or(0))},
+                        {"regime_updates", b->graph_cache().update_count() - updates0},
+                        {"gemv", absl::GetFlag(FLAGS_gemv)},
+                        {"fused", absl::GetFlag(FLAGS_fused)},
+                        {"split_sampling", absl::GetFlag(FLAGS_split_sampling)},
+                        {"fuse_rope", absl::GetFlag(FLAGS_fuse_rope)},
+                        {"gemv_warp_tiles", absl::GetFlag(FLAGS_gemv_warp_tiles)},
+                        {"attn_skip_combine", absl::GetFlag(FLAGS_attn_skip_combine)},
+                        {"timing_skip", absl::GetFlag(FLAGS_timing_skip)},
+                        {"attn_min_split_tokens", absl::GetFlag(FLAGS_attn_min_split_tokens)}};
+      std::printf(
+          "%-4s %-5s %6d %5d %10.3f %10.3f %10.3f %10.3f %9.2f %9.2f %12.0f %9.0f %7.1f%%\n",
+          shape.c_str(), mode.c_str(), batch, load, med, Quantile(period_ms, 0.9),
+          Quantile(period_ms, 0.99), Quantile(host_ms, 0.5), gap_mean, Quantile(gap_us, 0.99),
+          batch / (med * 1e-3), gbps, 100 * gbps / s.copy_gbps);
+      std::fflush(stdout);
+      if (out != nullptr) *out << row.dump() << "\n";
     }
-    TS_RETURN_IF_ERROR(CheckAndRelease(*b, batch, static_cast<uint32_t>(max_new)));
-    const double med = Quantile(device_ms, 0.5);
-    const double mean_ctx = s.prompt_len + 1 + s.new_tokens / 2.0;
-    const double bytes = weight_bytes + static_cast<double>(batch) * mean_ctx * kv_per_token;
-    const double gbps = bytes / (med * 1e-3) / 1e9;
-    const json row = {{"shape", shape},
-                      {"batch", batch},
-                      {"prompt_len", s.prompt_len},
-                      {"new_tokens", s.new_tokens},
-                      {"step_ms_median", med},
-                      {"step_ms_p10", Quantile(device_ms, 0.1)},
-                      {"step_ms_p90", Quantile(device_ms, 0.9)},
-                      {"host_step_ms_median", Quantile(host_ms, 0.5)},
-                      {"tokens_per_s", batch / (med * 1e-3)},
-                      {"weight_bytes", weight_bytes},
-                      {"kv_bytes_per_step_mean", batch * mean_ctx * kv_per_token},
-                      {"bytes_per_step", bytes},
-                      {"achieved_gbps", gbps},
-                      {"copy_gbps", s.copy_gbps},
-                      {"fraction_of_copy", gbps / s.copy_gbps},
-                      {"graph_nodes", b->graph_cache().node_count(
-                                          b->graph_cache().BucketIndexFor(batch).value_or(0))},
-                      {"regime_updates", b->graph_cache().update_count() - updates0},
-                      {"gemv", absl::GetFlag(FLAGS_gemv)},
-                      {"fused", absl::GetFlag(FLAGS_fused)},
-                      {"split_sampling", absl::GetFlag(FLAGS_split_sampling)},
-                      {"fuse_rope", absl::GetFlag(FLAGS_fuse_rope)},
-                      {"gemv_warp_tiles", absl::GetFlag(FLAGS_gemv_warp_tiles)},
-                      {"attn_skip_combine", absl::GetFlag(FLAGS_attn_skip_combine)},
-                      {"timing_skip", absl::GetFlag(FLAGS_timing_skip)},
-                      {"attn_min_split_tokens", absl::GetFlag(FLAGS_attn_min_split_tokens)}};
-    std::printf("%-4s %6d %10.3f %10.3f %10.3f %12.0f %10.3f %9.0f %7.1f%%\n", shape.c_str(), batch,
-                med, Quantile(device_ms, 0.9), Quantile(host_ms, 0.5), batch / (med * 1e-3),
-                bytes / 1e9, gbps, 100 * gbps / s.copy_gbps);
-    std::fflush(stdout);
-    if (out != nullptr) *out << row.dump() << "\n";
   }
 
-  if (absl::GetFlag(FLAGS_profile) && shape == absl::GetFlag(FLAGS_profile_shape)) {
+  if (!loop && absl::GetFlag(FLAGS_profile) && shape == absl::GetFlag(FLAGS_profile_shape)) {
     const int32_t batch = absl::GetFlag(FLAGS_profile_batch);
     // The rings hold new_tokens + 8 records: profiled steps stay within that.
     const int32_t reps = std::clamp(absl::GetFlag(FLAGS_profile_reps), 1, s.new_tokens);
@@ -360,6 +490,28 @@ int Main() {
     return 2;
   }
   s.batches = *batches;
+  for (absl::string_view part :
+       absl::StrSplit(absl::GetFlag(FLAGS_modes), ',', absl::SkipEmpty())) {
+    if (part != "host" && part != "loop") {
+      std::fprintf(stderr, "--modes: unknown mode '%s' (host, loop)\n", std::string(part).c_str());
+      return 2;
+    }
+    s.modes.emplace_back(part);
+  }
+  for (absl::string_view part :
+       absl::StrSplit(absl::GetFlag(FLAGS_host_load), ',', absl::SkipEmpty())) {
+    int32_t v = -1;
+    if (!absl::SimpleAtoi(part, &v) || v < 0 || v > 16) {
+      std::fprintf(stderr, "--host_load: bad value '%s' (0-16 threads per core)\n",
+                   std::string(part).c_str());
+      return 2;
+    }
+    s.loads.push_back(v);
+  }
+  if (s.modes.empty() || s.loads.empty()) {
+    std::fprintf(stderr, "--modes and --host_load must not be empty\n");
+    return 2;
+  }
   s.prompt_len = absl::GetFlag(FLAGS_prompt_len);
   s.new_tokens = absl::GetFlag(FLAGS_new_tokens);
   if (s.prompt_len < 1 || s.new_tokens < 1 || s.shapes.empty()) {
@@ -387,10 +539,13 @@ int Main() {
     *out << json{{"copy_gbps", s.copy_gbps}}.dump() << "\n";
   }
   for (const std::string& shape : s.shapes) {
-    const absl::Status st = RunShape(shape, s, out.get());
-    if (!st.ok()) {
-      std::fprintf(stderr, "shape %s: %s\n", shape.c_str(), st.ToString().c_str());
-      return 1;
+    for (const std::string& mode : s.modes) {
+      const absl::Status st = RunShape(shape, mode, s, out.get());
+      if (!st.ok()) {
+        std::fprintf(stderr, "shape %s, mode %s: %s\n", shape.c_str(), mode.c_str(),
+                     st.ToString().c_str());
+        return 1;
+      }
     }
   }
   return 0;

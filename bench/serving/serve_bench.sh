@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# End-to-end serving latency through the gRPC server, device loop against host-driven: for each
+# --decode_loop mode, starts `tailserve --backend cuda` on one checkpoint, runs `tailserve-load`
+# open-loop (Poisson) at each rate, and prints TTFT and ITL p50/p99 per (mode, rate). Runs on the
+# GPU machine from a bundle (scripts/gpu-bundle.sh puts tailserve and tailserve-load in it).
+#
+#   MODEL=/tmp/llama8b MODES="host loop" RATES="4 16 48" REQUESTS=200 \
+#     bash bench/serving/serve_bench.sh
+#
+# MODEL: a Hugging Face Llama directory; when missing, tests/gpu/make_llama_reference.py writes a
+# random-weight one in the SHAPE given (default 8b). Prompts are random ids, uniform 64-512 tokens,
+# 128 output tokens (EOS ignored), greedy; --max_batch 64. Full reports under $OUT/serve-*.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/serve-out}
+MODEL=${MODEL:-/tmp/llama8b}
+SHAPE=${SHAPE:-8b}
+MODES=${MODES:-"host loop"}
+RATES=${RATES:-"4 16 48"}
+REQUESTS=${REQUESTS:-200}
+PORT=${PORT:-50077}
+TAG=${TAG:-}  # appended to the mode in file names and rows
+BIN=${BIN:-.bundle/bin}
+mkdir -p "$OUT"
+[ -d .bundle/lib ] && export LD_LIBRARY_PATH=$PWD/.bundle/lib:${LD_LIBRARY_PATH:-}
+if [ ! -f "$MODEL/config.json" ]; then
+  t0=$(date +%s)
+  python3 tests/gpu/make_llama_reference.py --shape "$SHAPE" --out "$MODEL" \
+    > "$OUT/make-model.log" 2>&1 || { echo "cannot write $MODEL"; tail -5 "$OUT/make-model.log"; exit 1; }
+  echo "model $MODEL written in $(( $(date +%s) - t0 )) s"
+fi
+
+rows=()
+for mode in $MODES; do
+  log="$OUT/serve-$mode$TAG.log"
+  "$BIN/tailserve" --backend cuda --model_dir "$MODEL" --max_batch 64 --decode_loop "$mode" \
+    --port "$PORT" --stats_interval_s 0 > "$log" 2>&1 &
+  pid=$!
+  t0=$(date +%s.%N)
+  for _ in $(seq 600); do
+    grep -q "tailserve listening" "$log" && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.5
+  done
+  if ! grep -q "tailserve listening" "$log"; then
+    echo "$mode: the server did not start"; tail -20 "$log"; kill $pid 2>/dev/null; continue
+  fi
+  echo "$mode$TAG: listening after $(awk "BEGIN{print $(date +%s.%N) - $t0}") s"
+  for rate in $RATES; do
+    dir="$OUT/serve-$mode$TAG-$rate"
+    "$BIN/tailserve-load" --target "localhost:$PORT" --rate "$rate" --num_requests "$REQUESTS" \
+      --warmup_requests 16 --input_dist uniform:64:512 --output_len 128 --seed 1 \
+      --out_dir "$dir" > "$dir.log" 2>&1 || echo "$mode $rate: tailserve-load rc=$?"
+    rows+=("$(python3 - "$dir/summary.json" "$mode$TAG" "$rate" <<'EOF'
+import json, sys
+m = json.load(open(sys.argv[1]))["metrics"]
+t, i = m["ttft_ms"], m["itl_ms"]
+print(f"{sys.argv[2]:10} {sys.argv[3]:>5} {t['median']:9.1f} {t['p99']:9.1f} {i['median']:8.2f} "
+      f"{i['p99']:8.2f} {i['p99'] / i['median']:7.2f} {m['requests_ok']:5d} {m['requests_failed']:4d}")
+EOF
+)")
+  done
+  kill -TERM $pid; wait $pid
+  echo "$mode: server exit $?" >> "$OUT/serve-exits.txt"
+done
+echo "mode        rate  ttft_p50  ttft_p99  itl_p50  itl_p99 p99/p50    ok fail"
+printf '%s\n' "${rows[@]}"
