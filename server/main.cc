@@ -44,6 +44,11 @@ ABSL_FLAG(std::string, model_name, "",
           "Name reported by GetModelInfo; default: model_dir's basename.");
 ABSL_FLAG(std::string, backend, "cpu", "Decoder backend: cpu (fp32 reference) or cuda.");
 ABSL_FLAG(int32_t, max_batch, 16, "Concurrent decoding requests.");
+ABSL_FLAG(std::string, decode_loop, "auto",
+          "Who runs the decode steps: loop (the backend's own loop beside the engine thread; CUDA: "
+          "the device-resident loop, no host call between steps, prefill on its own stream; CPU: "
+          "a loop thread), host (host-driven: the engine thread runs each step and waits for it; "
+          "the baseline and fallback), auto (loop on cuda, host on cpu).");
 ABSL_FLAG(std::string, buckets, "",
           "Comma list of batch-size buckets, ascending; default: 1,2,4,8,16,24,32,48,64,96,128 "
           "below max_batch, then max_batch.");
@@ -167,7 +172,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& mode
 absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const ModelConfig& config,
                                                         const std::vector<int32_t>& buckets,
                                                         int32_t* context, int32_t block,
-                                                        int32_t max_batch) {
+                                                        int32_t max_batch, bool loop) {
   const double gib = absl::GetFlag(FLAGS_cpu_kv_gib);
   if (!(gib > 0) || gib > 1 << 20) {
     return absl::InvalidArgumentError(absl::StrCat("--cpu_kv_gib: ", gib, " is outside (0, 2^20]"));
@@ -219,12 +224,14 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const ModelConfig& confi
                             .kv_block_size = block,
                             .buckets = buckets,
                             .num_threads = threads,
-                            .max_kv_bytes = budget};
+                            .max_kv_bytes = budget,
+                            .loop_thread = loop};
   return CreateCpuBackend(options);
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32_t>& buckets,
-                                                         int32_t context, int32_t block) {
+                                                         int32_t context, int32_t block,
+                                                         bool device_loop) {
 #if defined(TAILSERVE_WITH_CUDA)
   // The CUDA backend sizes its KV pool from --gpu_memory_fraction and prints its own budget.
   CudaBackendOptions options{.model_dir = absl::GetFlag(FLAGS_model_dir),
@@ -233,7 +240,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32
                              .gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction),
                              .buckets = buckets,
                              .max_context = context,
-                             .device = absl::GetFlag(FLAGS_device)};
+                             .device = absl::GetFlag(FLAGS_device),
+                             .device_loop = device_loop};
   absl::StatusOr<std::unique_ptr<Backend>> backend = CreateCudaBackend(options);
   if (!backend.ok()) {
     return absl::Status(backend.status().code(),
@@ -241,20 +249,33 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32
   }
   return backend;
 #else
-  (void)buckets, (void)context, (void)block;
+  (void)buckets, (void)context, (void)block, (void)device_loop;
   return absl::UnimplementedError(
       "--backend cuda: this tailserve was built without the CUDA backend; use --backend cpu");
 #endif
 }
 
-// *context: the max_context the engine is to use (the backend may lower the model's).
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
-                                                     const std::vector<int32_t>& buckets,
-                                                     int32_t* max_context) {
+// Whether the backend's own loop decodes (--decode_loop), after checking --backend.
+absl::StatusOr<bool> DecodeLoop() {
   const std::string kind = absl::GetFlag(FLAGS_backend);
   if (kind != "cpu" && kind != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat("--backend: unknown '", kind, "' (cpu|cuda)"));
   }
+  const std::string mode = absl::GetFlag(FLAGS_decode_loop);
+  if (mode == "auto") return kind == "cuda";
+  if (mode == "host") return false;
+  if (mode != "loop") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--decode_loop: unknown '", mode, "' (loop|host|auto)"));
+  }
+  return true;
+}
+
+// *context: the max_context the engine is to use (the backend may lower the model's).
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
+                                                     const std::vector<int32_t>& buckets, bool loop,
+                                                     int32_t* max_context) {
+  const std::string kind = absl::GetFlag(FLAGS_backend);
   const int32_t max_batch = absl::GetFlag(FLAGS_max_batch);
   const int32_t block = absl::GetFlag(FLAGS_kv_block_size);
   if (block < 1) return absl::InvalidArgumentError("--kv_block_size: must be >= 1");
@@ -262,11 +283,11 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
   if (context <= 0) context = config.max_position_embeddings;
   std::unique_ptr<Backend> backend;
   if (kind == "cuda") {
-    TS_ASSIGN_OR_RETURN(backend, MakeCudaBackend(buckets, context, block));
+    TS_ASSIGN_OR_RETURN(backend, MakeCudaBackend(buckets, context, block, loop));
     // 0: whatever the backend's memory plan settled on.
     *max_context = absl::GetFlag(FLAGS_max_context);
   } else {
-    TS_ASSIGN_OR_RETURN(backend, MakeCpuBackend(config, buckets, &context, block, max_batch));
+    TS_ASSIGN_OR_RETURN(backend, MakeCpuBackend(config, buckets, &context, block, max_batch, loop));
     *max_context = context;
   }
   DebugBackendOptions debug{
@@ -323,13 +344,16 @@ absl::StatusOr<Loaded> Load() {
   TS_ASSIGN_OR_RETURN(std::vector<int32_t> buckets,
                       ParseBuckets(absl::GetFlag(FLAGS_buckets), max_batch));
   int32_t max_context = 0;
-  TS_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(config, buckets, &max_context));
+  TS_ASSIGN_OR_RETURN(const bool loop, DecodeLoop());
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
+                      MakeBackend(config, buckets, loop, &max_context));
   const BackendInfo info = backend->info();
   EngineOptions options{.max_batch = max_batch,
                         .buckets = buckets,
                         .queue_limit = absl::GetFlag(FLAGS_queue_limit),
                         .max_context = max_context,
-                        .stream_buffer_tokens = absl::GetFlag(FLAGS_stream_buffer_tokens)};
+                        .stream_buffer_tokens = absl::GetFlag(FLAGS_stream_buffer_tokens),
+                        .run_mode = loop ? RunMode::kLoop : RunMode::kOneStep};
   TS_ASSIGN_OR_RETURN(out.engine, Engine::Create(std::move(options), std::move(backend)));
   // The CUDA backend prints its own, measured budget while it allocates.
   if (absl::GetFlag(FLAGS_backend) == "cpu") PrintBudget(info, out.engine->model_info());

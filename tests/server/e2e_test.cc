@@ -187,13 +187,15 @@ TEST_F(ServerE2ETest, SeededSamplingRepeatsAndDrawnSeedIsReported) {
   server_->WaitSettled();
 }
 
-TEST_F(ServerE2ETest, SixteenConcurrentStreamsEachGetTheirOwnTokens) {
+// Sixteen greedy and seeded requests, each alone and then all at once: the batch must not change
+// anyone's tokens, and the greedy reference prompts follow transformers.
+void CheckConcurrentStreams(Server& server, const Reference& ref) {
   std::vector<pb::GenerateRequest> reqs;
   std::mt19937 rng(1234);
   for (int i = 0; i < 16; ++i) {
     Tokens prompt;
-    if (i < static_cast<int>(ref_->prompts.size())) {
-      prompt = ref_->prompts[i];
+    if (i < static_cast<int>(ref.prompts.size())) {
+      prompt = ref.prompts[i];
     } else {
       prompt.resize(1 + rng() % 40);
       for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % 311);
@@ -201,32 +203,54 @@ TEST_F(ServerE2ETest, SixteenConcurrentStreamsEachGetTheirOwnTokens) {
     const int32_t n = 16 + i * 3;
     reqs.push_back(i % 2 == 0 ? Greedy(prompt, n) : Sampled(prompt, n, 100 + i));
   }
-  // Each request alone first: the batch must not change anyone's tokens.
   std::vector<Tokens> solo;
   for (const auto& req : reqs) {
-    const StreamResult r = Generate(server_->stub(), req);
+    const StreamResult r = Generate(server.stub(), req);
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
     ASSERT_EQ(r.tokens.size(), static_cast<size_t>(req.stop().max_new_tokens()));
     solo.push_back(r.tokens);
   }
-  for (size_t i = 0; i < ref_->prompts.size(); ++i) {
+  for (size_t i = 0; i < ref.prompts.size(); ++i) {
     // Greedy (even i) reference prompts also match transformers on their common prefix.
     if (i % 2 == 0) {
       EXPECT_THAT(Tokens(solo[i].begin(), solo[i].begin() + 16),
-                  ElementsAreArray(ref_->greedy[i].begin(), ref_->greedy[i].begin() + 16));
+                  ElementsAreArray(ref.greedy[i].begin(), ref.greedy[i].begin() + 16));
     }
   }
   std::vector<StreamResult> together(reqs.size());
   std::vector<std::thread> threads;
   for (size_t i = 0; i < reqs.size(); ++i) {
-    threads.emplace_back([&, i] { together[i] = Generate(server_->stub(), reqs[i]); });
+    threads.emplace_back([&, i] { together[i] = Generate(server.stub(), reqs[i]); });
   }
   for (std::thread& t : threads) t.join();
   for (size_t i = 0; i < reqs.size(); ++i) {
     ASSERT_TRUE(together[i].status.ok()) << i << ": " << together[i].status.error_message();
     EXPECT_EQ(together[i].tokens, solo[i]) << "stream " << i;
   }
-  server_->WaitSettled();
+  server.WaitSettled();
+}
+
+TEST_F(ServerE2ETest, SixteenConcurrentStreamsEachGetTheirOwnTokens) {
+  CheckConcurrentStreams(*server_, *ref_);
+}
+
+// --decode_loop=loop on the CPU backend: the engine thread admits, streams and retires beside the
+// backend's loop thread (docs/device-loop.md), through the whole server.
+TEST(ServerLoopTest, LoopModeStreamsAsTheHostDrivenModeDoes) {
+  const Reference ref = LoadReference();
+  std::unique_ptr<Server> server = Server::Launch({"--max_batch=8", "--decode_loop=loop"});
+  ASSERT_NE(server, nullptr);
+  CheckConcurrentStreams(*server, ref);
+  // A client cancel while the loop runs (or just after the stream ended: the tiny model is fast
+  // and no debug delay slows a loop) leaves no slot, KV block or stream behind.
+  OpenStream open;
+  StartLong(*server, ref.prompts[0], &open);
+  open.ctx.TryCancel();
+  ReadAll(open.reader.get(), &open.result);
+  EXPECT_TRUE(open.result.status.ok() ||
+              open.result.status.error_code() == grpc::StatusCode::CANCELLED)
+      << open.result.status.error_message();
+  server->WaitSettled();
 }
 
 TEST_F(ServerE2ETest, ClientCancelFreesKvBlocks) {
@@ -415,6 +439,7 @@ TEST(ServerStartupTest, BadFlagsFailWithAClearMessage) {
       {{TS_TAILSERVE_BINARY, "--model_dir=/nonexistent/model"}, "/nonexistent/model"},
       {{TS_TAILSERVE_BINARY, model, "--backend=cuda"}, "--backend cuda"},
       {{TS_TAILSERVE_BINARY, model, "--max_batch=8", "--buckets=1,2,4"}, "--buckets"},
+      {{TS_TAILSERVE_BINARY, model, "--decode_loop=sometimes"}, "--decode_loop"},
       {{TS_TAILSERVE_BINARY}, "--model_dir"},
   };
   for (const Case& c : cases) {
