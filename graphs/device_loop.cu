@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "graphs/device_graph.h"
 #include "graphs/tail_launch.cuh"
 #include "kernels/cuda_check.h"
 
@@ -120,26 +121,6 @@ absl::Status Validate(const DeviceLoopParams& p) {
   return absl::OkStatus();
 }
 
-struct GraphDeleter {
-  void operator()(cudaGraph_t g) const { (void)cudaGraphDestroy(g); }
-};
-
-absl::StatusOr<cudaGraphExec_t> Capture(const LoopKernelParams& params, int32_t threads,
-                                        cudaStream_t capture) {
-  TS_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
-  SchedulerKernel<<<1, threads, 0, capture>>>(params);
-  const cudaError_t launch = cudaGetLastError();
-  cudaGraph_t raw = nullptr;
-  // Ends the capture even after a failed launch, so the stream is usable again.
-  const cudaError_t end = cudaStreamEndCapture(capture, &raw);
-  const std::unique_ptr<CUgraph_st, GraphDeleter> graph(raw);
-  TS_CUDA_RETURN_IF_ERROR(launch);
-  TS_CUDA_RETURN_IF_ERROR(end);
-  cudaGraphExec_t exec = nullptr;
-  TS_CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, raw, cudaGraphInstantiateFlagDeviceLaunch));
-  return exec;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceLoop>> DeviceLoop::Create(const DeviceLoopParams& params,
@@ -162,10 +143,10 @@ absl::StatusOr<std::unique_ptr<DeviceLoop>> DeviceLoop::Create(const DeviceLoopP
   const LoopKernelParams kp{
       .loop = params, .control = loop->control_, .state = loop->state_device_};
   const int32_t threads = (params.num_slots + 31) / 32 * 32;
-  cudaStream_t capture = nullptr;
-  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
-  absl::StatusOr<cudaGraphExec_t> exec = Capture(kp, threads, capture);
-  (void)cudaStreamDestroy(capture);
+  absl::StatusOr<cudaGraphExec_t> exec = CaptureForDeviceLaunch([&](cudaStream_t s) {
+    SchedulerKernel<<<1, threads, 0, s>>>(kp);
+    return cudaGetLastError();
+  });
   if (!exec.ok()) return exec.status();
   loop->exec_ = *exec;
   TS_CUDA_RETURN_IF_ERROR(cudaGraphUpload(loop->exec_, stream));

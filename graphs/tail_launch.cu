@@ -1,6 +1,7 @@
 #include "graphs/tail_launch.cuh"
 
 #include "absl/strings/str_cat.h"
+#include "graphs/device_graph.h"
 #include "kernels/cuda_check.h"
 
 namespace ts::graphs {
@@ -48,36 +49,15 @@ absl::Status Validate(const TailLaunchParams& p) {
   return absl::OkStatus();
 }
 
-struct GraphDeleter {
-  void operator()(cudaGraph_t g) const { (void)cudaGraphDestroy(g); }
-};
-
-// Captures the kernel on `capture`, then instantiates it for device launch.
-absl::StatusOr<cudaGraphExec_t> CaptureLauncher(const TailLaunchParams& params,
-                                                cudaStream_t capture) {
-  TS_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
-  TailLaunchKernel<<<1, 1, 0, capture>>>(params);
-  const cudaError_t launch = cudaGetLastError();
-  cudaGraph_t raw = nullptr;
-  // Ends the capture even after a failed launch, so the stream is usable again.
-  const cudaError_t end = cudaStreamEndCapture(capture, &raw);
-  const std::unique_ptr<CUgraph_st, GraphDeleter> graph(raw);
-  TS_CUDA_RETURN_IF_ERROR(launch);
-  TS_CUDA_RETURN_IF_ERROR(end);
-  cudaGraphExec_t exec = nullptr;
-  TS_CUDA_RETURN_IF_ERROR(cudaGraphInstantiate(&exec, raw, cudaGraphInstantiateFlagDeviceLaunch));
-  return exec;
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TailLauncher>> TailLauncher::Create(const TailLaunchParams& params,
                                                                    cudaStream_t stream) {
   if (absl::Status s = Validate(params); !s.ok()) return s;
-  cudaStream_t capture = nullptr;
-  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
-  absl::StatusOr<cudaGraphExec_t> exec = CaptureLauncher(params, capture);
-  (void)cudaStreamDestroy(capture);
+  absl::StatusOr<cudaGraphExec_t> exec = CaptureForDeviceLaunch([&](cudaStream_t s) {
+    TailLaunchKernel<<<1, 1, 0, s>>>(params);
+    return cudaGetLastError();
+  });
   if (!exec.ok()) return exec.status();
   std::unique_ptr<TailLauncher> launcher(new TailLauncher(*exec));
   TS_CUDA_RETURN_IF_ERROR(cudaGraphUpload(launcher->exec_, stream));

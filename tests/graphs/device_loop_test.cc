@@ -16,18 +16,7 @@
 
 #include "graphs/graph_cache.h"
 #include "tests/graphs/loop_test_kernels.cuh"
-
-#define TS_ASSERT_CUDA_OK(expr)                                                  \
-  do {                                                                           \
-    const cudaError_t ts_e_ = (expr);                                            \
-    ASSERT_EQ(ts_e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(ts_e_); \
-  } while (0)
-
-#define TS_ASSERT_OK(expr)                                        \
-  do {                                                            \
-    const ::absl::Status ts_s_ = (expr);                          \
-    ASSERT_TRUE(ts_s_.ok()) << #expr << ": " << ts_s_.ToString(); \
-  } while (0)
+#include "tests/kernels/kernel_test_util.h"
 
 namespace ts::graphs {
 namespace {
