@@ -9,9 +9,31 @@
 
 namespace ts {
 
-absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(std::unique_ptr<CpuModel> model,
-                                                               const CpuBackendOptions& options) {
-  if (model == nullptr) return absl::InvalidArgumentError("model: null");
+namespace {
+
+class WholeModel final : public CpuForward {
+ public:
+  WholeModel(std::unique_ptr<CpuModel> model, int32_t num_kv_blocks, int32_t block_size)
+      : model_(std::move(model)), kv_(model_->config(), num_kv_blocks, block_size) {}
+  const ModelConfig& config() const override { return model_->config(); }
+  absl::Status Forward(std::span<const SeqChunk> chunks, LogitsMode mode,
+                       std::vector<float>* logits) override {
+    return model_->Forward(chunks, kv_, mode, logits);
+  }
+
+ private:
+  std::unique_ptr<CpuModel> model_;
+  CpuKvPool kv_;
+};
+
+}  // namespace
+
+std::unique_ptr<CpuForward> WholeModelForward(std::unique_ptr<CpuModel> model,
+                                              int32_t num_kv_blocks, int32_t block_size) {
+  return std::make_unique<WholeModel>(std::move(model), num_kv_blocks, block_size);
+}
+
+absl::StatusOr<int32_t> CpuKvBlocks(const ModelConfig& config, const CpuBackendOptions& options) {
   if (options.max_slots < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_slots: must be >= 1, got ", options.max_slots));
@@ -20,20 +42,10 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(std::unique_ptr<C
     return absl::InvalidArgumentError(
         absl::StrCat("kv_block_size: must be >= 1, got ", options.kv_block_size));
   }
-  if (options.ring_capacity < 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ring_capacity: must be >= 2, got ", options.ring_capacity));
-  }
   if (options.num_kv_blocks < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_kv_blocks: must be >= 0, got ", options.num_kv_blocks));
   }
-  TS_RETURN_IF_ERROR(ValidateBuckets(options.buckets));
-  if (options.buckets.back() < options.max_slots) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "buckets: largest bucket ", options.buckets.back(), " < max_slots ", options.max_slots));
-  }
-  const ModelConfig& config = model->config();
   int64_t blocks = options.num_kv_blocks;
   if (blocks == 0) {
     const int64_t per_seq =
@@ -43,7 +55,7 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(std::unique_ptr<C
   if (blocks < 1 || blocks > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("num_kv_blocks: ", blocks, " out of range"));
   }
-  // K and V, fp32, every layer and kv head.
+  // K and V, fp32, every layer and kv head (summed over the stages of a pipeline).
   const int64_t bytes_per_block = int64_t{2} * sizeof(float) * config.num_layers *
                                   config.num_kv_heads * config.head_dim * options.kv_block_size;
   if (blocks * bytes_per_block > options.max_kv_bytes) {
@@ -52,18 +64,39 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(std::unique_ptr<C
         blocks * bytes_per_block, " bytes of fp32 KV, above max_kv_bytes ", options.max_kv_bytes,
         "; set num_kv_blocks (", options.max_kv_bytes / bytes_per_block, " fit)"));
   }
-  return std::unique_ptr<CpuBackend>(
-      new CpuBackend(std::move(model), options, static_cast<int32_t>(blocks)));
+  return static_cast<int32_t>(blocks);
 }
 
-CpuBackend::CpuBackend(std::unique_ptr<CpuModel> model, const CpuBackendOptions& options,
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(std::unique_ptr<CpuModel> model,
+                                                               const CpuBackendOptions& options) {
+  if (model == nullptr) return absl::InvalidArgumentError("model: null");
+  TS_ASSIGN_OR_RETURN(const int32_t blocks, CpuKvBlocks(model->config(), options));
+  return Create(WholeModelForward(std::move(model), blocks, options.kv_block_size), options);
+}
+
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(std::unique_ptr<CpuForward> forward,
+                                                               const CpuBackendOptions& options) {
+  if (forward == nullptr) return absl::InvalidArgumentError("forward: null");
+  TS_ASSIGN_OR_RETURN(const int32_t blocks, CpuKvBlocks(forward->config(), options));
+  if (options.ring_capacity < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ring_capacity: must be >= 2, got ", options.ring_capacity));
+  }
+  TS_RETURN_IF_ERROR(ValidateBuckets(options.buckets));
+  if (options.buckets.back() < options.max_slots) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "buckets: largest bucket ", options.buckets.back(), " < max_slots ", options.max_slots));
+  }
+  return std::unique_ptr<CpuBackend>(new CpuBackend(std::move(forward), options, blocks));
+}
+
+CpuBackend::CpuBackend(std::unique_ptr<CpuForward> forward, const CpuBackendOptions& options,
                        int32_t num_kv_blocks)
-    : model_(std::move(model)),
-      kv_(model_->config(), num_kv_blocks, options.kv_block_size),
+    : forward_(std::move(forward)),
       buckets_(options.buckets),
       slots_(options.max_slots),
       storage_(static_cast<size_t>(options.max_slots) * options.ring_capacity) {
-  info_.model = model_->config();
+  info_.model = forward_->config();
   info_.max_slots = options.max_slots;
   info_.kv_block_size = options.kv_block_size;
   info_.num_kv_blocks = num_kv_blocks;
@@ -141,7 +174,7 @@ absl::Status CpuBackend::StartSlots(std::span<PrefillJob> jobs) {
         SeqChunk{.tokens = job.prompt, .start_pos = 0, .block_table = job.block_table});
   }
   // One Forward over every new prompt; host-driven, a failure leaves all these slots FREE.
-  TS_RETURN_IF_ERROR(model_->Forward(chunks, kv_, LogitsMode::kLastPerChunk, &logits_));
+  TS_RETURN_IF_ERROR(forward_->Forward(chunks, LogitsMode::kLastPerChunk, &logits_));
   const size_t vocab = static_cast<size_t>(info_.model.vocab_size);
   for (size_t i = 0; i < jobs.size(); ++i) {
     PrefillJob& job = jobs[i];
@@ -198,7 +231,7 @@ absl::StatusOr<int32_t> CpuBackend::OneStep() {
                  .start_pos = static_cast<int32_t>(s.prompt.size() + s.output.size() - 1),
                  .block_table = s.block_table});
   }
-  TS_RETURN_IF_ERROR(model_->Forward(chunks, kv_, LogitsMode::kLastPerChunk, &logits_));
+  TS_RETURN_IF_ERROR(forward_->Forward(chunks, LogitsMode::kLastPerChunk, &logits_));
   // Counted before the tokens are pushed: whoever has read a step's token sees the step counted.
   steps_.fetch_add(1, std::memory_order_relaxed);
   const size_t vocab = static_cast<size_t>(info_.model.vocab_size);

@@ -46,10 +46,34 @@ struct CpuBackendOptions {
   bool loop_thread = false;
 };
 
+// What the CPU backend runs a batch through, KV included: the whole model with one pool
+// (WholeModelForward), or pipeline stages each holding its own layers' KV
+// (engine/pipeline/pipeline_forward.h). CpuModel::Forward's contract: rows in chunk order, a row
+// never depends on its batch neighbours. One call at a time.
+class CpuForward {
+ public:
+  virtual ~CpuForward() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual absl::Status Forward(std::span<const SeqChunk> chunks, LogitsMode mode,
+                               std::vector<float>* logits) = 0;
+};
+
+// The whole model over a KV pool of `num_kv_blocks` blocks of `block_size` tokens.
+std::unique_ptr<CpuForward> WholeModelForward(std::unique_ptr<CpuModel> model,
+                                              int32_t num_kv_blocks, int32_t block_size);
+
+// Checks `options` and returns the KV blocks a backend over a model of `config` holds
+// (options.num_kv_blocks, or max_slots full-length sequences), or the error Create gives.
+absl::StatusOr<int32_t> CpuKvBlocks(const ModelConfig& config, const CpuBackendOptions& options);
+
 class CpuBackend : public Backend {
  public:
   // Takes ownership of a loaded model (tests share nothing; the server loads once).
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(std::unique_ptr<CpuModel> model,
+                                                            const CpuBackendOptions& options);
+  // Over any CpuForward, whose KV must hold CpuKvBlocks(forward->config(), options) blocks of
+  // options.kv_block_size tokens.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(std::unique_ptr<CpuForward> forward,
                                                             const CpuBackendOptions& options);
   ~CpuBackend() override;  // stops and joins the loop thread; a step in progress completes
 
@@ -98,7 +122,7 @@ class CpuBackend : public Backend {
   };
   enum class PauseState : uint8_t { kRunning, kPausing, kPaused };
 
-  CpuBackend(std::unique_ptr<CpuModel> model, const CpuBackendOptions& options,
+  CpuBackend(std::unique_ptr<CpuForward> forward, const CpuBackendOptions& options,
              int32_t num_kv_blocks);
   absl::Status ValidateInits(std::span<const SlotInit> inits) const;
   // One Forward over the new prompts, then each slot ACTIVE with its first token in the ring.
@@ -111,8 +135,7 @@ class CpuBackend : public Backend {
   bool LoopHasWorkLocked() const;  // mu_ held
   bool AnyActive() const;
 
-  std::unique_ptr<CpuModel> model_;
-  CpuKvPool kv_;
+  std::unique_ptr<CpuForward> forward_;
   std::vector<int32_t> buckets_;
   BackendInfo info_;
   std::vector<Slot> slots_;         // [max_slots]

@@ -27,6 +27,8 @@
 #endif
 #include "common/flags.h"
 #include "engine/engine.h"
+#include "engine/pipeline/pipeline_forward.h"
+#include "engine/pipeline/stage_plan.h"
 #include "models/config.h"
 #include "models/tokenizer/tokenizer.h"
 #include "server/debug_backend.h"
@@ -44,6 +46,10 @@ ABSL_FLAG(std::string, model_name, "",
           "Name reported by GetModelInfo; default: model_dir's basename.");
 ABSL_FLAG(std::string, backend, "cpu", "Decoder backend: cpu (fp32 reference) or cuda.");
 ABSL_FLAG(int32_t, max_batch, 16, "Concurrent decoding requests.");
+ABSL_FLAG(int32_t, pipeline_stages, 1,
+          "Split the layers into this many pipeline stages (docs/pipeline.md), balanced by weight "
+          "bytes; the plan is printed at startup. CPU backend: stage threads over one process, "
+          "micro-batches in flight. The CUDA pipeline over NCCL is not built yet.");
 ABSL_FLAG(std::string, decode_loop, "auto",
           "Who runs the decode steps: loop (the backend's own loop beside the engine thread; CUDA: "
           "the device-resident loop, no host call between steps, prefill on its own stream; CPU: "
@@ -226,7 +232,24 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const ModelConfig& confi
                             .num_threads = threads,
                             .max_kv_bytes = budget,
                             .loop_thread = loop};
-  return CreateCpuBackend(options);
+  const int32_t stages = absl::GetFlag(FLAGS_pipeline_stages);
+  if (stages == 1) return CreateCpuBackend(options);
+  TS_ASSIGN_OR_RETURN(
+      const std::vector<pipeline::StagePlan> plan,
+      pipeline::PlanStages(config,
+                           {.num_stages = stages, .bytes_per_weight = 4, .bytes_per_kv = 4}));
+  std::printf(
+      "tailserve: pipeline of %d stages (fp32, a thread group each; every stage holds the %d KV "
+      "blocks for its own layers)\n%s",
+      stages, options.num_kv_blocks, pipeline::DescribePlan(plan, 0, block).c_str());
+  // The threads are the stages' to share; each stage's micro-batch runs on its own.
+  TS_ASSIGN_OR_RETURN(
+      std::unique_ptr<pipeline::PipelineForward> forward,
+      pipeline::PipelineForward::Load(options.model_dir, plan, options.num_kv_blocks, block, stages,
+                                      std::max(1, threads / stages)));
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CpuBackend> backend,
+                      CpuBackend::Create(std::move(forward), options));
+  return std::unique_ptr<Backend>(std::move(backend));
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32_t>& buckets,
@@ -281,8 +304,19 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
   if (block < 1) return absl::InvalidArgumentError("--kv_block_size: must be >= 1");
   int32_t context = absl::GetFlag(FLAGS_max_context);
   if (context <= 0) context = config.max_position_embeddings;
+  const int32_t stages = absl::GetFlag(FLAGS_pipeline_stages);
+  if (stages < 1 || stages > config.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("--pipeline_stages: ", stages,
+                                                   " must be in [1, the model's ",
+                                                   config.num_layers, " layers]"));
+  }
   std::unique_ptr<Backend> backend;
   if (kind == "cuda") {
+    if (stages > 1) {
+      return absl::UnimplementedError(
+          "--pipeline_stages: the CUDA pipeline over NCCL is not built yet (docs/pipeline.md); "
+          "--backend cpu runs a pipeline of stage threads");
+    }
     TS_ASSIGN_OR_RETURN(backend, MakeCudaBackend(buckets, context, block, loop));
     // 0: whatever the backend's memory plan settled on.
     *max_context = absl::GetFlag(FLAGS_max_context);

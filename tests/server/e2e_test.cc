@@ -236,6 +236,18 @@ TEST_F(ServerE2ETest, SixteenConcurrentStreamsEachGetTheirOwnTokens) {
 
 // --decode_loop=loop on the CPU backend: the engine thread admits, streams and retires beside the
 // backend's loop thread (docs/device-loop.md), through the whole server.
+// --pipeline_stages=2 on the CPU backend: two stage threads, micro-batches in flight, the same
+// tokens as one stage (the reference is transformers').
+TEST(ServerPipelineTest, TwoStagesServeAsOneDoes) {
+  const Reference ref = LoadReference();
+  std::unique_ptr<Server> server = Server::Launch({"--max_batch=8", "--pipeline_stages=2"});
+  ASSERT_NE(server, nullptr);
+  EXPECT_TRUE(server->process().WaitForLine("pipeline of 2 stages", 5s).ok())
+      << server->process().Output();
+  CheckConcurrentStreams(*server, ref);
+  server->WaitSettled();
+}
+
 TEST(ServerLoopTest, LoopModeStreamsAsTheHostDrivenModeDoes) {
   const Reference ref = LoadReference();
   std::unique_ptr<Server> server = Server::Launch({"--max_batch=8", "--decode_loop=loop"});
@@ -440,6 +452,9 @@ TEST(ServerStartupTest, BadFlagsFailWithAClearMessage) {
       {{TS_TAILSERVE_BINARY, model, "--backend=cuda"}, "--backend cuda"},
       {{TS_TAILSERVE_BINARY, model, "--max_batch=8", "--buckets=1,2,4"}, "--buckets"},
       {{TS_TAILSERVE_BINARY, model, "--decode_loop=sometimes"}, "--decode_loop"},
+      {{TS_TAILSERVE_BINARY, model, "--pipeline_stages=4"}, "--pipeline_stages: 4"},
+      {{TS_TAILSERVE_BINARY, model, "--backend=cuda", "--pipeline_stages=2"},
+       "--pipeline_stages: the CUDA pipeline"},
       {{TS_TAILSERVE_BINARY}, "--model_dir"},
   };
   for (const Case& c : cases) {

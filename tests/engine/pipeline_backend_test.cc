@@ -1,0 +1,195 @@
+// The CPU backend over a pipeline of stage threads (engine/pipeline/pipeline_forward.h) through
+// the Engine: with requests arriving while others decode, and cancels, every stream equals the
+// single-stage backend's, for 2 and 3 stages, untied and tied embeddings (the head's matrix on
+// both ends), host-driven and with the backend's loop thread; every slot and KV block comes back.
+#include "engine/pipeline/pipeline_forward.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "engine/cpu_backend.h"
+#include "engine/engine.h"
+#include "tests/common/test_paths.h"
+#include "tests/engine/stream_reader.h"
+
+namespace ts::testing {
+namespace {
+
+constexpr int32_t kSlots = 4;
+constexpr int32_t kBlock = 16;
+constexpr int32_t kContext = 160;
+
+CpuBackendOptions Options(const std::string& variant, bool loop) {
+  CpuBackendOptions o;
+  o.model_dir = FixtureDir() / variant;
+  o.max_slots = kSlots;
+  o.kv_block_size = kBlock;
+  o.num_kv_blocks = kSlots * ((kContext + kBlock - 1) / kBlock);
+  o.buckets = {1, 2, 4};
+  o.num_threads = 1;
+  o.loop_thread = loop;
+  return o;
+}
+
+std::unique_ptr<Engine> MakeEngine(std::unique_ptr<Backend> backend, bool loop) {
+  EngineOptions e;
+  e.max_batch = kSlots;
+  e.buckets = {1, 2, 4};
+  e.max_context = kContext;
+  e.run_mode = loop ? RunMode::kLoop : RunMode::kOneStep;
+  auto engine = Engine::Create(e, std::move(backend));
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? std::move(*engine) : nullptr;
+}
+
+std::unique_ptr<Engine> Whole(const std::string& variant) {
+  auto b = CreateCpuBackend(Options(variant, false));
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? MakeEngine(std::move(*b), false) : nullptr;
+}
+
+std::unique_ptr<Engine> Pipelined(const std::string& variant, int32_t stages, bool loop) {
+  const CpuBackendOptions o = Options(variant, loop);
+  auto config = LoadModelConfig(o.model_dir);
+  EXPECT_TRUE(config.ok()) << config.status();
+  if (!config.ok()) return nullptr;
+  auto plan = pipeline::PlanStages(
+      *config, {.num_stages = stages, .bytes_per_weight = 4, .bytes_per_kv = 4});
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  auto blocks = CpuKvBlocks(*config, o);
+  EXPECT_TRUE(blocks.ok()) << blocks.status();
+  if (!plan.ok() || !blocks.ok()) return nullptr;
+  // Two micro-batches: a batch of 2-4 rows really splits, so stages overlap.
+  auto forward = pipeline::PipelineForward::Load(o.model_dir, *plan, *blocks, kBlock, 2, 1);
+  EXPECT_TRUE(forward.ok()) << forward.status();
+  if (!forward.ok()) return nullptr;
+  auto b = CpuBackend::Create(*std::move(forward), o);
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? MakeEngine(*std::move(b), loop) : nullptr;
+}
+
+std::vector<GenerateRequest> Requests(int32_t vocab) {
+  std::mt19937 rng(17);
+  std::vector<GenerateRequest> out;
+  for (int i = 0; i < 10; ++i) {
+    GenerateRequest r;
+    r.request_id = "p" + std::to_string(i);
+    const int len = 1 + static_cast<int>(rng() % 40);
+    for (int t = 0; t < len; ++t) r.prompt.push_back(3 + static_cast<int32_t>(rng() % (vocab - 3)));
+    r.stop.max_new_tokens = 4 + static_cast<int32_t>(rng() % 60);
+    r.stop.ignore_eos = true;
+    r.sampling.temperature = i % 3 == 1 ? 0.9f : 0.0f;
+    r.sampling.seed = 500 + i;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+struct Result {
+  std::vector<int32_t> tokens;
+  FinishReason reason = FinishReason::kNone;
+};
+
+// Three waves, each sent once the previous wave's first stream has tokens (so prompts are
+// prefilled while others decode, and admission waits for slots); `cancel` ids are cancelled
+// once the last wave streams.
+std::vector<Result> RunWaves(Engine& engine, const std::vector<GenerateRequest>& reqs,
+                             const std::vector<int>& cancel) {
+  std::vector<std::unique_ptr<StreamReader>> readers;
+  for (size_t first = 0; first < reqs.size(); first += 4) {
+    for (size_t i = first; i < std::min(reqs.size(), first + 4); ++i) {
+      auto s = engine.Submit(reqs[i]);
+      EXPECT_TRUE(s.ok()) << s.status();
+      if (!s.ok()) return {};
+      readers.push_back(std::make_unique<StreamReader>(*s));
+    }
+    const auto deadline = std::chrono::steady_clock::now() + kStreamTimeout;
+    while (readers[first]->tokens.empty() && !readers[first]->finished &&
+           std::chrono::steady_clock::now() < deadline) {
+      if (readers[first]->Pull() == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+  for (int i : cancel) engine.Cancel(reqs[i].request_id);
+  std::vector<Result> out;
+  for (auto& r : readers) {
+    ReadToEnd(r.get());
+    EXPECT_TRUE(r->status.ok()) << r->status;
+    out.push_back(Result{r->tokens, r->reason});
+  }
+  WaitIdle(engine);
+  EXPECT_EQ(engine.stats().kv_blocks_free, engine.stats().kv_blocks_total);
+  return out;
+}
+
+class PipelineBackendTest
+    : public ::testing::TestWithParam<std::tuple<std::string, int32_t, bool>> {};
+
+TEST_P(PipelineBackendTest, StreamsEqualTheSingleStageBackend) {
+  const auto& [variant, stages, loop] = GetParam();
+  std::vector<Result> want;
+  int32_t vocab = 0;
+  {
+    auto whole = Whole(variant);
+    ASSERT_NE(whole, nullptr);
+    vocab = whole->model_info().vocab_size;
+    want = RunWaves(*whole, Requests(vocab), {});
+  }
+  const std::vector<int> cancel = {5, 8};
+  auto piped = Pipelined(variant, stages, loop);
+  ASSERT_NE(piped, nullptr);
+  const std::vector<GenerateRequest> reqs = Requests(vocab);
+  const std::vector<Result> got = RunWaves(*piped, reqs, cancel);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    SCOPED_TRACE(reqs[i].request_id);
+    EXPECT_EQ(want[i].tokens.size(), static_cast<size_t>(reqs[i].stop.max_new_tokens));
+    const bool cancelled = std::count(cancel.begin(), cancel.end(), static_cast<int>(i)) > 0;
+    if (cancelled && got[i].reason == FinishReason::kCancelled) {
+      ASSERT_LE(got[i].tokens.size(), want[i].tokens.size());
+      EXPECT_TRUE(std::equal(got[i].tokens.begin(), got[i].tokens.end(), want[i].tokens.begin()));
+      continue;
+    }
+    EXPECT_EQ(got[i].tokens, want[i].tokens);
+    EXPECT_EQ(got[i].reason, want[i].reason);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(StagesAndModes, PipelineBackendTest,
+                         ::testing::Values(std::make_tuple("tiny-gqa-untied", 2, false),
+                                           std::make_tuple("tiny-gqa-untied", 3, true),
+                                           std::make_tuple("tiny-mha-tied", 2, false),
+                                           std::make_tuple("tiny-mha-tied", 2, true)),
+                         [](const auto& info) {
+                           std::string name = std::get<0>(info.param) + "_" +
+                                              std::to_string(std::get<1>(info.param)) +
+                                              (std::get<2>(info.param) ? "_loop" : "_host");
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+TEST(PipelineForwardTest, RefusesAPlanItCannotRun) {
+  const auto dir = FixtureDir() / "tiny-gqa-untied";
+  EXPECT_FALSE(pipeline::PipelineForward::Load(dir, {}, 10, kBlock, 1, 1).ok());
+  auto config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok());
+  auto plan = pipeline::PlanStages(*config, {.num_stages = 2});
+  ASSERT_TRUE(plan.ok());
+  const auto bad = pipeline::PipelineForward::Load(dir, *plan, 10, kBlock, 0, 1);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("micro_batches"), std::string::npos) << bad.status();
+  const auto missing = pipeline::PipelineForward::Load("/nonexistent", *plan, 10, kBlock, 1, 1);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("pipeline stage 0"), std::string::npos)
+      << missing.status();
+}
+
+}  // namespace
+}  // namespace ts::testing
