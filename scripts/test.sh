@@ -17,7 +17,7 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" ${CTEST_ARGS:-}
 [ "${TSAN:-1}" = 0 ] && exit 0
 TSAN_DIR=${TSAN_DIR:-$BUILD_DIR-tsan}
 tsan_tests=(engine_ring_test engine_scheduler_test engine_engine_test engine_cpu_backend_test
-  engine_cpu_loop_test engine_local_pipeline_test)
+  engine_cpu_loop_test engine_local_pipeline_test engine_pipeline_backend_test)
 cmake -S . -B "$TSAN_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTAILSERVE_SANITIZE=thread \
   -DTAILSERVE_ENABLE_CUDA=OFF -DTAILSERVE_ENABLE_GRPC=OFF
 cmake --build "$TSAN_DIR" -j "$JOBS" --target "${tsan_tests[@]}"
