@@ -175,9 +175,11 @@ absl::Status CudaBackend::RunLoop() {
   TS_RETURN_IF_ERROR(LoopError());
   RefreshSlots();
   if (loop_->Running()) return absl::OkStatus();
-  // The loop has exited, so every write of its steps (done flags, rings) is visible now, and
-  // the host's contexts are exact: the regime is chosen from what the host-driven mode would
-  // see before this step, and the loop exits by itself at the step where that choice changes.
+  // The loop has exited, so every write of its steps (done flags, rings) is visible now; read
+  // them again (the loop may have ended after the refresh above), and the host's contexts are
+  // exact: the regime is chosen from what the host-driven mode would see before this step, and
+  // the loop exits by itself at the step where that choice changes.
+  RefreshSlots();
   if (num_active() == 0) return absl::OkStatus();
   TS_RETURN_IF_ERROR(MaybeUpdateRegime());
   const int32_t hi = graphs_->regime().max_context_len;

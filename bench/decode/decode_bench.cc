@@ -16,6 +16,9 @@
 // one's first. --host_load k runs k busy threads per host core while the steps are timed, as a
 // loaded serving host has (gRPC streams, tokenization).
 //
+// --probe_tokens N: the time from Prefill of one more N-token prompt to its first token, with
+// nothing decoding and beside each smaller batch: in the loop, prefill runs beside the decode.
+//
 // --profile: for --profile_shape / --profile_batch, also runs --profile_reps steps host-launched
 // op by op, each op between two events, and prints where a step's time goes.
 //
@@ -85,6 +88,9 @@ ABSL_FLAG(std::string, modes, "host,loop",
           "device-resident loop)");
 ABSL_FLAG(std::string, host_load, "0",
           "comma-separated busy threads per host core while steps are timed (0 = idle host)");
+ABSL_FLAG(int32_t, probe_tokens, 0,
+          "also time one more prompt of this many tokens from Prefill to its first token, with "
+          "nothing decoding and beside each batch below the largest (0 = off)");
 
 namespace ts::bench {
 namespace {
@@ -279,6 +285,12 @@ absl::Status PrefillBatch(CudaBackend& b, const Settings& s, int32_t batch, int3
   return b.Prefill(inits);
 }
 
+// Host milliseconds from Prefill of one more prompt of `tokens` (slot `batch`, greedy, one new
+// token) to its first token in the ring, while `batch` streams decode (0: nothing decodes). Then
+// runs everything to the end and frees every slot.
+absl::StatusOr<double> ProbePrefill(CudaBackend& b, const Settings& s, int32_t batch,
+                                    int32_t max_new, int32_t tokens, bool loop);
+
 // Every slot must hold exactly `records` ring records, the last one FINISHED; then frees them.
 absl::Status CheckAndRelease(CudaBackend& b, int32_t batch, uint32_t records) {
   for (int32_t i = 0; i < batch; ++i) {
@@ -433,6 +445,29 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
     }
   }
 
+  if (const int32_t probe = absl::GetFlag(FLAGS_probe_tokens); probe > 0) {
+    // Idle first, then beside every batch that leaves the probe a slot. Host-driven, the
+    // streams wait while the probe's Prefill runs; in the loop they decode beside it.
+    std::vector<int32_t> besides = {0};
+    for (int32_t batch : s.batches) {
+      if (batch < s.batches.back()) besides.push_back(batch);
+    }
+    for (int32_t beside : besides) {
+      TS_ASSIGN_OR_RETURN(const double ms, ProbePrefill(*b, s, beside, max_new, probe, loop));
+      std::printf("prefill probe %-4s %-5s: %d tokens beside %d decoding streams: %.2f ms\n",
+                  shape.c_str(), mode.c_str(), probe, beside, ms);
+      if (out != nullptr) {
+        *out << json{{"probe", shape},
+                     {"mode", mode},
+                     {"probe_tokens", probe},
+                     {"beside", beside},
+                     {"first_token_ms", ms}}
+                    .dump()
+             << "\n";
+      }
+    }
+  }
+
   if (!loop && absl::GetFlag(FLAGS_profile) && shape == absl::GetFlag(FLAGS_profile_shape)) {
     const int32_t batch = absl::GetFlag(FLAGS_profile_batch);
     // The rings hold new_tokens + 8 records: profiled steps stay within that.
@@ -472,6 +507,51 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   return absl::OkStatus();
+}
+
+absl::StatusOr<double> ProbePrefill(CudaBackend& b, const Settings& s, int32_t batch,
+                                    int32_t max_new, int32_t tokens, bool loop) {
+  const BackendInfo& info = b.info();
+  const int32_t per = (s.prompt_len + max_new + info.kv_block_size - 1) / info.kv_block_size;
+  tokens = std::min(tokens, per * info.kv_block_size - 1);  // the slot's share of the pool
+  if (batch > 0) {
+    TS_RETURN_IF_ERROR(PrefillBatch(b, s, batch, max_new, absl::GetFlag(FLAGS_seed) + 7));
+    if (loop) {
+      TS_RETURN_IF_ERROR(b.WaitForPrefills());
+      TS_RETURN_IF_ERROR(b.Run(RunMode::kLoop));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } else {
+      for (int i = 0; i < 4; ++i) TS_RETURN_IF_ERROR(b.Run(RunMode::kOneStep));
+    }
+  }
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed) + 11);
+  std::vector<int32_t> prompt(tokens), table(per);
+  for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % info.model.vocab_size);
+  for (int32_t k = 0; k < per; ++k) table[k] = batch * per + k;
+  SlotInit probe{.slot = batch, .prompt = prompt, .block_table = table, .sampling = {}, .stop = {}};
+  probe.sampling.temperature = 0.0f;
+  probe.stop.max_new_tokens = 1;
+  const auto t0 = std::chrono::steady_clock::now();
+  TS_RETURN_IF_ERROR(b.Prefill(std::span<const SlotInit>(&probe, 1)));
+  const auto deadline = t0 + std::chrono::seconds(30);
+  while (b.Ring(batch).LatestSeq() < 1) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::DeadlineExceededError("prefill probe: no first token in 30 s");
+    }
+    if (loop) TS_RETURN_IF_ERROR(b.Run(RunMode::kLoop));  // relaunches after an exit
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  // Everything to the end: the batch's streams, and the probe (finished by its first token).
+  if (loop) TS_RETURN_IF_ERROR(b.WaitForPrefills());
+  do {
+    TS_RETURN_IF_ERROR(b.Run(loop ? RunMode::kLoop : RunMode::kOneStep));
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(b.stream()));
+  } while (b.num_active() > 0);
+  if (batch > 0) TS_RETURN_IF_ERROR(CheckAndRelease(b, batch, static_cast<uint32_t>(max_new)));
+  b.Release(batch);
+  return ms;
 }
 
 int Main() {
