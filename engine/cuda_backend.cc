@@ -204,8 +204,6 @@ absl::Status CudaBackend::ValidateInit(const SlotInit& in) const {
   return absl::OkStatus();
 }
 
-// Writes the slot's table row, block table and prompt mask into staging row `index` and
-// enqueues their copies (plus the output-count reset) to the slot's device rows.
 void CudaBackend::ResetSlotHost(SlotId slot) {
   // No kernel touches these for a slot that is not ACTIVE on the device, and the slot's staging
   // (which makes it so) is enqueued only after this returns.
@@ -214,6 +212,8 @@ void CudaBackend::ResetSlotHost(SlotId slot) {
   slots_[slot].ring.Reset();
 }
 
+// Writes the slot's table row, block table and prompt mask into staging row `index` and
+// enqueues their copies (plus the output-count reset) to the slot's device rows.
 absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index, int32_t device_state,
                                     cudaStream_t stream) {
   const HostLayout& h = model_->host();

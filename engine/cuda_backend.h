@@ -1,6 +1,9 @@
-// The CUDA backend: engine/backend.h over a CudaModel, in host-driven mode (docs/architecture.md,
-// Host-driven mode): each Run(kOneStep) writes the bucket's row list, launches that bucket's
-// captured decode graph from the GraphCache and synchronises once. Slot and ring semantics are the
+// The CUDA backend: engine/backend.h over a CudaModel, in one of two modes fixed at creation.
+// With device_loop, the device-resident loop (docs/device-loop.md, cuda_backend_loop.cc): a
+// scheduler kernel tail-launches the bucket graphs step after step, and Prefill runs on a thread
+// and stream of its own. Host-driven (docs/architecture.md, Host-driven mode): each
+// Run(kOneStep) writes the bucket's row list, launches that bucket's captured decode graph from
+// the GraphCache and synchronises once. Slot and ring semantics are the
 // CPU backend's (engine/cpu_backend.h): the first token is sampled by Prefill at position
 // prompt_len, each step samples at prompt_len + generated, and the postprocess kernel applies the
 // stop rule (CheckStop) and the cancel flag on the GPU, writing (seq, token, flags) records into
@@ -8,12 +11,14 @@
 //
 // Attention splits follow the context-length regime: when the longest active context crosses a
 // regime boundary, the backend calls GraphCache::UpdateRegime (exec update in place, never a
-// re-instantiation).
+// re-instantiation); the device loop exits at exactly that step so the host can.
 //
 // Threading: one caller at a time, on any thread. Every entry that makes a CUDA call (Create,
 // Prefill, Run, ProfileStep, PromptLogits, the destructor) makes options.device current for its
 // duration and restores the caller's device: the engine thread that decodes is not the thread
-// that created the backend, and on a multi-GPU host its current device is not ours.
+// that created the backend, and on a multi-GPU host its current device is not ours. With
+// device_loop the backend also runs a prefill thread of its own; it shares with the caller only
+// the job queue, the per-slot done flags and a sticky error (cuda_backend_loop.cc).
 #pragma once
 
 #include <cuda_runtime.h>
