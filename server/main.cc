@@ -336,6 +336,12 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
     return absl::InvalidArgumentError(
         "--debug_gate_step/--debug_gate_prefill: need --debug_gate_file");
   }
+  // They act on Run calls, which are decode steps only when the engine thread runs each one.
+  if (loop && (debug.step_delay.count() > 0 || debug.fail_step > 0 || debug.gate_step > 0)) {
+    return absl::InvalidArgumentError(
+        "--debug_step_delay_ms/--debug_fail_step/--debug_gate_step: host-driven steps only; add "
+        "--decode_loop host");
+  }
   if (debug.step_delay.count() > 0 || debug.prefill_delay.count() > 0 || debug.fail_step > 0 ||
       gated) {
     backend = std::make_unique<DebugBackend>(std::move(backend), std::move(debug));

@@ -453,6 +453,8 @@ TEST(ServerStartupTest, BadFlagsFailWithAClearMessage) {
       {{TS_TAILSERVE_BINARY, model, "--max_batch=8", "--buckets=1,2,4"}, "--buckets"},
       {{TS_TAILSERVE_BINARY, model, "--decode_loop=sometimes"}, "--decode_loop"},
       {{TS_TAILSERVE_BINARY, model, "--pipeline_stages=4"}, "--pipeline_stages: 4"},
+      {{TS_TAILSERVE_BINARY, model, "--decode_loop=loop", "--debug_step_delay_ms=5"},
+       "host-driven steps only"},
       {{TS_TAILSERVE_BINARY, model, "--backend=cuda", "--pipeline_stages=2"},
        "--pipeline_stages: the CUDA pipeline"},
       {{TS_TAILSERVE_BINARY}, "--model_dir"},
