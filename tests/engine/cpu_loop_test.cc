@@ -33,6 +33,7 @@ using ::ts::testing::Gate;
 using ::ts::testing::GatedBackend;
 using ::ts::testing::kWaitTimeout;
 using ::ts::testing::OpenOnExit;
+using ::ts::testing::ReadAtLeast;
 using ::ts::testing::ReadToEnd;
 using ::ts::testing::StreamReader;
 using ::ts::testing::WaitIdle;
@@ -123,33 +124,6 @@ std::vector<StreamReader> HostDriven(const std::vector<GenerateRequest>& reqs) {
     if (r.stream != nullptr) ReadToEnd(&r);
   }
   return out;
-}
-
-// Like ReadToEnd, but returns as soon as the stream holds `n` tokens (or has finished).
-void ReadAtLeast(StreamReader* r, size_t n) {
-  struct Wake {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool signalled = false;
-  };
-  auto wake = std::make_shared<Wake>();
-  r->stream->SetNotifier([wake] {
-    std::lock_guard<std::mutex> lock(wake->mu);
-    wake->signalled = true;
-    wake->cv.notify_one();
-  });
-  const auto deadline = Clock::now() + kWaitTimeout;
-  while (true) {
-    r->Pull();
-    if (r->finished || r->tokens.size() >= n) return;
-    std::unique_lock<std::mutex> lock(wake->mu);
-    if (!wake->cv.wait_until(lock, deadline, [&] { return wake->signalled; })) {
-      ADD_FAILURE() << "stream " << r->stream->id() << " has " << r->tokens.size() << " < " << n
-                    << " tokens after " << kWaitTimeout.count() << " s";
-      return;
-    }
-    wake->signalled = false;
-  }
 }
 
 // Polls `done` until it holds; false after kWaitTimeout. For conditions on ring contents, which

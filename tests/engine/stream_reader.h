@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -47,10 +48,10 @@ struct StreamReader {
 // Only a broken build or a deadlock gets anywhere near these.
 constexpr std::chrono::seconds kStreamTimeout{120};
 
-// Blocks (on a condition variable fed by the stream's notifier) until the stream finishes, or
-// fails the test after kStreamTimeout. The wait state is shared with the notifier so a notifier
-// still running on the engine thread never touches a dead stack frame.
-inline void ReadToEnd(StreamReader* r) {
+// Blocks (on a condition variable fed by the stream's notifier) until the stream holds `n`
+// tokens or has finished, or fails the test after kStreamTimeout. The wait state is shared with
+// the notifier so a notifier still running on the engine thread never touches a dead stack frame.
+inline void ReadAtLeast(StreamReader* r, size_t n) {
   struct Wake {
     std::mutex mu;
     std::condition_variable cv;
@@ -65,15 +66,21 @@ inline void ReadToEnd(StreamReader* r) {
   const auto deadline = std::chrono::steady_clock::now() + kStreamTimeout;
   while (true) {
     r->Pull();
-    if (r->finished) break;
+    if (r->finished || r->tokens.size() >= n) return;
     std::unique_lock<std::mutex> lock(wake->mu);
     if (!wake->cv.wait_until(lock, deadline, [&] { return wake->signalled; })) {
-      ADD_FAILURE() << "stream " << r->stream->id() << " did not finish within "
-                    << kStreamTimeout.count() << " s (" << r->tokens.size() << " tokens so far)";
+      ADD_FAILURE() << "stream " << r->stream->id() << " did not reach " << n
+                    << " tokens or its end within " << kStreamTimeout.count() << " s ("
+                    << r->tokens.size() << " tokens so far)";
       return;
     }
     wake->signalled = false;
   }
+}
+
+// Until the stream finishes.
+inline void ReadToEnd(StreamReader* r) {
+  ReadAtLeast(r, SIZE_MAX);
 }
 
 // Polls until the engine has retired everything (a finished stream is retired at the end of the
