@@ -50,6 +50,7 @@
 #include "engine/cuda_backend.h"
 #include "kernels/cuda_check.h"
 #include "kernels/step_stamps.cuh"
+#include "models/llama_shapes.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, shapes, "1b,8b",
@@ -98,36 +99,7 @@ namespace {
 using nlohmann::json;
 
 ModelConfig Shape(const std::string& name) {
-  ModelConfig c;
-  c.num_heads = 32;
-  c.num_kv_heads = 8;
-  c.vocab_size = 128256;
-  c.max_position_embeddings = 131072;
-  c.rms_norm_eps = 1e-5f;
-  c.rope_theta = 500000.0f;
-  c.rope_scaling.type = RopeType::kLlama3;
-  c.rope_scaling.low_freq_factor = 1.0f;
-  c.rope_scaling.high_freq_factor = 4.0f;
-  c.rope_scaling.original_max_position_embeddings = 8192;
-  c.dtype = DType::kBF16;
-  c.bos_token_ids = {128000};
-  c.eos_token_ids = {128001, 128008, 128009};
-  if (name == "1b") {
-    c.hidden_size = 2048;
-    c.intermediate_size = 8192;
-    c.num_layers = 16;
-    c.head_dim = 64;
-    c.tie_word_embeddings = true;
-    c.rope_scaling.factor = 32.0f;
-  } else {  // 8b
-    c.hidden_size = 4096;
-    c.intermediate_size = 14336;
-    c.num_layers = 32;
-    c.head_dim = 128;
-    c.tie_word_embeddings = false;
-    c.rope_scaling.factor = 8.0f;
-  }
-  return c;
+  return Llama3Shape(name == "8b");
 }
 
 double Quantile(std::vector<double> v, double q) {

@@ -33,15 +33,7 @@ TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16) {
   ASSERT_FALSE(cases.empty());
   auto backend = MakeBackend();
   ASSERT_NE(backend, nullptr);
-  std::vector<DriverRequest> reqs;
-  for (const DefaultCase& c : cases) {
-    reqs.push_back(GreedyRequest(c.prompt_ids, static_cast<int32_t>(c.greedy.size())));
-  }
-  const std::vector<DriverResult> got = RunTogether(*backend, reqs, kMaxContext);
-  ASSERT_EQ(got.size(), cases.size());
-  for (size_t i = 0; i < cases.size(); ++i) {
-    EXPECT_EQ(got[i].tokens, cases[i].greedy) << cases[i].prompt;
-  }
+  ExpectGreedyEqualsReference(*backend, cases, kMaxContext);
 }
 
 TEST(DefaultModelCudaTest, TeacherForcedTop1AgreesWithTransformersBf16) {
@@ -53,8 +45,7 @@ TEST(DefaultModelCudaTest, TeacherForcedTop1AgreesWithTransformersBf16) {
   int32_t decode_agree = 0, prefill_agree = 0, total = 0;
   std::string decode_misses, prefill_misses;
   for (const DefaultCase& c : cases) {
-    std::vector<int32_t> seq = c.prompt_ids;
-    seq.insert(seq.end(), c.fp32_greedy.begin(), c.fp32_greedy.end() - 1);
+    const std::vector<int32_t> seq = TeacherForcedInput(c);
     const int32_t prefill = static_cast<int32_t>(c.prompt_ids.size()) - 1;
     // Decode graphs: the last prompt token and every later one fed as a step's input.
     auto decoded = backend->DecodeLogits(std::span<const std::vector<int32_t>>(&seq, 1), prefill);

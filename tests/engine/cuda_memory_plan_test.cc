@@ -14,25 +14,12 @@
 #include <vector>
 
 #include "engine/cuda_model.h"
+#include "models/llama_shapes.h"
 
 namespace ts {
 namespace {
 
 constexpr size_t kGiB = size_t{1} << 30;
-
-ModelConfig Llama1b() {
-  ModelConfig c;
-  c.hidden_size = 2048;
-  c.intermediate_size = 8192;
-  c.num_layers = 16;
-  c.num_heads = 32;
-  c.num_kv_heads = 8;
-  c.head_dim = 64;
-  c.vocab_size = 128256;
-  c.max_position_embeddings = 131072;
-  c.tie_word_embeddings = true;
-  return c;
-}
 
 MemoryPlanOptions Options(const ModelConfig& c) {
   MemoryPlanOptions o;
@@ -53,7 +40,7 @@ MemoryPlanOptions Options(const ModelConfig& c) {
 
 TEST(CudaModelOptionsTest, RejectsBadDecodeOptionsBeforeTouchingTheGpu) {
   CudaModelOptions o;
-  o.config = Llama1b();
+  o.config = Llama1bShape();
   o.max_slots = 8;
   o.buckets = {1, 8};
   o.attention_min_split_tokens = 0;
@@ -72,7 +59,7 @@ TEST(CudaModelOptionsTest, RejectsBadDecodeOptionsBeforeTouchingTheGpu) {
 }
 
 TEST(CudaMemoryPlanTest, WeightsAndKvFollowTheShape) {
-  const ModelConfig c = Llama1b();
+  const ModelConfig c = Llama1bShape();
   auto plan = PlanMemory(Options(c));
   ASSERT_TRUE(plan.ok()) << plan.status();
   // Parameters of Llama-3.2-1B (tied): 1,235,814,400.
@@ -101,7 +88,7 @@ TEST(CudaMemoryPlanTest, WeightsAndKvFollowTheShape) {
 // padding rows' scratch slot) a 4-byte count per token and a prompt bit per token. Counts were
 // uint16 once and saturated at 65535, so long generations' penalties diverged from the CPU's.
 TEST(CudaMemoryPlanTest, StateHoldsUint32CountsPerSlot) {
-  const ModelConfig c = Llama1b();
+  const ModelConfig c = Llama1bShape();
   auto plan = PlanMemory(Options(c));
   ASSERT_TRUE(plan.ok()) << plan.status();
   auto padded = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
@@ -121,7 +108,7 @@ TEST(CudaMemoryPlanTest, StateHoldsUint32CountsPerSlot) {
 }
 
 TEST(CudaMemoryPlanTest, KvPoolTakesWhatTheBudgetLeaves) {
-  MemoryPlanOptions o = Options(Llama1b());
+  MemoryPlanOptions o = Options(Llama1bShape());
   o.max_context = 131072;  // 64 full-length sequences would need 256 GiB
   auto plan = PlanMemory(o);
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -134,7 +121,7 @@ TEST(CudaMemoryPlanTest, KvPoolTakesWhatTheBudgetLeaves) {
 }
 
 TEST(CudaMemoryPlanTest, RefusesWhenOneSequenceDoesNotFit) {
-  MemoryPlanOptions o = Options(Llama1b());
+  MemoryPlanOptions o = Options(Llama1bShape());
   o.total_device_bytes = 4 * kGiB;  // 2.5 GiB of weights leave ~1 GiB: 32K tokens at most
   o.max_context = 131072;
   auto plan = PlanMemory(o);
@@ -151,7 +138,7 @@ TEST(CudaMemoryPlanTest, RefusesWhenOneSequenceDoesNotFit) {
 }
 
 TEST(CudaMemoryPlanTest, PadsGemmDimensionsAndChecksTheConfig) {
-  ModelConfig c = Llama1b();
+  ModelConfig c = Llama1bShape();
   c.intermediate_size = 172;
   c.vocab_size = 311;
   auto d = MakeModelDims(c);
@@ -169,7 +156,7 @@ TEST(CudaMemoryPlanTest, PadsGemmDimensionsAndChecksTheConfig) {
 }
 
 TEST(CudaMemoryPlanTest, CarvedBuffersAreAlignedDisjointAndInside) {
-  ModelConfig c = Llama1b();
+  ModelConfig c = Llama1bShape();
   c.num_layers = 2;
   c.vocab_size = 1001;
   c.tie_word_embeddings = false;

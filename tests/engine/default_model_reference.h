@@ -15,6 +15,7 @@
 
 #include "nlohmann/json.hpp"
 #include "tests/common/test_paths.h"
+#include "tests/engine/cuda_test_driver.h"
 
 namespace ts::testing {
 
@@ -28,7 +29,9 @@ struct DefaultCase {
   std::string greedy_text;
 };
 
-inline std::filesystem::path DefaultModelDir() { return SourceDir() / "models" / "default"; }
+inline std::filesystem::path DefaultModelDir() {
+  return SourceDir() / "models" / "default";
+}
 
 // dtype: "fp32" or "bf16".
 inline std::vector<DefaultCase> LoadDefaultReference(const std::string& dtype) {
@@ -75,6 +78,29 @@ inline int32_t Top1Agreement(const std::vector<float>& logits, int32_t vocab, co
     }
   }
   return agree;
+}
+
+// The sequence a teacher-forced pass runs over: the prompt, then the fp32 greedy tokens but the
+// last, so position prompt_len - 1 + k predicts generated token k.
+inline std::vector<int32_t> TeacherForcedInput(const DefaultCase& c) {
+  std::vector<int32_t> seq = c.prompt_ids;
+  seq.insert(seq.end(), c.fp32_greedy.begin(), c.fp32_greedy.end() - 1);
+  return seq;
+}
+
+// Every case's greedy continuation through `backend`, all cases decoding together as a server
+// batches them, must equal the reference's token for token.
+inline void ExpectGreedyEqualsReference(Backend& backend, const std::vector<DefaultCase>& cases,
+                                        int32_t max_context) {
+  std::vector<DriverRequest> reqs;
+  for (const DefaultCase& c : cases) {
+    reqs.push_back(GreedyRequest(c.prompt_ids, static_cast<int32_t>(c.greedy.size())));
+  }
+  const std::vector<DriverResult> got = RunTogether(backend, reqs, max_context);
+  ASSERT_EQ(got.size(), cases.size());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_EQ(got[i].tokens, cases[i].greedy) << cases[i].prompt;
+  }
 }
 
 }  // namespace ts::testing

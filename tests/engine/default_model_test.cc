@@ -38,16 +38,7 @@ TEST(DefaultModelCpuTest, GreedyEqualsTransformersFp32) {
   o.num_kv_blocks = 4 * kMaxContext / 16;
   auto backend = CpuBackend::Create(std::move(*model), o);
   ASSERT_TRUE(backend.ok()) << backend.status();
-  std::vector<DriverRequest> reqs;
-  for (const DefaultCase& c : cases) {
-    reqs.push_back(GreedyRequest(c.prompt_ids, static_cast<int32_t>(c.greedy.size())));
-  }
-  // All four decode together, as a server batches them.
-  const std::vector<DriverResult> got = RunTogether(**backend, reqs, kMaxContext);
-  ASSERT_EQ(got.size(), cases.size());
-  for (size_t i = 0; i < cases.size(); ++i) {
-    EXPECT_EQ(got[i].tokens, cases[i].greedy) << cases[i].prompt;
-  }
+  ExpectGreedyEqualsReference(**backend, cases, kMaxContext);
 }
 
 TEST(DefaultModelCpuTest, TeacherForcedTop1AgreesWithTransformersFp32) {
@@ -60,8 +51,7 @@ TEST(DefaultModelCpuTest, TeacherForcedTop1AgreesWithTransformersFp32) {
   std::string misses;
   for (const DefaultCase& c : cases) {
     // The positions predicting generated tokens 0..n-1: the last prompt token onwards.
-    std::vector<int32_t> seq = c.prompt_ids;
-    seq.insert(seq.end(), c.fp32_greedy.begin(), c.fp32_greedy.end() - 1);
+    const std::vector<int32_t> seq = TeacherForcedInput(c);
     CpuKvPool kv((*model)->config(), (kMaxContext + 15) / 16, 16);
     std::vector<int32_t> table((seq.size() + 15) / 16);
     for (size_t b = 0; b < table.size(); ++b) table[b] = static_cast<int32_t>(b);

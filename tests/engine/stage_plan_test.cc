@@ -9,36 +9,12 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "models/llama_shapes.h"
 
 namespace ts::pipeline {
 namespace {
 
 using ::testing::HasSubstr;
-
-ModelConfig Llama8b() {
-  ModelConfig c;
-  c.hidden_size = 4096;
-  c.intermediate_size = 14336;
-  c.num_layers = 32;
-  c.num_heads = 32;
-  c.num_kv_heads = 8;
-  c.head_dim = 128;
-  c.vocab_size = 128256;
-  return c;
-}
-
-ModelConfig Llama1bTied() {
-  ModelConfig c;
-  c.hidden_size = 2048;
-  c.intermediate_size = 8192;
-  c.num_layers = 16;
-  c.num_heads = 32;
-  c.num_kv_heads = 8;
-  c.head_dim = 64;
-  c.vocab_size = 128256;
-  c.tie_word_embeddings = true;
-  return c;
-}
 
 // Every way to cut n layers into s non-empty contiguous ranges: the smallest largest stage.
 int64_t BruteForceBest(const ModelConfig& c, int32_t s, int32_t bytes) {
@@ -91,7 +67,7 @@ int64_t Largest(const std::vector<StagePlan>& plan) {
 }
 
 TEST(StagePlanTest, Llama8bOnTwoStagesSplitsInHalfAndAccountsForEveryByte) {
-  const ModelConfig c = Llama8b();
+  const ModelConfig c = Llama8bShape();
   absl::StatusOr<std::vector<StagePlan>> plan = PlanStages(c, {.num_stages = 2});
   ASSERT_TRUE(plan.ok()) << plan.status();
   ExpectWellFormed(c, *plan, 2);
@@ -106,7 +82,7 @@ TEST(StagePlanTest, Llama8bOnTwoStagesSplitsInHalfAndAccountsForEveryByte) {
 }
 
 TEST(StagePlanTest, TiedEmbeddingsAreHeldByBothEnds) {
-  const ModelConfig c = Llama1bTied();
+  const ModelConfig c = Llama1bShape();
   absl::StatusOr<std::vector<StagePlan>> plan = PlanStages(c, {.num_stages = 2});
   ASSERT_TRUE(plan.ok()) << plan.status();
   ExpectWellFormed(c, *plan, 2);
@@ -145,14 +121,14 @@ TEST(StagePlanTest, MatchesTheBruteForceOnRandomShapes) {
 }
 
 TEST(StagePlanTest, UnevenLayerCountsFavourEarlierStagesOnTies) {
-  ModelConfig c = Llama8b();
+  ModelConfig c = Llama8bShape();
   c.num_layers = 31;
   absl::StatusOr<std::vector<StagePlan>> plan = PlanStages(c, {.num_stages = 2});
   ASSERT_TRUE(plan.ok());
   // 16 + 15 and 15 + 16 cost the same; the last stage, which also samples, gets the 15.
   EXPECT_EQ((*plan)[0].num_layers, 16);
   EXPECT_EQ((*plan)[1].num_layers, 15);
-  plan = PlanStages(Llama8b(), {.num_stages = 3});
+  plan = PlanStages(Llama8bShape(), {.num_stages = 3});
   ASSERT_TRUE(plan.ok());
   // The middle stage carries neither embedding nor head, so it takes the most layers.
   EXPECT_GT((*plan)[1].num_layers, (*plan)[0].num_layers);
@@ -160,7 +136,7 @@ TEST(StagePlanTest, UnevenLayerCountsFavourEarlierStagesOnTies) {
 }
 
 TEST(StagePlanTest, FewerLayersThanStagesIsAClearError) {
-  ModelConfig c = Llama8b();
+  ModelConfig c = Llama8bShape();
   c.num_layers = 3;
   absl::StatusOr<std::vector<StagePlan>> plan = PlanStages(c, {.num_stages = 4});
   ASSERT_FALSE(plan.ok());
@@ -171,7 +147,7 @@ TEST(StagePlanTest, FewerLayersThanStagesIsAClearError) {
 }
 
 TEST(StagePlanTest, DescribesLayersBytesAndKvBlocks) {
-  const ModelConfig c = Llama8b();
+  const ModelConfig c = Llama8bShape();
   absl::StatusOr<std::vector<StagePlan>> plan = PlanStages(c, {.num_stages = 2});
   ASSERT_TRUE(plan.ok());
   const int64_t memory = int64_t{20} << 30;
