@@ -25,7 +25,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kHelloMagic = 0x53425354;  // "TSBS"
 constexpr uint32_t kAckMagic = 0x4b4f5354;    // "TSOK"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;              // 2: every rank contributes a blob
 constexpr uint32_t kMaxBlob = 1 << 16;
 
 // A socket closed on scope exit.
@@ -109,10 +109,49 @@ absl::Status RecvAll(int fd, void* data, size_t n, Clock::time_point deadline,
   return absl::OkStatus();
 }
 
+// A follower's first message, followed by `blob_size` bytes of its own blob.
 struct Hello {
   uint32_t magic, version;
   int32_t rank, world_size;
+  uint32_t blob_size;
 };
+
+// One u32 length and the bytes.
+absl::Status SendString(int fd, std::string_view s, Clock::time_point deadline,
+                        const std::string& peer) {
+  const uint32_t size = static_cast<uint32_t>(s.size());
+  if (absl::Status st = SendAll(fd, &size, sizeof(size), deadline, peer); !st.ok()) return st;
+  return SendAll(fd, s.data(), s.size(), deadline, peer);
+}
+
+absl::StatusOr<std::string> RecvString(int fd, Clock::time_point deadline,
+                                       const std::string& peer) {
+  uint32_t size = 0;
+  if (absl::Status s = RecvAll(fd, &size, sizeof(size), deadline, peer); !s.ok()) return s;
+  if (size > kMaxBlob) {
+    return absl::UnavailableError(absl::StrCat("pipeline bootstrap: ", peer, " announced ", size,
+                                               " bytes, more than ", kMaxBlob));
+  }
+  std::string out(size, '\0');
+  if (absl::Status s = RecvAll(fd, out.data(), size, deadline, peer); !s.ok()) return s;
+  return out;
+}
+
+// The numeric host of a connected peer, as the leader sees it (an IPv4-mapped IPv6 address is
+// given as the IPv4 one), so a follower need not know which of its addresses reaches the others.
+std::string PeerHost(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return "";
+  char host[NI_MAXHOST] = {};
+  if (getnameinfo(reinterpret_cast<sockaddr*>(&addr), len, host, sizeof(host), nullptr, 0,
+                  NI_NUMERICHOST) != 0) {
+    return "";
+  }
+  std::string h = host;
+  if (h.rfind("::ffff:", 0) == 0 && h.find('.') != std::string::npos) h = h.substr(7);
+  return h;
+}
 
 void SetNonBlocking(int fd) {
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
@@ -132,9 +171,9 @@ absl::StatusOr<addrinfo*> Resolve(const BootstrapOptions& o, bool passive) {
   return res;
 }
 
-absl::StatusOr<std::string> Lead(const BootstrapOptions& o, std::string_view blob,
-                                 const std::function<void(int32_t)>& on_listening,
-                                 Clock::time_point deadline) {
+absl::StatusOr<std::vector<BootstrapPeer>> Lead(const BootstrapOptions& o, std::string_view blob,
+                                                const std::function<void(int32_t)>& on_listening,
+                                                Clock::time_point deadline) {
   const std::string where = absl::StrCat(o.leader_host, ":", o.port);
   absl::StatusOr<addrinfo*> res = Resolve(o, /*passive=*/true);
   if (!res.ok()) return res.status();
@@ -159,6 +198,8 @@ absl::StatusOr<std::string> Lead(const BootstrapOptions& o, std::string_view blo
   if (on_listening) on_listening(port);
 
   std::map<int32_t, Fd> peers;  // rank -> connection
+  std::vector<BootstrapPeer> table(o.world_size);
+  table[0] = {.host = o.leader_host, .blob = std::string(blob)};
   while (static_cast<int32_t>(peers.size()) < o.world_size - 1) {
     if (!WaitFor(listener.get(), POLLIN, deadline)) {
       std::vector<int32_t> missing;
@@ -181,6 +222,14 @@ absl::StatusOr<std::string> Lead(const BootstrapOptions& o, std::string_view blo
         h.magic != kHelloMagic) {
       continue;
     }
+    std::string peer_blob;
+    if (h.version == kVersion) {
+      if (h.blob_size > kMaxBlob) continue;
+      peer_blob.resize(h.blob_size);
+      if (!RecvAll(conn.get(), peer_blob.data(), h.blob_size, hello_by, "a connecting peer").ok()) {
+        continue;
+      }
+    }
     if (h.version != kVersion || h.world_size != o.world_size) {
       return absl::FailedPreconditionError(absl::StrCat(
           "pipeline bootstrap: rank ", h.rank, " says world size ", h.world_size, " (protocol ",
@@ -192,14 +241,15 @@ absl::StatusOr<std::string> Lead(const BootstrapOptions& o, std::string_view blo
           peers.count(h.rank) != 0 ? ", which another peer already holds"
                                    : absl::StrCat(", outside [1, ", o.world_size, ")")));
     }
+    table[h.rank] = {.host = PeerHost(conn.get()), .blob = std::move(peer_blob)};
     peers.emplace(h.rank, std::move(conn));
   }
-  const uint32_t size = static_cast<uint32_t>(blob.size());
   for (auto& [rank, fd] : peers) {
     const std::string peer = absl::StrCat("rank ", rank);
-    if (absl::Status s = SendAll(fd.get(), &size, sizeof(size), deadline, peer); !s.ok()) return s;
-    if (absl::Status s = SendAll(fd.get(), blob.data(), blob.size(), deadline, peer); !s.ok())
-      return s;
+    for (const BootstrapPeer& entry : table) {
+      if (absl::Status s = SendString(fd.get(), entry.host, deadline, peer); !s.ok()) return s;
+      if (absl::Status s = SendString(fd.get(), entry.blob, deadline, peer); !s.ok()) return s;
+    }
   }
   for (auto& [rank, fd] : peers) {
     uint32_t ack = 0;
@@ -209,7 +259,7 @@ absl::StatusOr<std::string> Lead(const BootstrapOptions& o, std::string_view blo
       return absl::UnavailableError(absl::StrCat("pipeline bootstrap: ", peer, " sent a bad ack"));
     }
   }
-  return std::string(blob);
+  return table;
 }
 
 // One connection attempt to one address, bounded by `by`; errno says why on failure.
@@ -258,28 +308,35 @@ absl::StatusOr<Fd> Connect(const BootstrapOptions& o, Clock::time_point deadline
                    " within ", o.timeout.count(), " ms (", last, ")"));
 }
 
-absl::StatusOr<std::string> Follow(const BootstrapOptions& o, Clock::time_point deadline) {
+absl::StatusOr<std::vector<BootstrapPeer>> Follow(const BootstrapOptions& o, std::string_view blob,
+                                                  Clock::time_point deadline) {
   absl::StatusOr<Fd> fd = Connect(o, deadline);
   if (!fd.ok()) return fd.status();
   const std::string leader = absl::StrCat("the leader at ", o.leader_host, ":", o.port);
-  const Hello h{kHelloMagic, kVersion, o.rank, o.world_size};
+  const Hello h{kHelloMagic, kVersion, o.rank, o.world_size, static_cast<uint32_t>(blob.size())};
   if (absl::Status s = SendAll(fd->get(), &h, sizeof(h), deadline, leader); !s.ok()) return s;
-  uint32_t size = 0;
-  if (absl::Status s = RecvAll(fd->get(), &size, sizeof(size), deadline, leader); !s.ok()) return s;
-  if (size > kMaxBlob) {
-    return absl::UnavailableError(absl::StrCat("pipeline bootstrap: ", leader, " announced ", size,
-                                               " bytes, more than ", kMaxBlob));
+  if (absl::Status s = SendAll(fd->get(), blob.data(), blob.size(), deadline, leader); !s.ok()) {
+    return s;
   }
-  std::string blob(size, '\0');
-  if (absl::Status s = RecvAll(fd->get(), blob.data(), size, deadline, leader); !s.ok()) return s;
+  std::vector<BootstrapPeer> table(o.world_size);
+  for (BootstrapPeer& entry : table) {
+    absl::StatusOr<std::string> host = RecvString(fd->get(), deadline, leader);
+    if (!host.ok()) return host.status();
+    absl::StatusOr<std::string> peer_blob = RecvString(fd->get(), deadline, leader);
+    if (!peer_blob.ok()) return peer_blob.status();
+    entry = {.host = *std::move(host), .blob = *std::move(peer_blob)};
+  }
+  // The leader's own entry names the address it listens on, which may be a wildcard; this rank
+  // reached it at o.leader_host.
+  table[0].host = o.leader_host;
   const uint32_t ack = kAckMagic;
   if (absl::Status s = SendAll(fd->get(), &ack, sizeof(ack), deadline, leader); !s.ok()) return s;
-  return blob;
+  return table;
 }
 
 }  // namespace
 
-absl::StatusOr<std::string> ExchangeBootstrapBlob(
+absl::StatusOr<std::vector<BootstrapPeer>> GatherBootstrap(
     const BootstrapOptions& o, std::string_view blob,
     const std::function<void(int32_t)>& on_listening) {
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size) {
@@ -299,7 +356,17 @@ absl::StatusOr<std::string> ExchangeBootstrapBlob(
   }
   const Clock::time_point deadline = Clock::now() + o.timeout;
   if (o.rank == 0) return Lead(o, blob, on_listening, deadline);
-  return Follow(o, deadline);
+  return Follow(o, blob, deadline);
+}
+
+absl::StatusOr<std::string> ExchangeBootstrapBlob(
+    const BootstrapOptions& o, std::string_view blob,
+    const std::function<void(int32_t)>& on_listening) {
+  // Only the leader's blob matters here; the followers contribute none.
+  absl::StatusOr<std::vector<BootstrapPeer>> table =
+      GatherBootstrap(o, o.rank == 0 ? blob : std::string_view(), on_listening);
+  if (!table.ok()) return table.status();
+  return std::move((*table)[0].blob);
 }
 
 }  // namespace ts::pipeline

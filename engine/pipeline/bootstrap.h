@@ -9,6 +9,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -24,6 +25,22 @@ struct BootstrapOptions {
   // waiting for the other ranks, and the transfer.
   std::chrono::milliseconds timeout{60000};
 };
+
+// What every rank learns about rank r from the rendezvous.
+struct BootstrapPeer {
+  // Where rank r can be reached: for r > 0 the address rank 0 saw its connection come from; for
+  // rank 0 the leader address this rank used.
+  std::string host;
+  std::string blob;  // what rank r contributed
+};
+
+// The rendezvous with every rank's contribution: each rank passes its own `blob` (at most 64 KiB)
+// and gets back world_size entries indexed by rank, the same on every rank but for entry 0's host.
+// The pipeline transport (tcp_transport.h) exchanges its listen ports this way. Deadlines, errors
+// and `on_listening` as ExchangeBootstrapBlob below.
+absl::StatusOr<std::vector<BootstrapPeer>> GatherBootstrap(
+    const BootstrapOptions& options, std::string_view blob,
+    const std::function<void(int32_t)>& on_listening = {});
 
 // Rank 0 returns `blob` once every other rank has received it and said so; rank r > 0 returns the
 // blob rank 0 sent (its own `blob` is ignored). `on_listening(port)` runs on rank 0 once it

@@ -144,7 +144,7 @@ TEST(BootstrapTest, PeersThatDisagreeAreRefused) {
     ASSERT_FALSE(lead.ok());
     EXPECT_EQ(lead.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_THAT(std::string(lead.status().message()),
-                HasSubstr("rank 1 says world size 4 (protocol 1); rank 0 has 3"));
+                HasSubstr("rank 1 says world size 4 (protocol 2); rank 0 has 3"));
     EXPECT_FALSE(wrong.get().ok());
   }
   {
