@@ -17,96 +17,26 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/pipeline/socket.h"
 
 namespace ts::pipeline {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kHelloMagic = 0x53425354;  // "TSBS"
 constexpr uint32_t kAckMagic = 0x4b4f5354;    // "TSOK"
 constexpr uint32_t kVersion = 2;              // 2: every rank contributes a blob
 constexpr uint32_t kMaxBlob = 1 << 16;
 
-// A socket closed on scope exit.
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
-  Fd& operator=(Fd&& o) noexcept {
-    std::swap(fd_, o.fd_);
-    return *this;
-  }
-  ~Fd() {
-    if (fd_ >= 0) close(fd_);
-  }
-  int get() const { return fd_; }
+constexpr char kContext[] = "pipeline bootstrap";
 
- private:
-  int fd_;
-};
-
-std::string Errno(const char* what) {
-  return absl::StrCat(what, ": ", std::strerror(errno));
-}
-
-int MillisLeft(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  return static_cast<int>(std::max<int64_t>(0, left.count()));
-}
-
-// Waits until `fd` is ready for `events` or the deadline passes (false).
-bool WaitFor(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    pollfd p{.fd = fd, .events = events, .revents = 0};
-    const int n = poll(&p, 1, MillisLeft(deadline));
-    if (n > 0) return true;
-    if (n == 0) return false;
-    if (errno != EINTR) return false;
-  }
-}
-
-// Exactly `n` bytes, or an error naming `peer`; DeadlineExceeded when time runs out.
 absl::Status SendAll(int fd, const void* data, size_t n, Clock::time_point deadline,
                      const std::string& peer) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    if (!WaitFor(fd, POLLOUT, deadline)) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("pipeline bootstrap: sending to ", peer, " did not finish in time"));
-    }
-    const ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-    if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (k <= 0)
-      return absl::UnavailableError(
-          absl::StrCat("pipeline bootstrap: ", peer, ": ", Errno("send")));
-    p += k;
-    n -= static_cast<size_t>(k);
-  }
-  return absl::OkStatus();
+  return pipeline::SendAll(fd, data, n, deadline, kContext, peer);
 }
 
 absl::Status RecvAll(int fd, void* data, size_t n, Clock::time_point deadline,
                      const std::string& peer) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    if (!WaitFor(fd, POLLIN, deadline)) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("pipeline bootstrap: ", peer, " sent nothing in time"));
-    }
-    const ssize_t k = recv(fd, p, n, 0);
-    if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (k == 0) {
-      return absl::UnavailableError(
-          absl::StrCat("pipeline bootstrap: ", peer, " closed the connection"));
-    }
-    if (k < 0)
-      return absl::UnavailableError(
-          absl::StrCat("pipeline bootstrap: ", peer, ": ", Errno("recv")));
-    p += k;
-    n -= static_cast<size_t>(k);
-  }
-  return absl::OkStatus();
+  return pipeline::RecvAll(fd, data, n, deadline, kContext, peer);
 }
 
 // A follower's first message, followed by `blob_size` bytes of its own blob.
@@ -151,10 +81,6 @@ std::string PeerHost(int fd) {
   std::string h = host;
   if (h.rfind("::ffff:", 0) == 0 && h.find('.') != std::string::npos) h = h.substr(7);
   return h;
-}
-
-void SetNonBlocking(int fd) {
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
 absl::StatusOr<addrinfo*> Resolve(const BootstrapOptions& o, bool passive) {
@@ -260,28 +186,6 @@ absl::StatusOr<std::vector<BootstrapPeer>> Lead(const BootstrapOptions& o, std::
     }
   }
   return table;
-}
-
-// One connection attempt to one address, bounded by `by`; errno says why on failure.
-bool TryConnect(const addrinfo* a, Clock::time_point by, Fd* out) {
-  Fd fd(socket(a->ai_family, SOCK_STREAM, 0));
-  if (fd.get() < 0) return false;
-  SetNonBlocking(fd.get());
-  int rc = connect(fd.get(), a->ai_addr, a->ai_addrlen);
-  if (rc != 0 && errno == EINPROGRESS) {
-    if (WaitFor(fd.get(), POLLOUT, by)) {
-      int err = 0;
-      socklen_t len = sizeof(err);
-      getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-      rc = err == 0 ? 0 : -1;
-      errno = err;
-    } else {
-      errno = ETIMEDOUT;
-    }
-  }
-  if (rc != 0) return false;
-  *out = std::move(fd);
-  return true;
 }
 
 // Connects to the leader, retrying while it is not up yet. Every address the name resolves to is
