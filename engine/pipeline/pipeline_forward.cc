@@ -7,6 +7,22 @@
 
 namespace ts::pipeline {
 
+absl::StatusOr<std::unique_ptr<CpuModel>> LoadStageModel(const std::filesystem::path& dir,
+                                                         const StagePlan& p,
+                                                         int threads_per_stage) {
+  CpuModelOptions o{.num_threads = threads_per_stage};
+  o.stage = {.first_layer = p.first_layer,
+             .num_layers = p.num_layers,
+             .embedding = p.has_embedding,
+             .head = p.has_head};
+  absl::StatusOr<std::unique_ptr<CpuModel>> m = CpuModel::Load(dir, o);
+  if (!m.ok()) {
+    return absl::Status(m.status().code(),
+                        absl::StrCat("pipeline stage ", p.stage, ": ", m.status().message()));
+  }
+  return m;
+}
+
 absl::StatusOr<std::unique_ptr<PipelineForward>> PipelineForward::Load(
     const std::filesystem::path& dir, const std::vector<StagePlan>& plan, int32_t num_kv_blocks,
     int32_t block_size, int32_t micro_batches, int threads_per_stage) {
@@ -18,16 +34,8 @@ absl::StatusOr<std::unique_ptr<PipelineForward>> PipelineForward::Load(
   std::vector<std::unique_ptr<StageRunner>> stages;
   ModelConfig config;
   for (const StagePlan& p : plan) {
-    CpuModelOptions o{.num_threads = threads_per_stage};
-    o.stage = {.first_layer = p.first_layer,
-               .num_layers = p.num_layers,
-               .embedding = p.has_embedding,
-               .head = p.has_head};
-    absl::StatusOr<std::unique_ptr<CpuModel>> m = CpuModel::Load(dir, o);
-    if (!m.ok()) {
-      return absl::Status(m.status().code(),
-                          absl::StrCat("pipeline stage ", p.stage, ": ", m.status().message()));
-    }
+    absl::StatusOr<std::unique_ptr<CpuModel>> m = LoadStageModel(dir, p, threads_per_stage);
+    if (!m.ok()) return m.status();
     if (p.stage == 0) config = (*m)->config();
     stages.push_back(std::make_unique<CpuStageRunner>(*std::move(m), num_kv_blocks, block_size));
   }

@@ -17,6 +17,11 @@
 
 namespace ts::pipeline {
 
+// The CpuModel of one stage of `plan`: only its tensors ("pipeline stage s: ..." on errors).
+absl::StatusOr<std::unique_ptr<CpuModel>> LoadStageModel(const std::filesystem::path& dir,
+                                                         const StagePlan& stage,
+                                                         int threads_per_stage);
+
 class PipelineForward final : public CpuForward {
  public:
   // Loads each stage of `plan` (PlanStages) from `dir`, with a KV pool of `num_kv_blocks` blocks
