@@ -28,7 +28,9 @@
 #include "common/flags.h"
 #include "engine/engine.h"
 #include "engine/pipeline/pipeline_forward.h"
+#include "engine/pipeline/ring_pipeline.h"
 #include "engine/pipeline/stage_plan.h"
+#include "engine/pipeline/topology.h"
 #include "models/config.h"
 #include "models/tokenizer/tokenizer.h"
 #include "server/debug_backend.h"
@@ -50,6 +52,21 @@ ABSL_FLAG(int32_t, pipeline_stages, 1,
           "Split the layers into this many pipeline stages (docs/pipeline.md), balanced by weight "
           "bytes; the plan is printed at startup. CPU backend: stage threads over one process, "
           "micro-batches in flight. The CUDA pipeline over NCCL is not built yet.");
+// The multi-process pipeline (docs/pipeline.md, Processes): unset, each comes from TS_* or LWS_*.
+ABSL_FLAG(int32_t, rank, -1,
+          "This process's rank in a multi-process pipeline: 0 is the leader (scheduler, gRPC, "
+          "stage 0), the others each run one stage and serve no port. Default: TS_RANK, "
+          "LWS_WORKER_INDEX, else 0.");
+ABSL_FLAG(int32_t, world_size, 0,
+          "Processes in the pipeline, one stage each (--backend cpu). Default: TS_WORLD_SIZE, "
+          "LWS_GROUP_SIZE, else 1 (a single process).");
+ABSL_FLAG(std::string, leader_address, "",
+          "host[:port] where rank 0 meets the others (port 29500 by default); rank 0 listens "
+          "there. Default: TS_LEADER_ADDRESS, LWS_LEADER_ADDRESS.");
+ABSL_FLAG(int32_t, pipeline_timeout_ms, 60000,
+          "Multi-process pipeline: how long startup waits for every rank (a missing one fails it, "
+          "named), and how long a step's result, a send or the shutdown may take before the "
+          "pipeline counts as broken.");
 ABSL_FLAG(std::string, decode_loop, "auto",
           "Who runs the decode steps: loop (the backend's own loop beside the engine thread; CUDA: "
           "the device-resident loop, no host call between steps, prefill on its own stream; CPU: "
@@ -136,6 +153,8 @@ absl::StatusOr<std::vector<int32_t>> ParseBuckets(const std::string& text, int32
 
 struct Loaded {
   std::unique_ptr<Engine> engine;
+  // Rank 0 of a multi-process pipeline: the ring, owned by the engine's backend; else null.
+  pipeline::RingForward* ring = nullptr;
   std::unique_ptr<Tokenizer> tokenizer;  // null: the model has none
   std::string model_name;
 };
@@ -172,13 +191,50 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::string& mode
   return std::make_unique<Tokenizer>(*std::move(tok));
 }
 
+void LogLine(const std::string& line) {
+  std::printf("tailserve: %s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+pipeline::RankOptions RankOptionsFor(const pipeline::Topology& t, int threads) {
+  return pipeline::RankOptions{
+      .model_dir = absl::GetFlag(FLAGS_model_dir),
+      .rank = t.rank,
+      .world_size = t.world_size,
+      .leader_host = t.leader_host,
+      .leader_port = t.leader_port,
+      .timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_pipeline_timeout_ms)),
+      .threads = threads,
+      .on_listening = {},
+      .log = LogLine};
+}
+
+// Rank 0 of a multi-process pipeline: stage 0 here, the CPU backend over the ring. It decides the
+// KV pool and hands it to the workers. *ring stays valid while the backend lives.
+absl::StatusOr<std::unique_ptr<Backend>> MakeRankZeroBackend(const pipeline::Topology& topology,
+                                                             const CpuBackendOptions& options,
+                                                             int threads,
+                                                             pipeline::RingForward** ring) {
+  // One micro-batch per stage keeps every rank busy within a step, as with stage threads.
+  TS_ASSIGN_OR_RETURN(
+      std::unique_ptr<pipeline::RingForward> forward,
+      pipeline::ConnectLeader(RankOptionsFor(topology, threads), options.num_kv_blocks,
+                              options.kv_block_size, topology.world_size));
+  *ring = forward.get();
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CpuBackend> backend,
+                      CpuBackend::Create(std::move(forward), options));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
 // The fp32 KV pool of the CPU backend. A real checkpoint's context (128K for Llama-3.1) times
 // max_batch would ask for terabytes, so without --kv_blocks the pool is capped by --cpu_kv_gib and
 // *context is lowered to what the pool holds; the startup log says which limit applied.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const ModelConfig& config,
                                                         const std::vector<int32_t>& buckets,
                                                         int32_t* context, int32_t block,
-                                                        int32_t max_batch, bool loop) {
+                                                        int32_t max_batch, bool loop,
+                                                        const pipeline::Topology& topology,
+                                                        pipeline::RingForward** ring) {
   const double gib = absl::GetFlag(FLAGS_cpu_kv_gib);
   if (!(gib > 0) || gib > 1 << 20) {
     return absl::InvalidArgumentError(absl::StrCat("--cpu_kv_gib: ", gib, " is outside (0, 2^20]"));
@@ -232,6 +288,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const ModelConfig& confi
                             .num_threads = threads,
                             .max_kv_bytes = budget,
                             .loop_thread = loop};
+  if (topology.world_size > 1) {
+    return MakeRankZeroBackend(topology, options, threads, ring);
+  }
   const int32_t stages = absl::GetFlag(FLAGS_pipeline_stages);
   if (stages == 1) return CreateCpuBackend(options);
   TS_ASSIGN_OR_RETURN(
@@ -297,7 +356,9 @@ absl::StatusOr<bool> DecodeLoop() {
 // *context: the max_context the engine is to use (the backend may lower the model's).
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
                                                      const std::vector<int32_t>& buckets, bool loop,
-                                                     int32_t* max_context) {
+                                                     const pipeline::Topology& topology,
+                                                     int32_t* max_context,
+                                                     pipeline::RingForward** ring) {
   const std::string kind = absl::GetFlag(FLAGS_backend);
   const int32_t max_batch = absl::GetFlag(FLAGS_max_batch);
   const int32_t block = absl::GetFlag(FLAGS_kv_block_size);
@@ -310,8 +371,18 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
                                                    " must be in [1, the model's ",
                                                    config.num_layers, " layers]"));
   }
+  if (topology.world_size > 1 && stages != 1 && stages != topology.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--pipeline_stages: ", stages, " with --world_size ", topology.world_size,
+        ": a multi-process pipeline has one stage per process; leave --pipeline_stages at 1"));
+  }
   std::unique_ptr<Backend> backend;
   if (kind == "cuda") {
+    if (topology.world_size > 1) {
+      return absl::UnimplementedError(
+          "--world_size: the multi-process pipeline runs on --backend cpu; the CUDA transport "
+          "over NCCL is not built yet (docs/pipeline.md)");
+    }
     if (stages > 1) {
       return absl::UnimplementedError(
           "--pipeline_stages: the CUDA pipeline over NCCL is not built yet (docs/pipeline.md); "
@@ -321,7 +392,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
     // 0: whatever the backend's memory plan settled on.
     *max_context = absl::GetFlag(FLAGS_max_context);
   } else {
-    TS_ASSIGN_OR_RETURN(backend, MakeCpuBackend(config, buckets, &context, block, max_batch, loop));
+    TS_ASSIGN_OR_RETURN(
+        backend, MakeCpuBackend(config, buckets, &context, block, max_batch, loop, topology, ring));
     *max_context = context;
   }
   DebugBackendOptions debug{
@@ -373,7 +445,7 @@ void PrintBudget(const BackendInfo& info, const ModelInfo& model) {
       model.max_context, info.ring_capacity);
 }
 
-absl::StatusOr<Loaded> Load() {
+absl::StatusOr<Loaded> Load(const pipeline::Topology& topology) {
   const std::string dir = absl::GetFlag(FLAGS_model_dir);
   if (dir.empty()) return absl::InvalidArgumentError("--model_dir: required");
   TS_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(dir));
@@ -386,7 +458,7 @@ absl::StatusOr<Loaded> Load() {
   int32_t max_context = 0;
   TS_ASSIGN_OR_RETURN(const bool loop, DecodeLoop());
   TS_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
-                      MakeBackend(config, buckets, loop, &max_context));
+                      MakeBackend(config, buckets, loop, topology, &max_context, &out.ring));
   const BackendInfo info = backend->info();
   EngineOptions options{.max_batch = max_batch,
                         .buckets = buckets,
@@ -463,7 +535,8 @@ constexpr int kExitDrainTimeout = 3;  // --drain_timeout_s ran out; open streams
 // A second SIGTERM/SIGINT during the drain exits 128 + that signal (143, 130), as a shell reports
 // a process killed by it: the operator asked for an immediate stop, and streams were cut.
 
-int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
+int Serve(TailServer& server, Engine& engine, pipeline::RingForward* ring,
+          const sigset_t& signals) {
   const std::chrono::seconds stats_every(absl::GetFlag(FLAGS_stats_interval_s));
   Watchdog watchdog{std::chrono::seconds(absl::GetFlag(FLAGS_watchdog_s))};
   auto next_stats = Clock::now() + stats_every;
@@ -479,6 +552,23 @@ int Serve(TailServer& server, Engine& engine, const sigset_t& signals) {
       server.SetServing(false);
       server.Shutdown(std::chrono::milliseconds(1000));
       return kExitFailed;
+    }
+    // A pipeline peer lost. Running requests fail on their next step through the engine's own
+    // failure path above (the broken ring fails every Forward at once); with none, nothing else
+    // would notice, so stop here rather than take requests that cannot be served.
+    if (absl::Status h = ring != nullptr ? ring->health() : absl::OkStatus(); !h.ok()) {
+      if (serving) {
+        server.SetServing(false);
+        std::fprintf(stderr, "tailserve: pipeline failed: %s; NOT_SERVING\n", h.ToString().c_str());
+        serving = false;
+      }
+      const EngineStats s = engine.stats();
+      if (s.running + s.queued == 0) {
+        std::fprintf(stderr, "tailserve: pipeline failed with no request left, exiting\n");
+        server.Shutdown(std::chrono::milliseconds(1000));
+        return kExitFailed;
+      }
+      continue;
     }
     const bool healthy = watchdog.Check(engine.stats());
     if (healthy != serving) {
@@ -557,6 +647,10 @@ absl::Status CheckFlagRanges() {
   TS_RETURN_IF_ERROR(range("device", absl::GetFlag(FLAGS_device), 0, 1024));
   TS_RETURN_IF_ERROR(range("stats_interval_s", absl::GetFlag(FLAGS_stats_interval_s), 0, kDay));
   TS_RETURN_IF_ERROR(range("watchdog_s", absl::GetFlag(FLAGS_watchdog_s), 0, kDay));
+  TS_RETURN_IF_ERROR(range("rank", absl::GetFlag(FLAGS_rank), -1, 1 << 20));
+  TS_RETURN_IF_ERROR(range("world_size", absl::GetFlag(FLAGS_world_size), 0, 1 << 20));
+  TS_RETURN_IF_ERROR(
+      range("pipeline_timeout_ms", absl::GetFlag(FLAGS_pipeline_timeout_ms), 1, 1000 * kDay));
   TS_RETURN_IF_ERROR(
       range("debug_step_delay_ms", absl::GetFlag(FLAGS_debug_step_delay_ms), 0, 1000 * kDay));
   TS_RETURN_IF_ERROR(
@@ -575,6 +669,46 @@ absl::Status CheckFlagRanges() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<pipeline::Topology> ResolveTopology() {
+  pipeline::TopologyFlags flags;
+  if (absl::GetFlag(FLAGS_rank) >= 0) flags.rank = absl::GetFlag(FLAGS_rank);
+  if (absl::GetFlag(FLAGS_world_size) != 0) flags.world_size = absl::GetFlag(FLAGS_world_size);
+  if (!absl::GetFlag(FLAGS_leader_address).empty()) {
+    flags.leader_address = absl::GetFlag(FLAGS_leader_address);
+  }
+  TS_ASSIGN_OR_RETURN(pipeline::Topology t, pipeline::ResolveTopology(flags, pipeline::ProcessEnv));
+  if (t.world_size > 1) {
+    std::printf("tailserve: rank %d of %d, leader %s:%d (%s)\n", t.rank, t.world_size,
+                t.leader_host.c_str(), t.leader_port, t.source.c_str());
+    if (absl::GetFlag(FLAGS_backend) != "cpu") {
+      return absl::UnimplementedError(
+          "--world_size: the multi-process pipeline runs on --backend cpu; the CUDA transport "
+          "over NCCL is not built yet (docs/pipeline.md)");
+    }
+  }
+  return t;
+}
+
+// Ranks 1..N-1: this rank's stage until the leader shuts the pipeline down (exit 0) or a link
+// fails (exit 1).
+int RunWorkerRank(const pipeline::Topology& topology) {
+  if (absl::GetFlag(FLAGS_model_dir).empty()) {
+    std::fprintf(stderr, "tailserve: --model_dir: required\n");
+    return kExitFailed;
+  }
+  int threads = absl::GetFlag(FLAGS_threads);
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const absl::Status s = pipeline::RunWorker(RankOptionsFor(topology, threads));
+  std::fflush(stdout);
+  if (s.ok()) {
+    std::printf("tailserve: rank %d: the leader shut the pipeline down; exiting 0\n",
+                topology.rank);
+    return kExitDrained;
+  }
+  std::fprintf(stderr, "tailserve: rank %d: %s; exiting 1\n", topology.rank, s.ToString().c_str());
+  return kExitFailed;
+}
+
 int Main(int argc, char** argv) {
   ParseFlags(
       argc, argv,
@@ -585,6 +719,14 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "tailserve: %s\n", flags.ToString().c_str());
     return kExitFailed;
   }
+  absl::StatusOr<pipeline::Topology> topology = ResolveTopology();
+  if (!topology.ok()) {
+    std::fprintf(stderr, "tailserve: %s\n", topology.status().ToString().c_str());
+    return kExitFailed;
+  }
+  // A worker rank serves no port and keeps the default signal actions: SIGTERM ends it at once,
+  // and the leader learns so from the closed link.
+  if (topology->rank > 0) return RunWorkerRank(*topology);
 
   // Block the shutdown signals before any thread starts, so every thread inherits the mask and
   // only sigtimedwait in this thread ever sees them: no work happens inside a signal handler.
@@ -595,7 +737,7 @@ int Main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  absl::StatusOr<Loaded> loaded = Load();
+  absl::StatusOr<Loaded> loaded = Load(*topology);
   if (!loaded.ok()) {
     std::fprintf(stderr, "tailserve: %s\n", loaded.status().ToString().c_str());
     return 1;
@@ -615,7 +757,7 @@ int Main(int argc, char** argv) {
   }
   std::printf("tailserve listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
-  const int rc = Serve(**server, *engine, signals);
+  const int rc = Serve(**server, *engine, loaded->ring, signals);
   // The server goes first: no reactor may outlive the engine it points into.
   server->reset();
   if (rc != kExitDrained && rc != kExitFailed) {

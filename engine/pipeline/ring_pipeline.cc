@@ -60,7 +60,8 @@ TcpTransportOptions TransportOptions(const RankOptions& o, const Planned& p) {
                              .on_listening = o.on_listening};
 }
 
-void Log(const RankOptions& o, const std::string& line) {
+void Log(const RankOptions& o, std::string line) {
+  while (!line.empty() && line.back() == '\n') line.pop_back();
   if (o.log) o.log(line);
 }
 
@@ -214,8 +215,8 @@ absl::StatusOr<std::unique_ptr<RingForward>> ConnectLeader(const RankOptions& o,
   auto first = std::make_unique<CpuStageRunner>(std::move(model), num_kv_blocks, block_size);
   TcpTransportOptions t = TransportOptions(o, p);
   t.payload = EncodeKv(num_kv_blocks, block_size);
-  Log(o, absl::StrCat("pipeline: rank 0 waiting up to ", o.timeout.count(), " ms for ranks 1-",
-                      o.world_size - 1));
+  Log(o, absl::StrCat("pipeline: rank 0 waiting up to ", o.timeout.count(), " ms for ",
+                      o.world_size == 2 ? "rank 1" : absl::StrCat("ranks 1-", o.world_size - 1)));
   TS_ASSIGN_OR_RETURN(std::unique_ptr<TcpTransport> transport, TcpTransport::Connect(t));
   Log(o, absl::StrCat("pipeline: all ", o.world_size, " ranks connected"));
   return std::make_unique<RingForward>(std::move(config), std::move(first), std::move(transport),
