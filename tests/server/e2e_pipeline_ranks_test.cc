@@ -1,8 +1,9 @@
 // End to end, the multi-process pipeline: `tailserve --world_size 2 --rank 0` (the leader: gRPC,
 // scheduler, stage 0) and `--rank 1` (a worker: the last stage, no port) as separate processes on
-// loopback. Their tokens equal a single-process server's; SIGTERM on the leader stops both with
-// exit 0; a worker killed mid-request fails the leader's request and the leader exits non-zero;
-// a leader killed ends its worker with a message; a rank alone fails startup within
+// loopback, and 3 processes too. Their tokens equal a single-process server's; SIGTERM on the
+// leader stops every rank with exit 0; a worker killed mid-request fails the leader's request and
+// the leader exits non-zero; a leader killed ends its worker with a message; a rank alone fails
+// startup within
 // --pipeline_timeout_ms naming the one missing. Every wait is bounded, so a hang fails the test.
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -36,41 +37,51 @@ int32_t FreePort() {
   return ntohs(a.sin_port);
 }
 
-std::vector<std::string> RankFlags(int32_t rank, int32_t port, const std::string& timeout_ms) {
-  return {"--world_size=2", absl::StrCat("--rank=", rank),
+std::vector<std::string> RankFlags(int32_t rank, int32_t port, const std::string& timeout_ms,
+                                   int32_t world = 2) {
+  return {absl::StrCat("--world_size=", world), absl::StrCat("--rank=", rank),
           absl::StrCat("--leader_address=127.0.0.1:", port),
           absl::StrCat("--pipeline_timeout_ms=", timeout_ms)};
 }
 
-std::unique_ptr<ChildProcess> StartWorker(int32_t port, const std::string& timeout_ms = "30000") {
+std::unique_ptr<ChildProcess> StartWorker(int32_t port, const std::string& timeout_ms = "30000",
+                                          int32_t rank = 1, int32_t world = 2) {
   std::vector<std::string> argv = {
       TS_TAILSERVE_BINARY, "--backend=cpu",
       absl::StrCat("--model_dir=", (FixtureDir() / "tiny-gqa-untied").string()), "--threads=1"};
-  for (std::string& f : RankFlags(1, port, timeout_ms)) argv.push_back(std::move(f));
+  for (std::string& f : RankFlags(rank, port, timeout_ms, world)) argv.push_back(std::move(f));
   absl::StatusOr<std::unique_ptr<ChildProcess>> child = ChildProcess::Start(argv);
   EXPECT_TRUE(child.ok()) << child.status();
   return child.ok() ? *std::move(child) : nullptr;
 }
 
-// The leader and its worker, both up.
+// The leader and its workers, all up.
 struct Pipeline {
-  std::unique_ptr<ChildProcess> worker;
+  std::unique_ptr<ChildProcess> worker;             // rank 1
+  std::vector<std::unique_ptr<ChildProcess>> more;  // ranks 2..world-1
   std::unique_ptr<Server> leader;
 };
 
-Pipeline StartPipeline(std::vector<std::string> leader_flags = {}) {
+Pipeline StartPipeline(std::vector<std::string> leader_flags = {}, int32_t world = 2) {
   Pipeline p;
   const int32_t port = FreePort();
-  // The worker first: it retries until the leader listens, as a pod started early would.
-  p.worker = StartWorker(port);
+  // The workers first: they retry until the leader listens, as pods started early would.
+  p.worker = StartWorker(port, "30000", 1, world);
   if (p.worker == nullptr) return p;
-  std::vector<std::string> flags = RankFlags(0, port, "30000");
+  for (int32_t r = 2; r < world; ++r) {
+    p.more.push_back(StartWorker(port, "30000", r, world));
+    if (p.more.back() == nullptr) return p;
+  }
+  std::vector<std::string> flags = RankFlags(0, port, "30000", world);
   flags.insert(flags.end(), leader_flags.begin(), leader_flags.end());
   p.leader = Server::Launch(flags);
   return p;
 }
 
-TEST(PipelineRanksTest, TokensEqualASingleProcessServerAndSigtermStopsBoth) {
+class PipelineTokensTest : public ::testing::TestWithParam<int32_t> {};
+
+TEST_P(PipelineTokensTest, TokensEqualASingleProcessServerAndSigtermStopsEveryRank) {
+  const int32_t world = GetParam();
   const Reference ref = LoadReference();
   std::vector<pb::GenerateRequest> reqs;
   for (size_t i = 0; i < ref.prompts.size(); ++i) {
@@ -82,7 +93,7 @@ TEST(PipelineRanksTest, TokensEqualASingleProcessServerAndSigtermStopsBoth) {
     ASSERT_NE(single, nullptr);
     for (size_t i = 0; i < reqs.size(); ++i) want[i] = Generate(single->stub(), reqs[i]);
   }
-  Pipeline p = StartPipeline();
+  Pipeline p = StartPipeline({}, world);
   ASSERT_NE(p.leader, nullptr);
   ASSERT_NE(p.worker, nullptr);
   EXPECT_EQ(p.leader->Health(), health::HealthCheckResponse::SERVING);
@@ -105,9 +116,15 @@ TEST(PipelineRanksTest, TokensEqualASingleProcessServerAndSigtermStopsBoth) {
 
   ASSERT_TRUE(p.leader->process().Signal(SIGTERM));
   EXPECT_EQ(p.leader->process().WaitExit(kExitTimeout), 0) << p.leader->process().Output();
-  EXPECT_EQ(p.worker->WaitExit(kExitTimeout), 0) << p.worker->Output();
-  EXPECT_TRUE(p.worker->WaitForLine("the leader shut the pipeline down", 1s).ok());
+  p.more.push_back(std::move(p.worker));
+  for (auto& w : p.more) {
+    EXPECT_EQ(w->WaitExit(kExitTimeout), 0) << w->Output();
+    EXPECT_TRUE(w->WaitForLine("the leader shut the pipeline down", 1s).ok());
+  }
 }
+
+// The fixture has 3 layers: 2 processes split them 2 + 1, 3 processes one each.
+INSTANTIATE_TEST_SUITE_P(Ranks, PipelineTokensTest, ::testing::Values(2, 3));
 
 TEST(PipelineRanksTest, AWorkerKilledMidRequestFailsItAndTheLeaderExits) {
   const Reference ref = LoadReference();
