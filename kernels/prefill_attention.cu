@@ -1,5 +1,6 @@
 #include "kernels/prefill_attention.cuh"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -42,6 +43,9 @@ struct PrefillArgs {
   int32_t max_blocks_per_seq;
   int32_t max_context;  // max_blocks_per_seq * block_size
   float scale_log2;
+  int32_t num_splits;  // blockIdx.z = seq * num_splits + split
+  float* partial_out;  // [total_tokens * num_q_heads, num_splits, D] when num_splits > 1
+  float* partial_lse;  // [total_tokens * num_q_heads, num_splits]
 };
 
 // Rows are (token, query head in group) pairs flattened as token * group_size + head, so GQA
@@ -56,7 +60,8 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a
   __shared__ __align__(16) __nv_bfloat16 sk[kKeyTile][D + kPad];
   __shared__ __align__(16) __nv_bfloat16 sv[kKeyTile][D + kPad];
 
-  const int seq = blockIdx.z;
+  const int seq = static_cast<int>(blockIdx.z) / a.num_splits;
+  const int split = static_cast<int>(blockIdx.z) % a.num_splits;
   const int kvh = blockIdx.y;
   const int q_begin = a.cu_seqlens[seq];
   const int q_len = min(a.cu_seqlens[seq + 1], a.total_tokens) - q_begin;
@@ -66,6 +71,13 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a
   if (q_len <= 0 || q_begin < 0 || start < 0 || row_begin >= num_rows) return;
   const int last_tok = min(num_rows - 1, row_begin + kRowsPerCta - 1) / a.group_size;
   const int kv_end = min(start + last_tok + 1, a.max_context);
+  // This split's keys: equal ranges of whole key tiles over the sequence's keys (those of its last
+  // query), the same for every CTA of the sequence so each row's partials tile its keys.
+  const int seq_keys = min(start + q_len, a.max_context);
+  const int tiles_per_split =
+      ((seq_keys + kKeyTile - 1) / kKeyTile + a.num_splits - 1) / a.num_splits;
+  const int kv_begin = split * tiles_per_split * kKeyTile;
+  const int kv_stop = min(kv_end, kv_begin + tiles_per_split * kKeyTile);
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -111,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a
   const int64_t head_stride = static_cast<int64_t>(D) << a.block_shift;
   const int64_t block_stride = head_stride * a.num_kv_heads;
 
-  for (int kt = 0; kt < kv_end; kt += kKeyTile) {
+  for (int kt = kv_begin; kt < kv_stop; kt += kKeyTile) {
     __syncthreads();  // the previous tile is no longer read
     for (int c = threadIdx.x; c < kKeyTile * CHUNKS; c += kThreads) {
       const int j = c / CHUNKS;
@@ -209,11 +221,58 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a
   for (int i = 0; i < 2; ++i) {
     if (pos[i] < 0) continue;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    if (a.num_splits > 1) {
+      // row_off / D is the (token, head) row; a split that saw none of the row's keys says so
+      // with -inf, and the merge skips it.
+      const int64_t prow = row_off[i] / D * a.num_splits + split;
+      float* po = a.partial_out + prow * D;
+#pragma unroll
+      for (int n = 0; n < NT_O; ++n) {
+        *reinterpret_cast<float2*>(po + n * 8 + 2 * t) =
+            make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+      }
+      if (t == 0) a.partial_lse[prow] = l[i] > 0.f ? m[i] + log2f(l[i]) : -INFINITY;
+      continue;
+    }
 #pragma unroll
     for (int n = 0; n < NT_O; ++n) {
       *reinterpret_cast<__nv_bfloat162*>(a.out + row_off[i] + n * 8 + 2 * t) =
           __floats2bfloat162_rn(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
     }
+  }
+}
+
+// One warp per (token, head) row: the partials weighted by 2^(lse - max lse), in split order.
+template <int D>
+__global__ void PrefillCombineKernel(const float* __restrict__ partial_out,
+                                     const float* __restrict__ partial_lse,
+                                     __nv_bfloat16* __restrict__ out, int64_t rows,
+                                     int32_t num_splits) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const float* lse = partial_lse + row * num_splits;
+  float mx = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, lse[s]);
+  constexpr int kPer = (D + 31) / 32;
+  float acc[kPer] = {};
+  float wsum = 0.f;
+  for (int s = 0; s < num_splits; ++s) {
+    if (lse[s] == -INFINITY) continue;  // its partial was never written
+    const float w = exp2f(lse[s] - mx);
+    wsum += w;
+    const float* po = partial_out + (row * num_splits + s) * D;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int e = lane + 32 * j;
+      if (e < D) acc[j] += w * po[e];
+    }
+  }
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int e = lane + 32 * j;
+    if (e < D) out[row * D + e] = __float2bfloat16_rn(acc[j] * inv);
   }
 }
 
@@ -259,10 +318,43 @@ absl::Status Validate(const PrefillAttentionParams& p) {
   if (!std::isfinite(p.scale)) return Invalid("scale", "must be finite");
   if (p.error_flag != nullptr && !IsAligned(p.error_flag, 4))
     return Invalid("error_flag", "must be 4-B aligned");
+  if (p.num_splits < 1 || static_cast<int64_t>(p.num_seqs) * p.num_splits > 65535)
+    return Invalid("num_splits", absl::StrCat("= ", p.num_splits,
+                                              " must be >= 1 with num_seqs * num_splits <= 65535"));
+  if (p.num_splits > 1 && (p.partial_out == nullptr || !IsAligned(p.partial_out, 16) ||
+                           p.partial_lse == nullptr || !IsAligned(p.partial_lse, 4)))
+    return Invalid("partial_out", "and partial_lse must be non-null and aligned with num_splits > 1");
   return absl::OkStatus();
 }
 
+constexpr size_t kAlign = 256;
+size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
 }  // namespace
+
+int32_t PrefillAttentionSplits(int32_t total_tokens, int32_t max_q_len, int32_t num_seqs,
+                               int32_t num_q_heads, int32_t num_kv_heads, int32_t max_kv_len,
+                               int32_t num_sms, int32_t max_split_rows) {
+  if (total_tokens < 1 || num_kv_heads < 1 || num_sms < 1) return 1;
+  const int64_t group = num_q_heads / num_kv_heads;
+  const int64_t ctas = (static_cast<int64_t>(max_q_len) * group + kRowsPerCta - 1) / kRowsPerCta *
+                       num_kv_heads * num_seqs;
+  const int64_t want = (2 * static_cast<int64_t>(num_sms) + ctas - 1) / ctas;
+  const int64_t by_keys = (static_cast<int64_t>(max_kv_len) + kKeyTile - 1) / kKeyTile / 4;
+  const int64_t by_room = max_split_rows / total_tokens;
+  const int64_t splits = std::min<int64_t>({want, by_keys, by_room, 16, 65535 / num_seqs});
+  return static_cast<int32_t>(std::max<int64_t>(splits, 1));
+}
+
+size_t PrefillAttentionLseOffset(int32_t max_split_rows, int32_t num_q_heads, int32_t head_dim) {
+  return AlignUp(static_cast<size_t>(max_split_rows) * num_q_heads * head_dim * sizeof(float));
+}
+
+size_t PrefillAttentionWorkspaceBytes(int32_t max_split_rows, int32_t num_q_heads,
+                                      int32_t head_dim) {
+  return PrefillAttentionLseOffset(max_split_rows, num_q_heads, head_dim) +
+         AlignUp(static_cast<size_t>(max_split_rows) * num_q_heads * sizeof(float));
+}
 
 absl::Status LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(Validate(p));
@@ -284,12 +376,24 @@ absl::Status LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_
   a.max_blocks_per_seq = p.max_blocks_per_seq;
   a.max_context = p.max_blocks_per_seq * p.block_size;
   a.scale_log2 = p.scale * kLog2e;
+  a.num_splits = p.num_splits;
+  a.partial_out = p.partial_out;
+  a.partial_lse = p.partial_lse;
   const int64_t rows = static_cast<int64_t>(p.max_q_len) * a.group_size;
   const dim3 grid(static_cast<unsigned>((rows + kRowsPerCta - 1) / kRowsPerCta), p.num_kv_heads,
-                  p.num_seqs);
+                  p.num_seqs * p.num_splits);
   return attention_internal::DispatchHeadDim(
       p.head_dim, "PrefillAttentionParams.head_dim", [&](auto d) -> absl::Status {
-        PrefillAttentionKernel<decltype(d)::value><<<grid, kThreads, 0, stream>>>(a);
+        constexpr int D = decltype(d)::value;
+        PrefillAttentionKernel<D><<<grid, kThreads, 0, stream>>>(a);
+        TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+        if (p.num_splits == 1) return absl::OkStatus();
+        const int64_t out_rows = static_cast<int64_t>(p.total_tokens) * p.num_q_heads;
+        constexpr int kRowsPerBlock = 8;  // warps
+        PrefillCombineKernel<D>
+            <<<static_cast<unsigned>((out_rows + kRowsPerBlock - 1) / kRowsPerBlock),
+               kRowsPerBlock * 32, 0, stream>>>(p.partial_out, p.partial_lse, p.out, out_rows,
+                                                p.num_splits);
         TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
         return absl::OkStatus();
       });

@@ -3,6 +3,12 @@
 // its keys (cached prefix + chunk) from the cache. GQA: one CTA serves the query heads of one kv
 // head for up to 64 (token, head) rows; QK^T and PV run on the tensor cores (mma.sync bf16,
 // fp32 accumulate) with an fp32 online softmax.
+//
+// A short chunk after a long prefix (chunked prefill beside running decode streams) has too few
+// (token, head) tiles to fill the GPU while each CTA walks the whole prefix, so the keys can also be
+// split (flash-decoding's scheme applied to prefill): with num_splits > 1 each CTA covers one of
+// num_splits equal key ranges of its sequence and writes an fp32 partial with its log-sum-exp, and
+// a second kernel merges the partials in split order.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,10 +44,26 @@ struct PrefillAttentionParams {
   int32_t num_blocks = 0;
   int32_t max_blocks_per_seq = 0;
   float scale = 0.f;  // usually 1/sqrt(head_dim)
+
+  int32_t num_splits = 1;  // >= 1; > 1 needs the partials below (PrefillAttentionSplits)
+  float* partial_out = nullptr;  // [total_tokens * num_q_heads, num_splits, head_dim], 16-B aligned
+  float* partial_lse = nullptr;  // [total_tokens * num_q_heads, num_splits], log2 units
 };
 
-// Validates `p` (InvalidArgument naming the field) and enqueues one kernel on `stream`. No
-// allocation, no synchronisation, no host reads of device memory.
+// The key split for a chunk: 1 when the (token, head) tiles alone give every SM two CTAs or the
+// longest sequence has few key tiles; otherwise enough splits for that, at most 16, at least 4 key
+// tiles per split, and total_tokens * splits <= max_split_rows (the partials' capacity).
+int32_t PrefillAttentionSplits(int32_t total_tokens, int32_t max_q_len, int32_t num_seqs,
+                               int32_t num_q_heads, int32_t num_kv_heads, int32_t max_kv_len,
+                               int32_t num_sms, int32_t max_split_rows);
+// Bytes of partial_out + partial_lse for max_split_rows (token, split) pairs, each part 256-B
+// aligned: partial_lse starts at PrefillAttentionLseOffset.
+size_t PrefillAttentionWorkspaceBytes(int32_t max_split_rows, int32_t num_q_heads,
+                                      int32_t head_dim);
+size_t PrefillAttentionLseOffset(int32_t max_split_rows, int32_t num_q_heads, int32_t head_dim);
+
+// Validates `p` (InvalidArgument naming the field) and enqueues one kernel on `stream` (two with
+// splits). No allocation, no synchronisation, no host reads of device memory.
 absl::Status LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_t stream);
 
 }  // namespace ts::kernels

@@ -139,11 +139,28 @@ class PrefillHarness {
     dtables_->Upload(t);
   }
 
-  void Run() const {
+  void Run(int32_t num_splits = 1) const {
     dout_->Poison();
-    ASSERT_TRUE(LaunchPrefillAttention(Params(), nullptr).ok());
+    PrefillAttentionParams p = Params();
+    std::unique_ptr<GuardedBuffer<float>> partial_out, partial_lse;
+    if (num_splits > 1) {
+      // Poisoned: a partial the merge reads without the kernel having written it shows as NaN.
+      const size_t rows = static_cast<size_t>(total_) * c_.num_q_heads * num_splits;
+      partial_out = std::make_unique<GuardedBuffer<float>>(rows * c_.head_dim);
+      partial_lse = std::make_unique<GuardedBuffer<float>>(rows);
+      partial_out->Poison();
+      partial_lse->Poison();
+      p.num_splits = num_splits;
+      p.partial_out = partial_out->get();
+      p.partial_lse = partial_lse->get();
+    }
+    ASSERT_TRUE(LaunchPrefillAttention(p, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     Check();
+    if (partial_out != nullptr) {
+      EXPECT_TRUE(partial_out->GuardsIntact());
+      EXPECT_TRUE(partial_lse->GuardsIntact());
+    }
   }
 
   void Poison() const { dout_->Poison(); }
@@ -186,6 +203,49 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PrefillAttentionGridTest,
                            return absl::StrCat("Hq", h.q, "_Hkv", h.kv, "_D",
                                                std::get<1>(info.param));
                          });
+
+// Key splits: short chunks after long prefixes (the chunked prefill beside running streams), a
+// split count that leaves some splits with no key of a row (a query early in a fresh prompt) and
+// one that leaves whole splits empty for a short sequence beside a long one.
+class PrefillAttentionSplitTest
+    : public ::testing::TestWithParam<std::tuple<Heads, int, int32_t>> {};
+
+TEST_P(PrefillAttentionSplitTest, SplitKeysGiveTheUnsplitResult) {
+  const auto [heads, d, splits] = GetParam();
+  const PrefillCase c{heads.q, heads.kv, d, {64, 1, 30, 5}, {3000, 0, 700, 4}};
+  const PrefillHarness h(c, 7 * d + heads.q + splits);
+  h.Run(splits);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PrefillAttentionSplitTest,
+                         ::testing::Combine(::testing::Values(Heads{32, 8}, Heads{8, 2}),
+                                            ::testing::Values(64, 128),
+                                            ::testing::Values(2, 5, 16)),
+                         [](const ::testing::TestParamInfo<std::tuple<Heads, int, int32_t>>& info) {
+                           const Heads h = std::get<0>(info.param);
+                           return absl::StrCat("Hq", h.q, "_Hkv", h.kv, "_D",
+                                               std::get<1>(info.param), "_S",
+                                               std::get<2>(info.param));
+                         });
+
+TEST(PrefillAttentionTest, SplitChoiceFillsTheGpuOnlyWhereTilesDoNot) {
+  // 64 tokens x 4 heads per kv head = 4 tiles x 8 kv heads = 32 CTAs on 132 SMs: 9 to fill two
+  // per SM, capped at 16, and by the keys (40 tiles / 4 = 10) and the partials' room.
+  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 2560, 132, 2048), 9);
+  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 1024, 132, 2048), 4);  // 16 key tiles
+  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 32000, 132, 256), 4);  // room: 256 / 64
+  EXPECT_EQ(PrefillAttentionSplits(2048, 2048, 1, 32, 8, 32000, 132, 2048), 1);  // 1024 CTAs
+  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 200, 132, 2048), 1);  // a short prefix
+}
+
+TEST(PrefillAttentionTest, RejectsSplitsWithoutPartials) {
+  const PrefillHarness h({8, 2, 64, {40}, {500}}, 13);
+  PrefillAttentionParams p = h.Params();
+  p.num_splits = 4;
+  TS_EXPECT_INVALID(LaunchPrefillAttention(p, nullptr), "partial_out");
+  p.num_splits = 0;
+  TS_EXPECT_INVALID(LaunchPrefillAttention(p, nullptr), "num_splits");
+}
 
 TEST(PrefillAttentionTest, LongChunkAfterLongPrefix) {
   const PrefillHarness h({32, 8, 128, {300, 7}, {200, 0}}, 77);
