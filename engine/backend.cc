@@ -23,6 +23,8 @@ const char* FinishReasonName(FinishReason r) {
       return "cancelled";
     case FinishReason::kError:
       return "error";
+    case FinishReason::kDeadline:
+      return "deadline";
   }
   return "unknown";
 }

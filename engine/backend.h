@@ -8,6 +8,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -26,6 +27,9 @@ struct StopParams {
   int32_t max_new_tokens = 16;          // >= 1
   int32_t min_new_tokens = 0;           // EOS and stop ids are ignored before this many tokens
   bool ignore_eos = false;
+  // The stream ends with kDeadline at the first step at or after this instant (checked on the
+  // GPU by the postprocess kernel against its own clock); the epoch (the default) means none.
+  std::chrono::steady_clock::time_point deadline{};
 };
 
 enum class FinishReason : uint8_t {
@@ -35,6 +39,7 @@ enum class FinishReason : uint8_t {
   kLength = 3,     // max_new_tokens reached
   kCancelled = 4,  // Cancel() took effect
   kError = 5,
+  kDeadline = 6,  // StopParams::deadline passed
 };
 const char* FinishReasonName(FinishReason r);
 

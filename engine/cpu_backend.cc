@@ -213,6 +213,12 @@ absl::StatusOr<int32_t> CpuBackend::OneStep() {
       s.ring.Push(++s.seq, -1, RingFlags(FinishReason::kCancelled));
       continue;
     }
+    if (s.stop.deadline != std::chrono::steady_clock::time_point{} &&
+        std::chrono::steady_clock::now() >= s.stop.deadline) {
+      s.state.store(SlotState::kFinished, std::memory_order_release);
+      s.ring.Push(++s.seq, -1, RingFlags(FinishReason::kDeadline));
+      continue;
+    }
     decode.push_back(i);
   }
   const int32_t n = static_cast<int32_t>(decode.size());

@@ -13,6 +13,7 @@
 #include "graphs/device_guard.h"
 #include "graphs/device_loop.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/global_timer.cuh"
 #include "kernels/kv_layout.cuh"
 #include "kernels/postprocess.cuh"
 #include "models/checkpoint.h"
@@ -31,6 +32,7 @@ static_assert(static_cast<uint32_t>(FinishReason::kEos) == k::kFinishEos);
 static_assert(static_cast<uint32_t>(FinishReason::kStopToken) == k::kFinishStopToken);
 static_assert(static_cast<uint32_t>(FinishReason::kLength) == k::kFinishLength);
 static_assert(static_cast<uint32_t>(FinishReason::kCancelled) == k::kFinishCancelled);
+static_assert(static_cast<uint32_t>(FinishReason::kDeadline) == k::kFinishDeadline);
 
 namespace {
 
@@ -63,6 +65,10 @@ absl::Status ValidateOptions(const CudaBackendOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("max_slots: must be >= 1, got ", o.max_slots));
   }
   TS_RETURN_IF_ERROR(ValidateBuckets(o.buckets));
+  if (o.prefill_step_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_step_tokens: must be >= 1, got ", o.prefill_step_tokens));
+  }
   if (o.buckets.back() < o.max_slots) {
     return absl::InvalidArgumentError(
         absl::StrCat("buckets: largest bucket ", o.buckets.back(), " < max_slots ", o.max_slots));
@@ -84,6 +90,8 @@ CudaBackend::~CudaBackend() {
   timer_.reset();
   model_.reset();
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  if (clock_stream_ != nullptr) cudaStreamDestroy(clock_stream_);
+  if (clock_sample_ != nullptr) cudaFree(clock_sample_);
 }
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBackendOptions& o) {
@@ -117,12 +125,44 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::CreateRandom(
 }
 
 absl::Status CudaBackend::CreateStream() {
-  // The device loop's stream outranks its prefill stream (InitLoop).
-  int greatest = 0;
-  TS_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(nullptr, &greatest));
-  const int priority = options_.device_loop ? greatest : 0;
-  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, priority));
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&clock_stream_, cudaStreamNonBlocking));
+  TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&clock_sample_, sizeof(uint64_t)));
   return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CalibrateClock() {
+  // The sample's error is half the bracket around it (a launch and a sync, some microseconds);
+  // the tightest of a few brackets wins. On a stream of its own, beside a running loop.
+  using Clock = std::chrono::steady_clock;
+  int64_t best_span = INT64_MAX;
+  for (int i = 0; i < 5; ++i) {
+    const Clock::time_point t0 = Clock::now();
+    TS_RETURN_IF_ERROR(k::LaunchReadGlobalTimer({.out = clock_sample_}, clock_stream_));
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(clock_stream_));
+    const Clock::time_point t1 = Clock::now();
+    uint64_t gpu_ns = 0;
+    TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&gpu_ns, clock_sample_, sizeof(gpu_ns),
+                                            cudaMemcpyDeviceToHost, clock_stream_));
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(clock_stream_));
+    const int64_t span = std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+    if (span >= best_span) continue;
+    best_span = span;
+    const int64_t mid = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            (t0 + (t1 - t0) / 2).time_since_epoch())
+                            .count();
+    gpu_clock_offset_ns_ = static_cast<int64_t>(gpu_ns) - mid;
+  }
+  calibrated_at_ = Clock::now();
+  return absl::OkStatus();
+}
+
+uint64_t CudaBackend::GpuDeadline(std::chrono::steady_clock::time_point deadline) const {
+  if (deadline == std::chrono::steady_clock::time_point{}) return 0;
+  const int64_t ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.time_since_epoch()).count() +
+      gpu_clock_offset_ns_;
+  return static_cast<uint64_t>(std::max<int64_t>(ns, 1));  // 0 means none
 }
 
 int32_t CudaBackend::RegimeBound(int32_t context) const {
@@ -148,6 +188,7 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
         TokenRing(rings + static_cast<size_t>(i) * info_.ring_capacity, info_.ring_capacity);
   }
   TS_ASSIGN_OR_RETURN(timer_, OpTimer::Create(16 * model_->dims().num_layers + 64));
+  TS_RETURN_IF_ERROR(CalibrateClock());
 
   // One decode graph per bucket. The regime's max_context_len picks each bucket's attention
   // split count; attention_num_splits (the smallest bucket's count) caps it, so the regime
@@ -231,6 +272,9 @@ absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index, int32_t d
   row.ignore_eos = in.stop.ignore_eos ? 1 : 0;
   row.num_stop_ids = static_cast<int32_t>(in.stop.stop_token_ids.size());
   std::copy(in.stop.stop_token_ids.begin(), in.stop.stop_token_ids.end(), row.stop_ids);
+  const uint64_t deadline = GpuDeadline(in.stop.deadline);
+  row.deadline_lo = static_cast<uint32_t>(deadline);
+  row.deadline_hi = static_cast<uint32_t>(deadline >> 32);
   row.sampling = ToSamplingRow(in.sampling, 0);
 
   const size_t mb = s.max_blocks_per_seq;
@@ -274,8 +318,15 @@ absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
     }
   }
   for (const SlotInit& in : inits) ResetSlotHost(in.slot);
-  if (options_.device_loop) return EnqueuePrefillJobs(inits);
-  TS_RETURN_IF_ERROR(PrefillOn(inits, /*publish_ready=*/false, stream_));
+  // The two clocks are both nanosecond counters but need not tick alike over hours.
+  if (std::chrono::steady_clock::now() - calibrated_at_ > std::chrono::seconds(10)) {
+    TS_RETURN_IF_ERROR(CalibrateClock());
+  }
+  if (options_.device_loop) {
+    QueuePrefills(inits);  // Run(kLoop) prefills them between decode steps
+    return absl::OkStatus();
+  }
+  TS_RETURN_IF_ERROR(PrefillNow(inits));
   for (const SlotInit& in : inits) {
     Slot& s = slots_[in.slot];
     s.state = SlotState::kActive;
@@ -286,24 +337,22 @@ absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::PrefillOn(std::span<const SlotInit> inits, bool publish_ready,
-                                    cudaStream_t stream) {
+absl::Status CudaBackend::PrefillNow(std::span<const SlotInit> inits) {
+  cudaStream_t stream = stream_;
   std::vector<PrefillSeq> seqs;
   std::vector<int32_t> slot_ids;
   std::vector<k::SamplingRow> params;
-  const int32_t state = publish_ready ? k::kSlotPrefill : k::kSlotActive;
   for (size_t i = 0; i < inits.size(); ++i) {
     const SlotInit& in = inits[i];
-    TS_RETURN_IF_ERROR(StageSlot(in, static_cast<int32_t>(i), state, stream));
+    TS_RETURN_IF_ERROR(StageSlot(in, static_cast<int32_t>(i), k::kSlotActive, stream));
     seqs.push_back(PrefillSeq{in.prompt, in.block_table});
     slot_ids.push_back(in.slot);
     params.push_back(ToSamplingRow(in.sampling, in.prompt.size()));
   }
   TS_RETURN_IF_ERROR(model_->EnqueuePrefill(seqs, stream));
-  TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(slot_ids, params, publish_ready, stream));
-  // Host-driven, the engine drains the first tokens right after Prefill returns; in the device
-  // loop the prefill thread learns here that the slots are published. Either way the staging
-  // rows are free again after this.
+  TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(slot_ids, params, /*publish_ready=*/false, stream));
+  // The engine drains the first tokens right after Prefill returns, and the staging rows are
+  // free again after this.
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   return CheckErrorFlag("prefill");
 }
@@ -541,7 +590,6 @@ void CudaBackend::Release(SlotId slot) {
   // never put in a row list, so the GPU does not touch it until the next Prefill rewrites it.
   Slot& s = slots_[slot];
   s.state = SlotState::kFree;
-  if (prefill_done_ != nullptr) prefill_done_[slot].store(false, std::memory_order_relaxed);
   s.prompt_len = 0;
   s.generated = 0;
   std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(0, std::memory_order_relaxed);

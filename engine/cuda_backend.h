@@ -17,27 +17,24 @@
 // Prefill, Run, ProfileStep, PromptLogits, the destructor) makes options.device current for its
 // duration and restores the caller's device: the engine thread that decodes is not the thread
 // that created the backend, and on a multi-GPU host its current device is not ours. With
-// device_loop the backend also runs a prefill thread of its own; it shares with the caller only
-// the job queue, the per-slot done flags and a sticky error (cuda_backend_loop.cc).
+// device_loop, Prefill only queues the prompts; Run(kLoop) prefills them between decode steps,
+// one bounded chunk at a time, on the loop's own stream (cuda_backend_loop.cc).
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <atomic>
-#include <condition_variable>
+#include <chrono>
 #include <cstdint>
-#include <deque>
 #include <filesystem>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/cuda_model.h"
+#include "engine/prefill_queue.h"
 #include "graphs/graph_cache.h"
 
 namespace ts {
@@ -54,11 +51,14 @@ struct CudaBackendOptions {
   std::vector<int32_t> buckets = {1, 2, 4, 8, 16, 24, 32, 48, 64};
   int32_t max_context = 0;  // tokens per sequence; 0 = the model's max_position_embeddings
   int device = 0;
-  int32_t prefill_chunk_tokens = 2048;
+  int32_t prefill_chunk_tokens = 2048;  // rows of the prefill buffers: the largest chunk
+  // Device loop: the most prompt rows prefilled between two decode steps while streams decode
+  // (docs/device-loop.md, Prefill between steps); >= 1, capped at prefill_chunk_tokens.
+  int32_t prefill_step_tokens = 256;
   uint32_t ring_capacity = 1024;
   // The device-resident loop (docs/device-loop.md): Run(kLoop) keeps a scheduler kernel
-  // tail-launching the bucket graphs with no host call between steps, and Prefill runs on a
-  // prefill thread and stream of its own beside it. false: host-driven, Run(kOneStep) launches
+  // tail-launching the bucket graphs with no host call between steps, and prefills new prompts
+  // between steps in chunks no longer than one step. false: host-driven, Run(kOneStep) launches
   // one step and synchronises (the baseline and the fallback).
   bool device_loop = false;
   bool log_progress = true;            // memory budget and graph capture progress on stderr
@@ -103,8 +103,9 @@ class CudaBackend : public Backend {
   cudaStream_t stream() const { return stream_; }
   const graphs::GraphCache& graph_cache() const { return *graphs_; }
   int32_t num_active() const;
-  // Device loop: blocks until every prefill handed over so far has completed (benchmarks and
-  // tests that want a batch to start decoding together). Returns the prefill thread's error.
+  // Device loop: pauses the loop and prefills every prompt queued so far, in the largest chunks,
+  // returning once they have completed (benchmarks and tests that want a batch to start decoding
+  // together). The next Run(kLoop) relaunches the loop.
   absl::Status WaitForPrefills();
   // The longest context (prompt + generated) among ACTIVE slots after the last step.
   int32_t max_active_context() const;
@@ -123,8 +124,9 @@ class CudaBackend : public Backend {
       std::span<const std::vector<int32_t>> prompts, int32_t prefill_len);
 
  private:
-  // kPrefilling: handed to the prefill thread (device loop only). kActive: prefilled, decoding
-  // (on the device READY or ACTIVE). kFinished: the GPU's done flag was seen.
+  // kPrefilling: queued for its prefill chunks (device loop only). kActive: prefilled or its last
+  // chunk enqueued, decoding (on the device READY or ACTIVE). kFinished: the GPU's done flag (or
+  // the host's record for a prompt cancelled before its last chunk) was seen.
   enum class SlotState : uint8_t { kFree, kPrefilling, kActive, kFinished };
   struct Slot {
     SlotState state = SlotState::kFree;
@@ -135,6 +137,11 @@ class CudaBackend : public Backend {
 
   explicit CudaBackend(const CudaBackendOptions& options);
   absl::Status CreateStream();
+  // Maps the host's steady clock onto %globaltimer, which the postprocess kernel reads for the
+  // request deadlines (GpuDeadline); again from Prefill every 10 s.
+  absl::Status CalibrateClock();
+  // StopParams::deadline on the GPU's clock; 0 for none.
+  uint64_t GpuDeadline(std::chrono::steady_clock::time_point deadline) const;
   absl::Status Init(std::unique_ptr<CudaModel> model);
   absl::Status ValidateInit(const SlotInit& init) const;
   // Engine thread: clears the slot's ring and mapped cancel/done flags for a new request.
@@ -143,15 +150,20 @@ class CudaBackend : public Backend {
   // from staging row `index`, on `stream`.
   absl::Status StageSlot(const SlotInit& init, int32_t index, int32_t device_state,
                          cudaStream_t stream);
-  // Stages, prefills and samples the first tokens of `inits` on `stream`, then waits for it.
-  absl::Status PrefillOn(std::span<const SlotInit> inits, bool publish_ready, cudaStream_t stream);
+  // Host-driven: stages, prefills and samples the first tokens of `inits` on stream_ (every
+  // chunk at once), then waits for it.
+  absl::Status PrefillNow(std::span<const SlotInit> inits);
   // Device loop (cuda_backend_loop.cc).
   absl::Status InitLoop();
   void StopLoop();
-  absl::Status EnqueuePrefillJobs(std::span<const SlotInit> inits);
-  void PrefillThread();
+  void QueuePrefills(std::span<const SlotInit> inits);
+  // Stages and prefills the next chunk of at most max_rows rows from the queue on stream_, and
+  // samples the first token of each prompt it completes.
+  absl::Status EnqueueChunk(int32_t max_rows);
+  // Prompts cancelled before their last chunk: dropped, with a FINISHED record written here.
+  void DropCancelledPrefills();
   absl::Status LoopError();
-  // Host slot states from the prefill thread's completions and the GPU's done flags.
+  // Host slot states (decoded counts, FINISHED) from the rings and the GPU's done flags.
   void RefreshSlots();
   absl::Status RunLoop();
   // Active slots in ascending order; fills the row-list staging and returns the bucket index.
@@ -167,31 +179,24 @@ class CudaBackend : public Backend {
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<graphs::GraphCache> graphs_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t clock_stream_ = nullptr;  // CalibrateClock's, beside a running loop
+  uint64_t* clock_sample_ = nullptr;     // [1] device
+  int64_t gpu_clock_offset_ns_ = 0;      // %globaltimer minus steady_clock, in ns
+  std::chrono::steady_clock::time_point calibrated_at_{};
   std::vector<Slot> slots_;   // [max_slots]
   std::vector<SlotId> rows_;  // [active] this step's row list, reused (no per-step allocation)
   std::unique_ptr<OpTimer> timer_;
   StepReport last_;
   uint64_t steps_ = 0;  // host-driven steps that decoded >= 1 row
 
-  // Device loop.
-  struct PrefillJob {
-    SlotInit init;  // spans into the vectors below
-    std::vector<int32_t> prompt;
-    std::vector<int32_t> block_table;
-  };
+  // Device loop (cuda_backend_loop.cc). Only the caller's thread touches any of it.
   std::unique_ptr<graphs::DeviceLoop> loop_;
-  cudaStream_t prefill_stream_ = nullptr;
-  cudaStream_t control_stream_ = nullptr;
-  std::thread prefill_thread_;
-  std::mutex prefill_mu_;
-  std::condition_variable prefill_cv_;
-  std::deque<std::unique_ptr<PrefillJob>> prefill_queue_;  // guarded by prefill_mu_
-  bool prefill_stop_ = false;                              // guarded by prefill_mu_
-  absl::Status prefill_error_;                             // guarded by prefill_mu_
-  int32_t prefill_inflight_ = 0;  // jobs queued or running; guarded by prefill_mu_
-  std::condition_variable prefill_idle_cv_;
-  // [max_slots] set (release) by the prefill thread once a slot's prefill has completed.
-  std::unique_ptr<std::atomic<bool>[]> prefill_done_;
+  cudaStream_t control_stream_ = nullptr;  // the pause word's memset (stream_ is the loop's)
+  PrefillQueue prefill_queue_;
+  cudaEvent_t chunk_end_ = nullptr;  // behind the last chunk
+  bool chunk_pending_ = false;       // a chunk with no loop behind it may still run
+  bool pause_requested_ = false;     // the pause word was set, its memset not yet waited for
+  uint64_t launch_steps_ = 0;     // the step counter at the last Launch
 };
 
 // Loads options.model_dir and builds the backend.

@@ -1,12 +1,24 @@
 // CudaBackend's device-resident loop (docs/device-loop.md): the scheduler kernel of
-// graphs/device_loop.cuh tail-launches the bucket graphs step after step, a prefill thread runs
-// new prompts on a stream of its own beside it, and the engine thread only polls: it relaunches
-// the loop after an exit, pauses it for a graph update, and reads the done flags.
+// graphs/device_loop.cuh tail-launches the bucket graphs step after step; new prompts are
+// prefilled between steps, one bounded chunk at a time; the engine thread only polls: it
+// relaunches the loop after an exit, pauses it for the next prefill chunk and reads the done
+// flags.
 //
-// Who writes a slot's device state: the prefill thread stages it PREFILL; the prefill's
-// postprocess makes it READY (or FINISHED on its first token); the scheduler kernel makes READY
-// ACTIVE at a step boundary; a step's postprocess makes it FINISHED. The engine thread writes
-// nothing on the device for a running slot: a cancel is the mapped flag the postprocess reads.
+// Prefill between steps, not beside them: measured on the H200, a prefill on a stream of its own
+// next to the loop's back-to-back tail-launched graphs got the SMs only in the cracks between
+// decode kernels, and a burst of prompts waited up to one whole generation (~700 ms at 16 req/s)
+// for its first token. A chunk on the loop's own stream runs with the whole GPU, and the loop
+// launched behind it admits its slots at the first step. While streams decode, a chunk holds at
+// most prefill_step_tokens rows (vLLM's max_num_batched_tokens plays the same part), so a
+// stream's token interval grows by at most one such chunk while prompts are prefilled; with
+// nothing decoding, chunks are as large as the prefill buffers allow.
+//
+// Who writes a slot's device state: the chunk that holds a prompt's first piece stages it
+// PREFILL; the prefill's postprocess after its last piece makes it READY (or FINISHED on its
+// first token); the scheduler kernel makes READY ACTIVE at a step boundary; a step's postprocess
+// makes it FINISHED. The engine thread writes nothing on the device for a running slot: a cancel
+// is the mapped flag the postprocess reads (or, for a prompt still waiting for its chunks, the
+// backend drops it and writes the FINISHED record itself).
 #include <algorithm>
 #include <atomic>
 #include <utility>
@@ -14,21 +26,21 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "engine/cuda_backend.h"
+#include "engine/sampling_row.h"
 #include "graphs/device_guard.h"
 #include "graphs/device_loop.cuh"
 #include "kernels/cuda_check.h"
 
 namespace ts {
+namespace {
+
+namespace k = ::ts::kernels;
+
+}  // namespace
 
 absl::Status CudaBackend::InitLoop() {
-  // The loop's stream (stream_, created at the top priority for device_loop) outranks the
-  // prefill stream: when both have blocks waiting for SMs, a decode step's go first, so a long
-  // prefill slows decode steps down rather than stalling them.
-  int least = 0;
-  TS_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, nullptr));
-  TS_CUDA_RETURN_IF_ERROR(
-      cudaStreamCreateWithPriority(&prefill_stream_, cudaStreamNonBlocking, least));
   TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&control_stream_, cudaStreamNonBlocking));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&chunk_end_, cudaEventDisableTiming));
   graphs::DeviceLoopParams p;
   p.table = graphs_->device_table();
   p.num_buckets = graphs_->num_buckets();
@@ -43,105 +55,94 @@ absl::Status CudaBackend::InitLoop() {
   p.row_slots = model_->dev().decode_head.row_slots;
   TS_ASSIGN_OR_RETURN(loop_, graphs::DeviceLoop::Create(p, stream_));
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  prefill_done_ = std::make_unique<std::atomic<bool>[]>(options_.max_slots);
-  for (int32_t i = 0; i < options_.max_slots; ++i) prefill_done_[i].store(false);
-  prefill_thread_ = std::thread([this] { PrefillThread(); });
   return absl::OkStatus();
 }
 
 void CudaBackend::StopLoop() {
-  if (prefill_thread_.joinable()) {
-    {
-      std::lock_guard<std::mutex> lock(prefill_mu_);
-      prefill_stop_ = true;
-    }
-    prefill_cv_.notify_all();
-    prefill_thread_.join();
-  }
   if (loop_ != nullptr) {
     (void)Pause();
     loop_.reset();
   }
-  if (prefill_stream_ != nullptr) (void)cudaStreamDestroy(prefill_stream_);
+  if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);  // a chunk may still run
   if (control_stream_ != nullptr) (void)cudaStreamDestroy(control_stream_);
-  prefill_stream_ = control_stream_ = nullptr;
+  control_stream_ = nullptr;
+  if (chunk_end_ != nullptr) (void)cudaEventDestroy(chunk_end_);
+  chunk_end_ = nullptr;
 }
 
-absl::Status CudaBackend::EnqueuePrefillJobs(std::span<const SlotInit> inits) {
-  {
-    std::lock_guard<std::mutex> lock(prefill_mu_);
-    if (!prefill_error_.ok()) return prefill_error_;
-    for (const SlotInit& in : inits) {
-      // The request's vectors outlive its slot, but a copy keeps the thread's input its own.
-      auto job = std::make_unique<PrefillJob>();
-      job->prompt.assign(in.prompt.begin(), in.prompt.end());
-      job->block_table.assign(in.block_table.begin(), in.block_table.end());
-      job->init = in;
-      job->init.prompt = job->prompt;
-      job->init.block_table = job->block_table;
-      prefill_queue_.push_back(std::move(job));
-      ++prefill_inflight_;
-    }
-  }
+void CudaBackend::QueuePrefills(std::span<const SlotInit> inits) {
   for (const SlotInit& in : inits) {
+    prefill_queue_.Push(in);
     Slot& s = slots_[in.slot];
     s.state = SlotState::kPrefilling;
     s.prompt_len = static_cast<int32_t>(in.prompt.size());
     s.generated = 0;
   }
-  prefill_cv_.notify_one();
+}
+
+absl::Status CudaBackend::EnqueueChunk(int32_t max_rows) {
+  const std::vector<PrefillQueue::Piece> pieces = prefill_queue_.NextChunk(max_rows);
+  std::vector<PrefillPiece> model_pieces;
+  std::vector<int32_t> sample_slots;
+  std::vector<k::SamplingRow> params;
+  for (const PrefillQueue::Piece& p : pieces) {
+    const SlotInit& in = *p.init;
+    // Staging row = slot: a slot is staged once per request, so no later chunk's staging can
+    // overwrite rows whose copies have not run yet.
+    if (p.first) TS_RETURN_IF_ERROR(StageSlot(in, in.slot, k::kSlotPrefill, stream_));
+    int32_t head_row = -1;
+    if (p.last) {
+      head_row = static_cast<int32_t>(sample_slots.size());
+      sample_slots.push_back(in.slot);
+      params.push_back(ToSamplingRow(in.sampling, in.prompt.size()));
+    }
+    model_pieces.push_back(PrefillPiece{.tokens = in.prompt,
+                                        .block_table = in.block_table,
+                                        .start = p.start,
+                                        .len = p.len,
+                                        .head_row = head_row});
+  }
+  TS_RETURN_IF_ERROR(model_->EnqueuePrefillChunk(model_pieces, stream_));
+  TS_RETURN_IF_ERROR(
+      model_->EnqueuePrefillSample(sample_slots, params, /*publish_ready=*/true, stream_));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(chunk_end_, stream_));
+  // The loop launched behind this chunk admits these slots at its first step; from here on the
+  // host counts them as decoding (a first token that finishes one shows in its done flag).
+  for (int32_t slot : sample_slots) slots_[slot].state = SlotState::kActive;
+  prefill_queue_.PopFinished();
+  chunk_pending_ = true;
   return absl::OkStatus();
 }
 
-void CudaBackend::PrefillThread() {
-  if (cudaSetDevice(options_.device) != cudaSuccess) {
-    std::lock_guard<std::mutex> lock(prefill_mu_);
-    prefill_error_ = absl::InternalError("prefill thread: cudaSetDevice failed");
-    return;
-  }
-  std::vector<std::unique_ptr<PrefillJob>> jobs;
-  std::vector<SlotInit> inits;
-  while (true) {
-    {
-      std::unique_lock<std::mutex> lock(prefill_mu_);
-      prefill_cv_.wait(lock, [&] { return prefill_stop_ || !prefill_queue_.empty(); });
-      if (prefill_stop_) return;
-      // Everything queued goes in one prefill: prompts pack into shared chunks.
-      jobs.clear();
-      while (!prefill_queue_.empty()) {
-        jobs.push_back(std::move(prefill_queue_.front()));
-        prefill_queue_.pop_front();
-      }
-    }
-    inits.clear();
-    for (const auto& j : jobs) inits.push_back(j->init);
-    const absl::Status s = PrefillOn(inits, /*publish_ready=*/true, prefill_stream_);
-    if (s.ok()) {
-      for (const SlotInit& in : inits) {
-        prefill_done_[in.slot].store(true, std::memory_order_release);
-      }
-    }
-    {
-      std::lock_guard<std::mutex> lock(prefill_mu_);
-      prefill_inflight_ -= static_cast<int32_t>(inits.size());
-      if (!s.ok()) prefill_error_ = s;  // sticky: the engine fails every request with it
-    }
-    prefill_idle_cv_.notify_all();
-    if (!s.ok()) return;
+void CudaBackend::DropCancelledPrefills() {
+  if (prefill_queue_.empty()) return;
+  int32_t* cancel = model_->host().cancel;  // [max_slots] host-mapped, written by Cancel
+  for (SlotId i = 0; i < info_.max_slots; ++i) {
+    if (slots_[i].state != SlotState::kPrefilling) continue;
+    if (std::atomic_ref<int32_t>(cancel[i]).load(std::memory_order_acquire) == 0) continue;
+    // A prompt whose last piece is already enqueued is cancelled by its first-token postprocess.
+    if (prefill_queue_.Drop(i) == PrefillQueue::DropResult::kNotQueued) continue;
+    // No kernel writes this slot's ring: its device row is PREFILL or not staged at all, which
+    // the loop never admits. A chunk still in flight may write the slot's KV, but on the loop's
+    // stream, before anything a later owner of those blocks enqueues.
+    slots_[i].ring.Push(1, -1, RingFlags(FinishReason::kCancelled));
+    slots_[i].state = SlotState::kFinished;
   }
 }
 
 absl::Status CudaBackend::WaitForPrefills() {
-  std::unique_lock<std::mutex> lock(prefill_mu_);
-  prefill_idle_cv_.wait(lock, [&] { return prefill_inflight_ == 0 || !prefill_error_.ok(); });
-  return prefill_error_;
+  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
+  TS_RETURN_IF_ERROR(Pause());
+  DropCancelledPrefills();
+  while (!prefill_queue_.empty()) TS_RETURN_IF_ERROR(EnqueueChunk(options_.prefill_chunk_tokens));
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  chunk_pending_ = false;
+  TS_RETURN_IF_ERROR(CheckErrorFlag("prefill"));
+  RefreshSlots();
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::LoopError() {
-  {
-    std::lock_guard<std::mutex> lock(prefill_mu_);
-    TS_RETURN_IF_ERROR(prefill_error_);
-  }
   TS_RETURN_IF_ERROR(loop_->status());
   return CheckErrorFlag("device loop");
 }
@@ -150,9 +151,6 @@ void CudaBackend::RefreshSlots() {
   int32_t* done = model_->host().done;
   for (SlotId i = 0; i < info_.max_slots; ++i) {
     Slot& s = slots_[i];
-    if (s.state == SlotState::kPrefilling && prefill_done_[i].load(std::memory_order_acquire)) {
-      s.state = SlotState::kActive;
-    }
     if (s.state != SlotState::kActive) continue;
     // Records so far (one read per new one): the context the attention regime follows.
     RingEntry* e = s.ring.entries();
@@ -173,28 +171,64 @@ void CudaBackend::RefreshSlots() {
 
 absl::Status CudaBackend::RunLoop() {
   TS_RETURN_IF_ERROR(LoopError());
+  DropCancelledPrefills();
   RefreshSlots();
-  if (loop_->Running()) return absl::OkStatus();
+  if (loop_->Running()) {
+    // A chunk is waiting: the loop ends at the boundary after the step it is in, and at least
+    // one step runs between two chunks.
+    if (!prefill_queue_.empty() && !pause_requested_ && loop_->steps() > launch_steps_) {
+      TS_RETURN_IF_ERROR(loop_->RequestPause(control_stream_));
+      pause_requested_ = true;
+    }
+    return absl::OkStatus();
+  }
+  if (chunk_pending_) {
+    // A chunk with no loop behind it (nothing was decoding) runs on: the next one waits for it,
+    // since its staging may still be unread.
+    const cudaError_t q = cudaEventQuery(chunk_end_);
+    if (q == cudaErrorNotReady) return absl::OkStatus();
+    TS_CUDA_RETURN_IF_ERROR(q);
+    chunk_pending_ = false;
+  }
+  if (pause_requested_) {
+    // The pause word must have landed before the next Launch clears it, or it could land after.
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream_));
+    pause_requested_ = false;
+  }
   // The loop has exited, so every write of its steps (done flags, rings) is visible now; read
   // them again (the loop may have ended after the refresh above), and the host's contexts are
   // exact: the regime is chosen from what the host-driven mode would see before this step, and
   // the loop exits by itself at the step where that choice changes.
   RefreshSlots();
+  if (!prefill_queue_.empty()) {
+    // With nothing decoding there is no step to keep short: the largest chunk.
+    const int32_t cap = options_.prefill_chunk_tokens;
+    TS_RETURN_IF_ERROR(
+        EnqueueChunk(num_active() > 0 ? std::min(options_.prefill_step_tokens, cap) : cap));
+  }
   if (num_active() == 0) return absl::OkStatus();
   TS_RETURN_IF_ERROR(MaybeUpdateRegime());
   const int32_t hi = graphs_->regime().max_context_len;
   int32_t lo = 0;  // MaybeUpdateRegime shrinks once RegimeBound(context) * 4 <= hi
   for (int32_t v = 128; v < hi && 4 * v <= hi; v *= 2) lo = v;
-  return loop_->Launch(stream_, lo, hi);
+  launch_steps_ = loop_->steps();
+  TS_RETURN_IF_ERROR(loop_->Launch(stream_, lo, hi));
+  chunk_pending_ = false;  // the loop's end implies the chunk's
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::Pause() {
-  if (loop_ == nullptr || !loop_->Running()) return absl::OkStatus();
+  if (loop_ == nullptr) return absl::OkStatus();
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
-  TS_RETURN_IF_ERROR(loop_->RequestPause(control_stream_));
-  TS_RETURN_IF_ERROR(loop_->Wait());
-  // The pause word must have landed before the next Launch clears it, or it could land after.
-  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream_));
+  if (loop_->Running()) {
+    TS_RETURN_IF_ERROR(loop_->RequestPause(control_stream_));
+    pause_requested_ = true;
+    TS_RETURN_IF_ERROR(loop_->Wait());
+  }
+  if (pause_requested_) {
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream_));
+    pause_requested_ = false;
+  }
   return loop_->status();
 }
 

@@ -13,6 +13,7 @@
 #include "engine/backend.h"
 #include "kernels/cuda_check.h"
 #include "kernels/decode_attention.cuh"
+#include "kernels/prefill_attention.cuh"
 #include "kernels/postprocess.cuh"
 #include "kernels/rope_kv.cuh"
 #include "models/llama_weights.h"
@@ -285,6 +286,11 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
     attention_ws = std::max(
         attention_ws, k::DecodeAttentionWorkspaceBytes(b, dims.num_heads, dims.head_dim, splits));
   }
+  // The prefill's key-split partials follow, apart from the decode part (whose counters must stay
+  // zero); prefill and decode never run at once, both being on the backend's one stream.
+  m->prefill_partials_offset_ = (attention_ws + 255) / 256 * 256;
+  attention_ws = m->prefill_partials_offset_ +
+                 k::PrefillAttentionWorkspaceBytes(kPrefillSplitRows, dims.num_heads, dims.head_dim);
   const k::GemmOptions gemm_options;
   TS_ASSIGN_OR_RETURN(
       m->plan_, PlanMemory(MemoryPlanOptions{.model = o.config,

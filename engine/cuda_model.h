@@ -111,6 +111,18 @@ struct PrefillSeq {
   std::span<const int32_t> block_table;  // [>= ceil(n / block_size)] KV block ids
 };
 
+// One prompt's rows [start, start + len) in a prefill chunk. Its rows before start are in the
+// KV cache already, written by earlier chunks through the same block table.
+struct PrefillPiece {
+  std::span<const int32_t> tokens;       // [n] the whole prompt, n >= 1
+  std::span<const int32_t> block_table;  // [>= ceil(n / block_size)] KV block ids
+  int32_t start = 0;
+  int32_t len = 0;  // >= 1
+  // >= 0 exactly when the piece ends its prompt: the prompt's last hidden row goes to row
+  // head_row of dev().prefill_head.hidden, where EnqueuePrefillSample reads it.
+  int32_t head_row = -1;
+};
+
 class CudaModel {
  public:
   // Plans memory (prints the budget), allocates the arena, the pinned host block and the two
@@ -150,6 +162,10 @@ class CudaModel {
   // their KV and leaving sequence i's last hidden row in dev().prefill_head.hidden row i.
   // seqs.size() <= max_slots. Synchronises `stream` between chunks only to reuse the staging.
   absl::Status EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStream_t stream);
+  // One chunk: the pieces' rows (at most prefill_chunk_tokens in all, at most max_slots pieces)
+  // through the layers in one pass. Waits on the host only until the previous chunk's staging
+  // copies have run.
+  absl::Status EnqueuePrefillChunk(std::span<const PrefillPiece> pieces, cudaStream_t stream);
   // Samples the first token of the rows left by EnqueuePrefill. slots[i] is sequence i's slot
   // (its slot table row, counts and mask already written); params[i].position = prompt length.
   // publish_ready: the slots were staged PREFILL beside a running device loop, and a slot that
@@ -181,6 +197,7 @@ class CudaModel {
     int32_t num_seqs = 0;
     int32_t total_tokens = 0;
     int32_t max_q_len = 0;
+    int32_t max_kv_len = 0;  // the longest sequence's keys: start + its rows
   };
   // The layers of one forward over `f` (decode or prefill buffers).
   // C = A W^T (+ C): kernels/gemv for decode-sized m and small W, else the planned cuBLASLt GEMM.
@@ -215,6 +232,9 @@ class CudaModel {
   std::vector<std::string> timing_skip_ops_;
   int32_t attention_min_split_tokens_ = 64;
   kernels::StepStamps* step_stamps_ = nullptr;
+  // (token, split) pairs the prefill attention's key-split partials hold (PrefillAttentionSplits).
+  static constexpr int32_t kPrefillSplitRows = 2048;
+  size_t prefill_partials_offset_ = 0;  // into dev_.attention_workspace
   int32_t attention_ctas_per_sm_ = 0;  // resident decode-attention CTAs per SM (0: default)
   MemoryPlan plan_;
   std::vector<int32_t> buckets_;

@@ -124,6 +124,13 @@ absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
   p.num_blocks = s.num_kv_blocks;
   p.max_blocks_per_seq = s.max_blocks_per_seq;
   p.scale = scale;
+  p.num_splits = k::PrefillAttentionSplits(at.total_tokens, at.max_q_len, at.num_seqs, d.num_heads,
+                                           d.num_kv_heads, at.max_kv_len, num_sms_,
+                                           kPrefillSplitRows);
+  char* partials = static_cast<char*>(dev_.attention_workspace) + prefill_partials_offset_;
+  p.partial_out = reinterpret_cast<float*>(partials);
+  p.partial_lse = reinterpret_cast<float*>(
+      partials + k::PrefillAttentionLseOffset(kPrefillSplitRows, d.num_heads, d.head_dim));
   return k::LaunchPrefillAttention(p, stream);
 }
 

@@ -20,116 +20,146 @@ namespace k = ::ts::kernels;
 namespace ci = ::ts::cuda_model_internal;
 
 absl::Status CudaModel::EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStream_t stream) {
-  const ArenaShape& s = plan_.shape;
   const int32_t n = static_cast<int32_t>(seqs.size());
-  if (n > s.max_slots) {
+  if (n > plan_.shape.max_slots) {
     return absl::InvalidArgumentError(
-        absl::StrCat("prefill: ", n, " sequences exceed max_slots ", s.max_slots));
+        absl::StrCat("prefill: ", n, " sequences exceed max_slots ", plan_.shape.max_slots));
   }
-  const int32_t chunk_cap = s.prefill_rows;
-  const int32_t bs = s.kv_block_size;
-  const int32_t mb = s.max_blocks_per_seq;
-  struct Piece {
-    int32_t seq, start, len;
-  };
-  std::vector<Piece> pieces;
+  const int32_t chunk_cap = plan_.shape.prefill_rows;
+  std::vector<PrefillPiece> pieces;
   int32_t rows_used = 0;
-
-  auto flush = [&]() -> absl::Status {
-    if (pieces.empty()) return absl::OkStatus();
-    // The staging is reused per chunk: wait until the previous chunk's copies have read it.
-    TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(staging_free_));
-    const HostLayout& h = host_;
-    int32_t row = 0, gathers = 0, max_q = 0;
-    for (size_t j = 0; j < pieces.size(); ++j) {
-      const Piece& p = pieces[j];
-      const PrefillSeq& sq = seqs[p.seq];
-      h.cu_seqlens[j] = row;
-      h.start_pos[j] = p.start;
-      const size_t copy = std::min<size_t>(sq.block_table.size(), mb);
-      int32_t* table = h.block_tables + j * mb;
-      std::copy_n(sq.block_table.begin(), copy, table);
-      std::fill(table + copy, table + mb, k::kInvalidKvBlock);
-      for (int32_t t = 0; t < p.len; ++t, ++row) {
-        const int32_t pos = p.start + t;
-        h.tokens[row] = sq.tokens[pos];
-        h.positions[row] = pos;
-        h.slot_mapping[row] = k::KvSlotFor(table, mb, bs, pos);
-      }
-      max_q = std::max(max_q, p.len);
-      if (p.start + p.len == static_cast<int32_t>(sq.tokens.size())) {
-        h.gather_src[gathers] = row - 1;
-        h.gather_dst[gathers] = p.seq;
-        ++gathers;
-      }
-    }
-    const int32_t num_pieces = static_cast<int32_t>(pieces.size());
-    h.cu_seqlens[num_pieces] = row;
-    const int32_t padded = PrefillRowsFor(row);
-    for (int32_t r = row; r < padded; ++r) {
-      h.tokens[r] = 0;
-      h.positions[r] = 0;
-      h.slot_mapping[r] = k::kNoKvWrite;  // padding rows
-    }
-    const DeviceLayout& dv = dev_;
-    auto h2d = [&](void* dst, const void* src, size_t bytes) {
-      return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream);
-    };
-    const size_t ib = sizeof(int32_t);
-    TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.tokens, h.tokens, padded * ib));
-    TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.positions, h.positions, padded * ib));
-    TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.slot_mapping, h.slot_mapping, padded * ib));
-    TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill_cu_seqlens, h.cu_seqlens, (num_pieces + 1) * ib));
-    TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill_start_pos, h.start_pos, num_pieces * ib));
-    TS_CUDA_RETURN_IF_ERROR(
-        h2d(dv.prefill_block_tables, h.block_tables, static_cast<size_t>(num_pieces) * mb * ib));
-    TS_CUDA_RETURN_IF_ERROR(h2d(dv.gather_src, h.gather_src, gathers * ib));
-    TS_CUDA_RETURN_IF_ERROR(h2d(dv.gather_dst, h.gather_dst, gathers * ib));
-    TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
-
-    const ForwardBuffers& f = dv.prefill;
-    TS_RETURN_IF_ERROR(k::LaunchEmbedding({.tokens = f.tokens,
-                                           .table = dv.embed,
-                                           .out = f.h,
-                                           .error_flag = host_dev_.error_flag,
-                                           .rows = padded,
-                                           .hidden = dims().hidden,
-                                           .vocab = dims().vocab},
-                                          stream));
-    Attention at;
-    at.decode = false;
-    at.block_tables = dv.prefill_block_tables;
-    at.cu_seqlens = dv.prefill_cu_seqlens;
-    at.start_pos = dv.prefill_start_pos;
-    at.num_seqs = num_pieces;
-    at.total_tokens = row;
-    at.max_q_len = max_q;
-    TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
-    TS_RETURN_IF_ERROR(ci::LaunchGatherRows(f.h, dv.gather_src, dv.prefill_head.hidden,
-                                            dv.gather_dst, gathers, dims().hidden, stream));
-    pieces.clear();
-    rows_used = 0;
-    return absl::OkStatus();
-  };
-
   for (int32_t i = 0; i < n; ++i) {
     const int32_t len = static_cast<int32_t>(seqs[i].tokens.size());
     if (len < 1) return absl::InvalidArgumentError(absl::StrCat("prefill seq ", i, ": empty"));
-    const int64_t need = (static_cast<int64_t>(len) + bs - 1) / bs;
-    if (static_cast<int64_t>(seqs[i].block_table.size()) < need || len > max_context_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("prefill seq ", i, ": ", len, " tokens need ", need, " blocks (max_context ",
-                       max_context_, "), block_table has ", seqs[i].block_table.size()));
-    }
     for (int32_t start = 0; start < len;) {
       const int32_t take = std::min(len - start, chunk_cap - rows_used);
-      pieces.push_back(Piece{i, start, take});
+      pieces.push_back(PrefillPiece{.tokens = seqs[i].tokens,
+                                    .block_table = seqs[i].block_table,
+                                    .start = start,
+                                    .len = take,
+                                    .head_row = start + take == len ? i : -1});
       rows_used += take;
       start += take;
-      if (rows_used == chunk_cap) TS_RETURN_IF_ERROR(flush());
+      if (rows_used == chunk_cap) {
+        TS_RETURN_IF_ERROR(EnqueuePrefillChunk(pieces, stream));
+        pieces.clear();
+        rows_used = 0;
+      }
     }
   }
-  return flush();
+  if (pieces.empty()) return absl::OkStatus();
+  return EnqueuePrefillChunk(pieces, stream);
+}
+
+absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces,
+                                            cudaStream_t stream) {
+  const ArenaShape& s = plan_.shape;
+  const int32_t bs = s.kv_block_size;
+  const int32_t mb = s.max_blocks_per_seq;
+  if (pieces.empty()) return absl::OkStatus();
+  if (static_cast<int32_t>(pieces.size()) > s.max_slots) {
+    return absl::InvalidArgumentError(absl::StrCat("prefill chunk: ", pieces.size(),
+                                                   " pieces exceed max_slots ", s.max_slots));
+  }
+  int32_t rows = 0;
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    const PrefillPiece& p = pieces[j];
+    const int32_t len = static_cast<int32_t>(p.tokens.size());
+    if (len < 1) return absl::InvalidArgumentError(absl::StrCat("prefill piece ", j, ": empty"));
+    const int64_t need = (static_cast<int64_t>(len) + bs - 1) / bs;
+    if (static_cast<int64_t>(p.block_table.size()) < need || len > max_context_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefill piece ", j, ": ", len, " tokens need ", need,
+                       " blocks (max_context ", max_context_, "), block_table has ",
+                       p.block_table.size()));
+    }
+    if (p.len < 1 || p.start < 0 || p.start + p.len > len) {
+      return absl::InvalidArgumentError(absl::StrCat("prefill piece ", j, ": rows [", p.start,
+                                                     ", ", p.start + p.len, ") outside the ",
+                                                     len, "-token prompt"));
+    }
+    if ((p.head_row >= 0) != (p.start + p.len == len) || p.head_row >= s.max_slots) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefill piece ", j, ": head_row ", p.head_row,
+                       " must be in [0, max_slots) exactly when the piece ends its prompt"));
+    }
+    rows += p.len;
+  }
+  if (rows > s.prefill_rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill chunk: ", rows, " rows exceed prefill rows ", s.prefill_rows));
+  }
+
+  // The staging is reused per chunk: wait until the previous chunk's copies have read it.
+  TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(staging_free_));
+  const HostLayout& h = host_;
+  int32_t row = 0, gathers = 0, max_q = 0;
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    const PrefillPiece& p = pieces[j];
+    h.cu_seqlens[j] = row;
+    h.start_pos[j] = p.start;
+    const size_t copy = std::min<size_t>(p.block_table.size(), mb);
+    int32_t* table = h.block_tables + j * mb;
+    std::copy_n(p.block_table.begin(), copy, table);
+    std::fill(table + copy, table + mb, k::kInvalidKvBlock);
+    for (int32_t t = 0; t < p.len; ++t, ++row) {
+      const int32_t pos = p.start + t;
+      h.tokens[row] = p.tokens[pos];
+      h.positions[row] = pos;
+      h.slot_mapping[row] = k::KvSlotFor(table, mb, bs, pos);
+    }
+    max_q = std::max(max_q, p.len);
+    if (p.head_row >= 0) {
+      h.gather_src[gathers] = row - 1;
+      h.gather_dst[gathers] = p.head_row;
+      ++gathers;
+    }
+  }
+  const int32_t num_pieces = static_cast<int32_t>(pieces.size());
+  h.cu_seqlens[num_pieces] = row;
+  const int32_t padded = PrefillRowsFor(row);
+  for (int32_t r = row; r < padded; ++r) {
+    h.tokens[r] = 0;
+    h.positions[r] = 0;
+    h.slot_mapping[r] = k::kNoKvWrite;  // padding rows
+  }
+  const DeviceLayout& dv = dev_;
+  auto h2d = [&](void* dst, const void* src, size_t bytes) {
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream);
+  };
+  const size_t ib = sizeof(int32_t);
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.tokens, h.tokens, padded * ib));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.positions, h.positions, padded * ib));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.slot_mapping, h.slot_mapping, padded * ib));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill_cu_seqlens, h.cu_seqlens, (num_pieces + 1) * ib));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill_start_pos, h.start_pos, num_pieces * ib));
+  TS_CUDA_RETURN_IF_ERROR(
+      h2d(dv.prefill_block_tables, h.block_tables, static_cast<size_t>(num_pieces) * mb * ib));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.gather_src, h.gather_src, gathers * ib));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.gather_dst, h.gather_dst, gathers * ib));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
+
+  const ForwardBuffers& f = dv.prefill;
+  TS_RETURN_IF_ERROR(k::LaunchEmbedding({.tokens = f.tokens,
+                                         .table = dv.embed,
+                                         .out = f.h,
+                                         .error_flag = host_dev_.error_flag,
+                                         .rows = padded,
+                                         .hidden = dims().hidden,
+                                         .vocab = dims().vocab},
+                                        stream));
+  Attention at;
+  at.decode = false;
+  at.block_tables = dv.prefill_block_tables;
+  at.cu_seqlens = dv.prefill_cu_seqlens;
+  at.start_pos = dv.prefill_start_pos;
+  at.num_seqs = num_pieces;
+  at.total_tokens = row;
+  at.max_q_len = max_q;
+  for (const PrefillPiece& p : pieces) at.max_kv_len = std::max(at.max_kv_len, p.start + p.len);
+  TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
+  return ci::LaunchGatherRows(f.h, dv.gather_src, dv.prefill_head.hidden, dv.gather_dst, gathers,
+                              dims().hidden, stream);
 }
 
 absl::Status CudaModel::EnqueuePrefillSample(std::span<const int32_t> slots,

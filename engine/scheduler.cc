@@ -282,7 +282,20 @@ void Scheduler::CancelRunning(Request* r, absl::Status why) {
 
 std::vector<Request*> Scheduler::Admit() {
   std::vector<Request*> admitted;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::unique_ptr<Request>> expired;
+  std::unique_lock<std::mutex> lock(mu_);
+  // A request whose deadline passed while it queued ends here, before it takes KV or a prefill.
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    const auto deadline = (*it)->stop.deadline;
+    if (deadline == std::chrono::steady_clock::time_point{} || deadline > now) {
+      ++it;
+      continue;
+    }
+    inflight_ids_.erase((*it)->id);
+    expired.push_back(std::move(*it));
+    it = queue_.erase(it);
+  }
   // Strict FIFO: the head waits for room rather than letting smaller requests overtake it forever.
   while (!queue_.empty() && static_cast<int32_t>(running_.size()) < options_.max_batch) {
     Request& head = *queue_.front();
@@ -304,7 +317,13 @@ std::vector<Request*> Scheduler::Admit() {
   // Published under the same lock that emptied the queue, so Idle() never sees a gap, and with
   // the blocks just reserved: the prefill streams a first token before the step's PublishStats,
   // and a client reading it must not see a running request that holds no KV.
+  requests_finished_ += expired.size();
   PublishStatsLocked();
+  lock.unlock();
+  for (auto& r : expired) {
+    r->stream->Finish(FinishReason::kDeadline,
+                      absl::DeadlineExceededError("the request's deadline passed while it queued"));
+  }
   return admitted;
 }
 
@@ -384,6 +403,10 @@ void Scheduler::DrainOne(Request* r) {
       r->stream->Finish(FinishReason::kError, r->error);
     } else if (reason == FinishReason::kCancelled) {
       r->stream->Finish(reason, r->cancel_status);
+    } else if (reason == FinishReason::kDeadline) {
+      r->stream->Finish(reason, absl::DeadlineExceededError(absl::StrCat(
+                                    "the request's deadline passed after ", r->generated,
+                                    " generated tokens")));
     } else if (reason == FinishReason::kError) {
       r->stream->Finish(reason, absl::InternalError(
                                     absl::StrCat("backend reported an error for request ", r->id)));

@@ -35,13 +35,15 @@ __device__ void PostprocessRow(const PostprocessParams& p, int32_t row) {
   if (s.state != p.from_state) return;
 
   const bool cancelled = *static_cast<const volatile int32_t*>(p.cancel + slot) != 0;
+  const uint64_t deadline = static_cast<uint64_t>(s.deadline_hi) << 32 | s.deadline_lo;
+  const bool expired = !cancelled && deadline != 0 && GlobalTimerNs() >= deadline;
   int32_t token = p.tokens[row];
   uint32_t reason;
-  if (cancelled) {
+  if (cancelled || expired) {
     // The token sampled this step is dropped: a finish-only record, as the CPU backend writes
-    // when it sees the flag before decoding.
+    // when it sees the flag (or the deadline) before decoding.
     token = -1;
-    reason = kFinishCancelled;
+    reason = cancelled ? kFinishCancelled : kFinishDeadline;
   } else {
     reason = StopReason(s, p, token, s.generated);
     if (token >= 0 && token < p.vocab) {

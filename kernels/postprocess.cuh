@@ -1,6 +1,7 @@
 // Decode postprocess: the last kernel of a step (docs/architecture.md, Rings and postprocess). Per
-// row it takes the sampled token of the row's slot, applies the stop rule (cancel flag, EOS unless
-// ignore_eos, stop ids from min_new_tokens on, max_new_tokens), updates the slot's output counts
+// row it takes the sampled token of the row's slot, applies the stop rule (cancel flag, the
+// deadline against %globaltimer, EOS unless ignore_eos, stop ids from min_new_tokens on,
+// max_new_tokens), updates the slot's output counts
 // for the penalties, appends a (seq, token, flags) record to the slot's ring in host-mapped memory
 // and marks the slot FINISHED when it stops. One thread per row; rows map to distinct slots.
 //
@@ -39,6 +40,7 @@ inline constexpr uint32_t kFinishEos = 1;
 inline constexpr uint32_t kFinishStopToken = 2;
 inline constexpr uint32_t kFinishLength = 3;
 inline constexpr uint32_t kFinishCancelled = 4;
+inline constexpr uint32_t kFinishDeadline = 6;
 __host__ __device__ inline uint32_t RingFlagsFor(uint32_t reason) {
   return reason == 0 ? 0u : (1u | (reason << 8));
 }
@@ -56,7 +58,11 @@ struct SlotRow {
   int32_t ignore_eos = 0;
   int32_t num_stop_ids = 0;
   int32_t stop_ids[kMaxStopIds] = {};
-  int32_t reserved[3] = {};
+  // %globaltimer nanoseconds (low, high word) at which the stream ends with kFinishDeadline;
+  // 0 = none. Two words: the row's layout keeps 4-byte fields only.
+  uint32_t deadline_lo = 0;
+  uint32_t deadline_hi = 0;
+  int32_t reserved = 0;
   SamplingRow sampling;  // position is filled per step by whoever builds the sampling rows
 };
 static_assert(sizeof(SlotRow) % 16 == 0);

@@ -42,6 +42,7 @@ pb::FinishReason ToProto(FinishReason r) {
       return pb::FINISH_REASON_CANCELLED;
     case FinishReason::kNone:
     case FinishReason::kError:
+    case FinishReason::kDeadline:  // these end the call with a non-OK status instead
       break;
   }
   return pb::FINISH_REASON_UNSPECIFIED;
@@ -432,6 +433,15 @@ grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::StartGenerate
       ValidateAndConvert(*request, limits_, options_.tokenizer, DrawSeed());
   if (!converted.ok()) return new RejectReactor(ToGrpcStatus(converted.status()));
   GenerateRequest& engine_request = converted->engine;
+  // The engine ends the stream at the first decode step past the client's deadline (on the GPU,
+  // docs/device-loop.md), so a stream nobody waits for stops using the batch at once. gRPC's
+  // "no deadline" is a time_point far in the future.
+  const auto now_sys = std::chrono::system_clock::now();
+  if (deadline - now_sys < std::chrono::hours(24 * 365)) {
+    engine_request.stop.deadline =
+        std::chrono::steady_clock::now() +
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(deadline - now_sys);
+  }
   absl::StatusOr<std::shared_ptr<IdClaim>> claim = ClaimId(engine_request.request_id, deadline);
   if (!claim.ok()) return new RejectReactor(ToGrpcStatus(claim.status()));
   engine_request.request_id = (*claim)->engine_id;

@@ -69,9 +69,13 @@ ABSL_FLAG(int32_t, pipeline_timeout_ms, 60000,
           "pipeline counts as broken.");
 ABSL_FLAG(std::string, decode_loop, "auto",
           "Who runs the decode steps: loop (the backend's own loop beside the engine thread; CUDA: "
-          "the device-resident loop, no host call between steps, prefill on its own stream; CPU: "
-          "a loop thread), host (host-driven: the engine thread runs each step and waits for it; "
+          "the device-resident loop, no host call between steps, new prompts prefilled between "
+          "steps in chunks of --prefill_step_tokens; CPU: a loop thread), host (host-driven: the engine thread runs each step and waits for it; "
           "the baseline and fallback), auto (loop on cuda, host on cpu).");
+ABSL_FLAG(int32_t, prefill_step_tokens, 256,
+          "CUDA device loop: the most prompt tokens prefilled between two decode steps while "
+          "streams decode (a larger value: shorter time to first token, longer token intervals "
+          "while prompts arrive; docs/device-loop.md).");
 ABSL_FLAG(std::string, buckets, "",
           "Comma list of batch-size buckets, ascending; default: 1,2,4,8,16,24,32,48,64,96,128 "
           "below max_batch, then max_batch.");
@@ -323,6 +327,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32
                              .buckets = buckets,
                              .max_context = context,
                              .device = absl::GetFlag(FLAGS_device),
+                             .prefill_step_tokens = absl::GetFlag(FLAGS_prefill_step_tokens),
                              .device_loop = device_loop};
   absl::StatusOr<std::unique_ptr<Backend>> backend = CreateCudaBackend(options);
   if (!backend.ok()) {
@@ -645,6 +650,8 @@ absl::Status CheckFlagRanges() {
       range("stream_buffer_tokens", absl::GetFlag(FLAGS_stream_buffer_tokens), 1, 1 << 24));
   TS_RETURN_IF_ERROR(range("threads", absl::GetFlag(FLAGS_threads), 0, 4096));
   TS_RETURN_IF_ERROR(range("device", absl::GetFlag(FLAGS_device), 0, 1024));
+  TS_RETURN_IF_ERROR(
+      range("prefill_step_tokens", absl::GetFlag(FLAGS_prefill_step_tokens), 1, 1 << 20));
   TS_RETURN_IF_ERROR(range("stats_interval_s", absl::GetFlag(FLAGS_stats_interval_s), 0, kDay));
   TS_RETURN_IF_ERROR(range("watchdog_s", absl::GetFlag(FLAGS_watchdog_s), 0, kDay));
   TS_RETURN_IF_ERROR(range("rank", absl::GetFlag(FLAGS_rank), -1, 1 << 20));

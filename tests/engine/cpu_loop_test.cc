@@ -662,6 +662,52 @@ TEST(CpuLoop, PauseStopsAtAStepBoundaryAndRunResumes) {
   }
 }
 
+// A deadline ends its stream at the first step at or after it, with DEADLINE_EXCEEDED and the
+// tokens decoded before it; the other stream is untouched. The step hook holds the step after the
+// third until the deadline has passed, so the count is exact in both modes. A request whose
+// deadline passed before it was admitted ends without a prefill.
+TEST(CpuLoop, ADeadlineEndsItsStreamAtTheNextStepInBothModes) {
+  const Reference ref = LoadReference();
+  for (const bool loop : {false, true}) {
+    SCOPED_TRACE(loop ? "loop" : "host-driven");
+    std::unique_ptr<CpuBackend> b = MakeBackend(4, loop);
+    ASSERT_NE(b, nullptr);
+    const auto deadline = Clock::now() + std::chrono::milliseconds(200);
+    b->set_step_hook([deadline](uint64_t steps) {
+      if (steps == 3) std::this_thread::sleep_until(deadline + std::chrono::milliseconds(1));
+    });
+    auto engine = MakeEngine(std::move(b), loop ? RunMode::kLoop : RunMode::kOneStep, 4);
+    ASSERT_NE(engine, nullptr);
+    GenerateRequest a = Greedy(ref.prompts[1], 40);
+    a.stop.deadline = deadline;
+    const GenerateRequest other = Greedy(ref.prompts[2], 12);
+    auto sa = engine->Submit(a);
+    auto so = engine->Submit(other);
+    ASSERT_TRUE(sa.ok() && so.ok());
+    StreamReader ra(*sa), ro(*so);
+    ReadToEnd(&ra);
+    ReadToEnd(&ro);
+    EXPECT_EQ(ra.reason, FinishReason::kDeadline);
+    EXPECT_EQ(ra.status.code(), absl::StatusCode::kDeadlineExceeded) << ra.status;
+    // The prefill's token and one per step before the held one.
+    EXPECT_EQ(ra.tokens, Prefix(ref.greedy[1], 4));
+    EXPECT_EQ(ro.reason, FinishReason::kLength);
+    EXPECT_EQ(ro.tokens, Prefix(ref.greedy[2], 12));
+
+    GenerateRequest late = Greedy(ref.prompts[0], 5);
+    late.stop.deadline = Clock::now() - std::chrono::milliseconds(1);
+    auto sl = engine->Submit(late);
+    ASSERT_TRUE(sl.ok());
+    StreamReader rl(*sl);
+    ReadToEnd(&rl);
+    EXPECT_EQ(rl.reason, FinishReason::kDeadline);
+    EXPECT_EQ(rl.status.code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_TRUE(rl.tokens.empty());
+    WaitIdle(*engine);
+    EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total);
+  }
+}
+
 TEST(CpuLoop, PollCountsStepsThatDecodedARow) {
   const Reference ref = LoadReference();
   Inits in;

@@ -412,7 +412,10 @@ void DrainInto(const CudaBackend& b, SlotId slot, uint32_t* next_seq, std::vecto
   ASSERT_TRUE(b.Ring(slot).Drain(next_seq, got));
 }
 
-TEST(DeviceLoopTest, PauseStopsAtAStepBoundaryAndACancelEndsTheStreamAtTheNextStep) {
+// Two streams; the loop is paused at a step boundary once a has 20 records; then a is ended
+// by a cancel, or by its deadline passing while the loop is paused; the next step must end it
+// with a finish-only record, and b's tokens must be those of b decoding alone, host-driven.
+void PauseThenEndTheFirstStream(FinishReason how) {
   const std::filesystem::path dir = Fixture();
   const std::vector<int32_t> prompt_a = {5, 17, 42, 99, 7, 3, 250, 11};
   const std::vector<int32_t> prompt_b = {9, 8, 77, 21, 200, 13};
@@ -438,6 +441,9 @@ TEST(DeviceLoopTest, PauseStopsAtAStepBoundaryAndACancelEndsTheStreamAtTheNextSt
     in.stop.ignore_eos = true;
     in.sampling.temperature = 0.0f;  // greedy, as the reference
   }
+  // Far enough out for 20 of a's records (well under a millisecond of fixture steps each).
+  const auto a_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  if (how == FinishReason::kDeadline) inits[0].stop.deadline = a_deadline;
   ASSERT_TRUE(b.Prefill(inits).ok());
   uint32_t next_a = 1, next_b = 1;
   std::vector<RingEntry> got_a, got_b;
@@ -468,7 +474,12 @@ TEST(DeviceLoopTest, PauseStopsAtAStepBoundaryAndACancelEndsTheStreamAtTheNextSt
   EXPECT_EQ(got_b.size(), b_at_pause);
   EXPECT_EQ(b.Poll()->steps, steps_at_pause);
 
-  b.Cancel(0);
+  if (how == FinishReason::kCancelled) {
+    b.Cancel(0);
+  } else {
+    ASSERT_LT(std::chrono::steady_clock::now(), a_deadline) << "a's deadline passed too early";
+    std::this_thread::sleep_until(a_deadline + std::chrono::milliseconds(5));
+  }
   while ((got_b.empty() || !(got_b.back().flags & kRingFinished)) &&
          std::chrono::steady_clock::now() < deadline) {
     ASSERT_TRUE(b.Run(RunMode::kLoop).ok());
@@ -476,10 +487,10 @@ TEST(DeviceLoopTest, PauseStopsAtAStepBoundaryAndACancelEndsTheStreamAtTheNextSt
     DrainInto(b, 1, &next_b, &got_b);
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  // Exactly one record after the pause for a: the finish-only cancel of the next step.
+  // Exactly one record after the pause for a: the finish-only record of the next step.
   ASSERT_EQ(got_a.size(), a_at_pause + 1);
   EXPECT_EQ(got_a.back().token, -1);
-  EXPECT_EQ(RingReason(got_a.back().flags), FinishReason::kCancelled);
+  EXPECT_EQ(RingReason(got_a.back().flags), how);
   std::vector<int32_t> tokens_b;
   for (const RingEntry& e : got_b) tokens_b.push_back(e.token);
   EXPECT_EQ(tokens_b, want_b);
@@ -487,6 +498,14 @@ TEST(DeviceLoopTest, PauseStopsAtAStepBoundaryAndACancelEndsTheStreamAtTheNextSt
   ASSERT_TRUE(b.Run(RunMode::kLoop).ok());
   EXPECT_EQ(b.num_active(), 0);
   EXPECT_GE(b.Poll()->steps, steps_at_pause + (n - b_at_pause));
+}
+
+TEST(DeviceLoopTest, PauseStopsAtAStepBoundaryAndACancelEndsTheStreamAtTheNextStep) {
+  PauseThenEndTheFirstStream(FinishReason::kCancelled);
+}
+
+TEST(DeviceLoopTest, ADeadlinePassedDuringAPauseEndsTheStreamAtTheNextStep) {
+  PauseThenEndTheFirstStream(FinishReason::kDeadline);
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 //    do not link the engine: from min_new_tokens on, EOS (unless ignore_eos; only the first
 //    num_eos ids count) then the slot's first num_stop_ids stop ids; then max_new_tokens;
 //  - a set cancel flag wins: a finish-only record (token -1), no count, generated unchanged;
+//  - then a passed deadline (%globaltimer): the same, with the deadline reason; a deadline far in
+//    the future, or none (0), changes nothing;
 //  - the emitted token's count + 1, crossing 65535 and saturating at UINT32_MAX;
 //  - an ACTIVE row's slot changes generated, last_token, seq and state only;
 //  - a ring record (seq, token, flags) at (seq - 1) % capacity, its reserved word untouched,
@@ -77,7 +79,7 @@ struct Config {
 
 // How often each behaviour came up, so the random data provably exercises all of them.
 struct Coverage {
-  int reasons[5] = {};      // by finish reason, 0 = none
+  int reasons[7] = {};      // by finish reason, 0 = none
   int held_by_min = 0;      // an EOS or stop id before min_new_tokens
   int eos_ignored = 0;      // an active EOS id with ignore_eos
   int decoys = 0;           // an id past num_eos / num_stop_ids, not stopping
@@ -130,6 +132,11 @@ class Sim {
     s.num_stop_ids = Pick(5) == 0 ? kMaxStopIds : Pick(kMaxStopIds + 1);
     for (int32_t& id : s.stop_ids) id = Pick(c_.vocab);
     if (Pick(4) == 0) s.stop_ids[0] = eos_[0];  // both: EOS wins unless ignored
+    // Deadlines: none, long passed (1 ns after the timer's epoch), or centuries away.
+    const int d = Pick(12);
+    const uint64_t deadline = d == 0 ? 1 : d == 1 ? ~uint64_t{0} - Pick(1000) : 0;
+    s.deadline_lo = static_cast<uint32_t>(deadline);
+    s.deadline_hi = static_cast<uint32_t>(deadline >> 32);
     return s;
   }
 
@@ -224,9 +231,10 @@ class Sim {
       return;
     }
     uint32_t reason;
-    if (st_.cancel[slot] != 0) {
+    const bool expired = s.deadline_hi == 0 && s.deadline_lo == 1;  // RandomSlot's passed one
+    if (st_.cancel[slot] != 0 || expired) {
       token = -1;
-      reason = kFinishCancelled;
+      reason = st_.cancel[slot] != 0 ? kFinishCancelled : kFinishDeadline;
     } else {
       const std::span<const int32_t> eos(eos_.data(), static_cast<size_t>(c_.num_eos));
       reason = CheckStopRule(s, eos, token);
@@ -416,14 +424,17 @@ TEST(PostprocessTest, MatchesTheHostStopRuleStepByStep) {
     if (HasFatalFailure()) return;
   }
   std::printf(
-      "coverage: none %d eos %d stop %d length %d cancelled %d; held by min %d, eos ignored %d, "
+      "coverage: none %d eos %d stop %d length %d cancelled %d deadline %d; held by min %d, eos "
+      "ignored %d, "
       "decoys %d, 65535->65536 %d, saturated %d, out of vocab %d, wrapped %d, padding %d, "
       "inactive %d, republished %d\n",
       cov.reasons[0], cov.reasons[kFinishEos], cov.reasons[kFinishStopToken],
-      cov.reasons[kFinishLength], cov.reasons[kFinishCancelled], cov.held_by_min, cov.eos_ignored,
+      cov.reasons[kFinishLength], cov.reasons[kFinishCancelled], cov.reasons[kFinishDeadline],
+      cov.held_by_min, cov.eos_ignored,
       cov.decoys, cov.crossed_16_bits, cov.saturated, cov.out_of_vocab, cov.wrapped, cov.padding,
       cov.inactive, cov.republished);
   for (int r = 0; r < 5; ++r) EXPECT_GT(cov.reasons[r], 0) << "finish reason " << r;
+  EXPECT_GT(cov.reasons[kFinishDeadline], 0);
   EXPECT_GT(cov.held_by_min, 0);
   EXPECT_GT(cov.eos_ignored, 0);
   EXPECT_GT(cov.decoys, 0);

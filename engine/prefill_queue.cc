@@ -1,0 +1,68 @@
+#include "engine/prefill_queue.h"
+
+#include <algorithm>
+
+#include "common/status.h"
+
+namespace ts {
+
+void PrefillQueue::Push(const SlotInit& init) {
+  auto job = std::make_unique<Job>();
+  job->prompt.assign(init.prompt.begin(), init.prompt.end());
+  job->block_table.assign(init.block_table.begin(), init.block_table.end());
+  job->init = init;
+  job->init.prompt = job->prompt;
+  job->init.block_table = job->block_table;
+  jobs_.push_back(std::move(job));
+}
+
+int64_t PrefillQueue::pending_rows() const {
+  int64_t rows = 0;
+  for (const auto& j : jobs_) rows += static_cast<int64_t>(j->prompt.size()) - j->next;
+  return rows;
+}
+
+bool PrefillQueue::Contains(SlotId slot) const {
+  return std::any_of(jobs_.begin(), jobs_.end(),
+                     [&](const std::unique_ptr<Job>& j) { return j->init.slot == slot; });
+}
+
+std::vector<PrefillQueue::Piece> PrefillQueue::NextChunk(int32_t max_rows) {
+  TS_CHECK_GE(max_rows, 1);
+  std::vector<Piece> pieces;
+  int32_t left = max_rows;
+  for (const auto& j : jobs_) {
+    if (left == 0) break;
+    const int32_t len = static_cast<int32_t>(j->prompt.size());
+    if (j->next == len) continue;  // handed out whole, waiting for PopFinished
+    const int32_t take = std::min(left, len - j->next);
+    pieces.push_back(Piece{.init = &j->init,
+                           .start = j->next,
+                           .len = take,
+                           .first = j->next == 0,
+                           .last = j->next + take == len});
+    j->next += take;
+    left -= take;
+  }
+  return pieces;
+}
+
+void PrefillQueue::PopFinished() {
+  std::erase_if(jobs_, [](const std::unique_ptr<Job>& j) {
+    return j->next == static_cast<int32_t>(j->prompt.size());
+  });
+}
+
+PrefillQueue::DropResult PrefillQueue::Drop(SlotId slot) {
+  for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+    Job& j = **it;
+    if (j.init.slot != slot) continue;
+    if (j.next == static_cast<int32_t>(j.prompt.size())) return DropResult::kNotQueued;
+    const DropResult r = j.next > 0 ? DropResult::kStarted : DropResult::kUnstarted;
+    jobs_.erase(it);
+    return r;
+  }
+  return DropResult::kNotQueued;
+}
+
+}  // namespace ts

@@ -1,0 +1,59 @@
+// Prompts waiting for prefill, cut into chunks in arrival order (docs/device-loop.md, Prefill
+// between steps). The device loop's backend runs one bounded chunk between decode steps, so a
+// long prompt never stalls the running streams for longer than one chunk; a chunk packs the
+// pieces of as many prompts as fit. Host-only and single-threaded: the backend's caller owns it.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "engine/backend.h"
+
+namespace ts {
+
+class PrefillQueue {
+ public:
+  // One prompt's rows [start, start + len) in a chunk.
+  struct Piece {
+    const SlotInit* init = nullptr;  // the job's own copy; valid until Pop or Drop of its slot
+    int32_t start = 0;
+    int32_t len = 0;
+    bool first = false;  // its prompt's first piece: the slot is staged with it
+    bool last = false;   // its prompt's last piece: the first token is sampled after it
+  };
+
+  // Copies the prompt and block table: the caller's spans need not outlive the call.
+  void Push(const SlotInit& init);
+  bool empty() const { return jobs_.empty(); }
+  int32_t size() const { return static_cast<int32_t>(jobs_.size()); }
+  // Prompt rows not yet handed out in a chunk.
+  int64_t pending_rows() const;
+  bool Contains(SlotId slot) const;
+
+  // The next chunk of at most max_rows (>= 1) rows, in arrival order: whole prompts while they
+  // fit, then the front part of the next one. Pieces stay valid until PopFinished.
+  std::vector<Piece> NextChunk(int32_t max_rows);
+  // Forgets every job whose last piece has been handed out (their init pointers die here).
+  void PopFinished();
+  enum class DropResult {
+    kNotQueued,   // no job for the slot, or its last piece is already out
+    kUnstarted,   // dropped before any piece was handed out
+    kStarted,     // dropped part-way: its slot row was staged with the first piece
+  };
+  // Removes the slot's job unless its last piece has been handed out.
+  DropResult Drop(SlotId slot);
+
+ private:
+  struct Job {
+    SlotInit init;  // spans into the vectors below
+    std::vector<int32_t> prompt;
+    std::vector<int32_t> block_table;
+    int32_t next = 0;  // prompt rows handed out so far
+  };
+  std::deque<std::unique_ptr<Job>> jobs_;
+};
+
+}  // namespace ts
