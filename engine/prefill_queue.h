@@ -39,9 +39,9 @@ class PrefillQueue {
   // Forgets every job whose last piece has been handed out (their init pointers die here).
   void PopFinished();
   enum class DropResult {
-    kNotQueued,   // no job for the slot, or its last piece is already out
-    kUnstarted,   // dropped before any piece was handed out
-    kStarted,     // dropped part-way: its slot row was staged with the first piece
+    kNotQueued,  // no job for the slot, or its last piece is already out
+    kUnstarted,  // dropped before any piece was handed out
+    kStarted,    // dropped part-way: its slot row was staged with the first piece
   };
   // Removes the slot's job unless its last piece has been handed out.
   DropResult Drop(SlotId slot);

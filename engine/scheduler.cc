@@ -404,9 +404,9 @@ void Scheduler::DrainOne(Request* r) {
     } else if (reason == FinishReason::kCancelled) {
       r->stream->Finish(reason, r->cancel_status);
     } else if (reason == FinishReason::kDeadline) {
-      r->stream->Finish(reason, absl::DeadlineExceededError(absl::StrCat(
-                                    "the request's deadline passed after ", r->generated,
-                                    " generated tokens")));
+      r->stream->Finish(
+          reason, absl::DeadlineExceededError(absl::StrCat("the request's deadline passed after ",
+                                                           r->generated, " generated tokens")));
     } else if (reason == FinishReason::kError) {
       r->stream->Finish(reason, absl::InternalError(
                                     absl::StrCat("backend reported an error for request ", r->id)));

@@ -7,7 +7,9 @@
 namespace ts::kernels {
 namespace {
 
-__global__ void ReadGlobalTimerKernel(uint64_t* out) { *out = GlobalTimerNs(); }
+__global__ void ReadGlobalTimerKernel(uint64_t* out) {
+  *out = GlobalTimerNs();
+}
 
 }  // namespace
 

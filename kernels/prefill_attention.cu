@@ -323,12 +323,15 @@ absl::Status Validate(const PrefillAttentionParams& p) {
                                               " must be >= 1 with num_seqs * num_splits <= 65535"));
   if (p.num_splits > 1 && (p.partial_out == nullptr || !IsAligned(p.partial_out, 16) ||
                            p.partial_lse == nullptr || !IsAligned(p.partial_lse, 4)))
-    return Invalid("partial_out", "and partial_lse must be non-null and aligned with num_splits > 1");
+    return Invalid("partial_out",
+                   "and partial_lse must be non-null and aligned with num_splits > 1");
   return absl::OkStatus();
 }
 
 constexpr size_t kAlign = 256;
-size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+size_t AlignUp(size_t v) {
+  return (v + kAlign - 1) / kAlign * kAlign;
+}
 
 }  // namespace
 

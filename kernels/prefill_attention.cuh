@@ -5,8 +5,8 @@
 // fp32 accumulate) with an fp32 online softmax.
 //
 // A short chunk after a long prefix (chunked prefill beside running decode streams) has too few
-// (token, head) tiles to fill the GPU while each CTA walks the whole prefix, so the keys can also be
-// split (flash-decoding's scheme applied to prefill): with num_splits > 1 each CTA covers one of
+// (token, head) tiles to fill the GPU while each CTA walks the whole prefix, so the keys can also
+// be split (flash-decoding's scheme applied to prefill): with num_splits > 1 each CTA covers one of
 // num_splits equal key ranges of its sequence and writes an fp32 partial with its log-sum-exp, and
 // a second kernel merges the partials in split order.
 #pragma once
@@ -45,7 +45,7 @@ struct PrefillAttentionParams {
   int32_t max_blocks_per_seq = 0;
   float scale = 0.f;  // usually 1/sqrt(head_dim)
 
-  int32_t num_splits = 1;  // >= 1; > 1 needs the partials below (PrefillAttentionSplits)
+  int32_t num_splits = 1;        // >= 1; > 1 needs the partials below (PrefillAttentionSplits)
   float* partial_out = nullptr;  // [total_tokens * num_q_heads, num_splits, head_dim], 16-B aligned
   float* partial_lse = nullptr;  // [total_tokens * num_q_heads, num_splits], log2 units
 };

@@ -23,7 +23,7 @@
 #include "common/status.h"
 #include "engine/cpu_backend.h"
 #if defined(TAILSERVE_WITH_CUDA)
-#include "engine/cuda_backend.h"
+#include "engine/cuda/cuda_backend.h"
 #endif
 #include "common/flags.h"
 #include "engine/engine.h"
@@ -70,7 +70,8 @@ ABSL_FLAG(int32_t, pipeline_timeout_ms, 60000,
 ABSL_FLAG(std::string, decode_loop, "auto",
           "Who runs the decode steps: loop (the backend's own loop beside the engine thread; CUDA: "
           "the device-resident loop, no host call between steps, new prompts prefilled between "
-          "steps in chunks of --prefill_step_tokens; CPU: a loop thread), host (host-driven: the engine thread runs each step and waits for it; "
+          "steps in chunks of --prefill_step_tokens; CPU: a loop thread), host (host-driven: the "
+          "engine thread runs each step and waits for it; "
           "the baseline and fallback), auto (loop on cuda, host on cpu).");
 ABSL_FLAG(int32_t, prefill_step_tokens, 256,
           "CUDA device loop: the most prompt tokens prefilled between two decode steps while "

@@ -20,4 +20,11 @@ rule graphs 'models/|engine/|server/|tailserve/' 'graphs depend on kernels only'
 rule models 'engine/|server/|graphs/|kernels/|tailserve/' 'models sit beside graphs, under engine'
 rule common 'models/|engine/|server/|graphs/|kernels/|tailserve/' 'common is shared by all'
 rule engine 'server/|tailserve/' 'the engine sees native types only'
+# The serving core (the files directly in engine/) knows the Backend seam, not the CUDA backend.
+core=$(grep -nE '^#include "engine/cuda/' engine/*.h engine/*.cc 2>/dev/null)
+if [ -n "$core" ]; then
+  echo "layering: engine/*.{h,cc} (the serving core) must not include engine/cuda/:"
+  echo "$core"
+  bad=1
+fi
 exit $bad

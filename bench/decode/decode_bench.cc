@@ -47,7 +47,7 @@
 #include "absl/strings/str_split.h"
 #include "common/flags.h"
 #include "common/status.h"
-#include "engine/cuda_backend.h"
+#include "engine/cuda/cuda_backend.h"
 #include "kernels/cuda_check.h"
 #include "kernels/step_stamps.cuh"
 #include "models/llama_shapes.h"

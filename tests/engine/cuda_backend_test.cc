@@ -14,7 +14,7 @@
 //   - the backend runs from threads other than its creator's, and on device 1 from a thread
 //     whose current device is 0 (two GPUs);
 //   - the memory plan refuses a KV budget that cannot hold one max-length sequence.
-#include "engine/cuda_backend.h"
+#include "engine/cuda/cuda_backend.h"
 
 #include <gtest/gtest.h>
 

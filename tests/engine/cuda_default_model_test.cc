@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "engine/cuda_backend.h"
+#include "engine/cuda/cuda_backend.h"
 #include "tests/engine/cuda_test_driver.h"
 #include "tests/engine/default_model_reference.h"
 

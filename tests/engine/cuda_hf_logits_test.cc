@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/cuda_backend.h"
+#include "engine/cuda/cuda_backend.h"
 #include "models/checkpoint.h"
 #include "nlohmann/json.hpp"
 

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/cuda_backend.h"
+#include "engine/cuda/cuda_backend.h"
 #include "engine/engine.h"
 #include "models/llama_shapes.h"
 #include "tests/engine/stream_reader.h"
@@ -69,7 +69,9 @@ struct Timed {
   }
 };
 
-double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+double Ms(Clock::duration d) {
+  return std::chrono::duration<double, std::milli>(d).count();
+}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

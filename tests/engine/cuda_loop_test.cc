@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/cuda_backend.h"
+#include "engine/cuda/cuda_backend.h"
 #include "engine/engine.h"
 #include "tests/common/test_paths.h"
 #include "tests/engine/cuda_test_driver.h"

@@ -3,7 +3,7 @@
 // max-length sequence does not fit, the padding of GEMM dimensions, and a carve whose buffers are
 // aligned, disjoint and inside the arena. Also CudaModel's option checks, which run before it
 // touches a GPU.
-#include "engine/memory_plan.h"
+#include "engine/cuda/memory_plan.h"
 
 #include <gtest/gtest.h>
 
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/cuda_model.h"
+#include "engine/cuda/cuda_model.h"
 #include "models/llama_shapes.h"
 
 namespace ts {

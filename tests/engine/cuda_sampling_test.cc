@@ -37,7 +37,7 @@
 
 #include "common/philox.h"
 #include "engine/cpu_backend.h"
-#include "engine/cuda_backend.h"
+#include "engine/cuda/cuda_backend.h"
 #include "models/cpu_model.h"
 #include "models/sampling.h"
 #include "nlohmann/json.hpp"

@@ -24,8 +24,8 @@ Prompt MakePrompt(int32_t len, int32_t first_token) {
 }
 
 void Push(PrefillQueue& q, SlotId slot, const Prompt& p) {
-  q.Push(SlotInit{.slot = slot, .prompt = p.tokens, .block_table = p.table, .sampling = {},
-                  .stop = {}});
+  q.Push(SlotInit{
+      .slot = slot, .prompt = p.tokens, .block_table = p.table, .sampling = {}, .stop = {}});
 }
 
 TEST(PrefillQueueTest, PacksWholePromptsThenSplitsTheNextInArrivalOrder) {

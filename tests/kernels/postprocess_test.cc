@@ -430,9 +430,8 @@ TEST(PostprocessTest, MatchesTheHostStopRuleStepByStep) {
       "inactive %d, republished %d\n",
       cov.reasons[0], cov.reasons[kFinishEos], cov.reasons[kFinishStopToken],
       cov.reasons[kFinishLength], cov.reasons[kFinishCancelled], cov.reasons[kFinishDeadline],
-      cov.held_by_min, cov.eos_ignored,
-      cov.decoys, cov.crossed_16_bits, cov.saturated, cov.out_of_vocab, cov.wrapped, cov.padding,
-      cov.inactive, cov.republished);
+      cov.held_by_min, cov.eos_ignored, cov.decoys, cov.crossed_16_bits, cov.saturated,
+      cov.out_of_vocab, cov.wrapped, cov.padding, cov.inactive, cov.republished);
   for (int r = 0; r < 5; ++r) EXPECT_GT(cov.reasons[r], 0) << "finish reason " << r;
   EXPECT_GT(cov.reasons[kFinishDeadline], 0);
   EXPECT_GT(cov.held_by_min, 0);

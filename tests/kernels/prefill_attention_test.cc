@@ -207,8 +207,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PrefillAttentionGridTest,
 // Key splits: short chunks after long prefixes (the chunked prefill beside running streams), a
 // split count that leaves some splits with no key of a row (a query early in a fresh prompt) and
 // one that leaves whole splits empty for a short sequence beside a long one.
-class PrefillAttentionSplitTest
-    : public ::testing::TestWithParam<std::tuple<Heads, int, int32_t>> {};
+class PrefillAttentionSplitTest : public ::testing::TestWithParam<std::tuple<Heads, int, int32_t>> {
+};
 
 TEST_P(PrefillAttentionSplitTest, SplitKeysGiveTheUnsplitResult) {
   const auto [heads, d, splits] = GetParam();
@@ -232,10 +232,10 @@ TEST(PrefillAttentionTest, SplitChoiceFillsTheGpuOnlyWhereTilesDoNot) {
   // 64 tokens x 4 heads per kv head = 4 tiles x 8 kv heads = 32 CTAs on 132 SMs: 9 to fill two
   // per SM, capped at 16, and by the keys (40 tiles / 4 = 10) and the partials' room.
   EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 2560, 132, 2048), 9);
-  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 1024, 132, 2048), 4);  // 16 key tiles
-  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 32000, 132, 256), 4);  // room: 256 / 64
+  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 1024, 132, 2048), 4);       // 16 key tiles
+  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 32000, 132, 256), 4);       // room: 256 / 64
   EXPECT_EQ(PrefillAttentionSplits(2048, 2048, 1, 32, 8, 32000, 132, 2048), 1);  // 1024 CTAs
-  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 200, 132, 2048), 1);  // a short prefix
+  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 200, 132, 2048), 1);        // a short prefix
 }
 
 TEST(PrefillAttentionTest, RejectsSplitsWithoutPartials) {

@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "common/philox.h"
-#include "engine/sampling_row.h"
+#include "engine/cuda/sampling_row.h"
 #include "kernels/sampling.cuh"
 #include "models/sampling.h"
 #include "tests/kernels/kernel_test_util.h"
@@ -384,7 +384,7 @@ std::vector<float> RoundedToBf16(const std::vector<float>& v) {
   return out;
 }
 
-// The production combination (EnqueueSampleAndPost in engine/cuda_model_forward.cc): fp32
+// The production combination (EnqueueSampleAndPost in engine/cuda/cuda_model_forward.cc): fp32
 // lm_head logits read rounded to bf16, the first pass split over num_sms / rows CTAs (1..32),
 // padding rows sampling greedily from a scratch slot past the live ones, penalties and seeds.
 // The reference samples the same logits rounded to bf16 on the host. Every row's max is a bf16

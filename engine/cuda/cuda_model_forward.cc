@@ -7,13 +7,14 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "engine/backend.h"
-#include "engine/cuda_model.h"
+#include "engine/cuda/cuda_model.h"
 #include "kernels/cuda_check.h"
 #include "kernels/decode_attention.cuh"
 #include "kernels/embedding.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/postprocess.cuh"
 #include "kernels/prefill_attention.cuh"
+#include "kernels/prepare_decode.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope_kv.cuh"
 #include "kernels/sampling.cuh"
@@ -23,7 +24,6 @@ namespace ts {
 
 using bf16 = __nv_bfloat16;
 namespace k = ::ts::kernels;
-namespace ci = ::ts::cuda_model_internal;
 
 namespace {
 
@@ -124,9 +124,9 @@ absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
   p.num_blocks = s.num_kv_blocks;
   p.max_blocks_per_seq = s.max_blocks_per_seq;
   p.scale = scale;
-  p.num_splits = k::PrefillAttentionSplits(at.total_tokens, at.max_q_len, at.num_seqs, d.num_heads,
-                                           d.num_kv_heads, at.max_kv_len, num_sms_,
-                                           kPrefillSplitRows);
+  p.num_splits =
+      k::PrefillAttentionSplits(at.total_tokens, at.max_q_len, at.num_seqs, d.num_heads,
+                                d.num_kv_heads, at.max_kv_len, num_sms_, kPrefillSplitRows);
   char* partials = static_cast<char*>(dev_.attention_workspace) + prefill_partials_offset_;
   p.partial_out = reinterpret_cast<float*>(partials);
   p.partial_lse = reinterpret_cast<float*>(
@@ -297,7 +297,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
 }
 
 absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
-                                      const ci::LogitsGemm& gemm, cudaStream_t stream,
+                                      const k::LogitsGemm& gemm, cudaStream_t stream,
                                       OpTimer* timer) const {
   const ModelDims& d = dims();
   TS_RETURN_IF_ERROR(TimedOp(timer, "final_norm", stream, [&] {
@@ -378,7 +378,7 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
   const ForwardBuffers& f = dev_.decode;
   const HeadBuffers& head = dev_.decode_head;
   TS_RETURN_IF_ERROR(TimedOp(timer, "prepare", stream, [&] {
-    ci::PrepareDecodeParams p;
+    k::PrepareDecodeParams p;
     p.row_slots = head.row_slots;
     p.slots = dev_.slots;
     p.slot_block_tables = dev_.slot_block_tables;
@@ -394,7 +394,7 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
     p.max_blocks = s.max_blocks_per_seq;
     p.block_size = s.kv_block_size;
     p.stamps = step_stamps_;
-    return ci::LaunchPrepareDecode(p, stream);
+    return k::LaunchPrepareDecode(p, stream);
   }));
   TS_RETURN_IF_ERROR(TimedOp(timer, "embedding", stream, [&] {
     return k::LaunchEmbedding({.tokens = f.tokens,

@@ -1,4 +1,4 @@
-#include "engine/cuda_model.h"
+#include "engine/cuda/cuda_model.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -13,8 +13,9 @@
 #include "engine/backend.h"
 #include "kernels/cuda_check.h"
 #include "kernels/decode_attention.cuh"
-#include "kernels/prefill_attention.cuh"
+#include "kernels/fill_uniform.cuh"
 #include "kernels/postprocess.cuh"
+#include "kernels/prefill_attention.cuh"
 #include "kernels/rope_kv.cuh"
 #include "models/llama_weights.h"
 #include "models/rope.h"
@@ -23,7 +24,6 @@ namespace ts {
 
 using bf16 = __nv_bfloat16;
 namespace k = ::ts::kernels;
-namespace ci = ::ts::cuda_model_internal;
 
 // ---------------------------------------------------------------------------------------------
 // OpTimer
@@ -66,101 +66,6 @@ absl::StatusOr<std::vector<std::pair<std::string, float>>> OpTimer::Read() const
   }
   return out;
 }
-
-// ---------------------------------------------------------------------------------------------
-// LogitsGemm
-
-namespace cuda_model_internal {
-
-absl::StatusOr<std::unique_ptr<LogitsGemm>> LogitsGemm::Create(void* workspace,
-                                                               size_t workspace_bytes) {
-  std::unique_ptr<LogitsGemm> g(new LogitsGemm());
-  g->workspace_ = workspace;
-  g->workspace_bytes_ = workspace_bytes;
-  TS_CUDA_RETURN_IF_ERROR(cublasLtCreate(&g->handle_));
-  TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&g->desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t trans_w = CUBLAS_OP_T, trans_a = CUBLAS_OP_N;
-  TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(g->desc_, CUBLASLT_MATMUL_DESC_TRANSA,
-                                                         &trans_w, sizeof(trans_w)));
-  TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(g->desc_, CUBLASLT_MATMUL_DESC_TRANSB,
-                                                         &trans_a, sizeof(trans_a)));
-  return g;
-}
-
-LogitsGemm::~LogitsGemm() {
-  for (auto& [key, plan] : plans_) {
-    cublasLtMatrixLayoutDestroy(plan.w_layout);
-    cublasLtMatrixLayoutDestroy(plan.a_layout);
-    cublasLtMatrixLayoutDestroy(plan.c_layout);
-  }
-  if (desc_ != nullptr) cublasLtMatmulDescDestroy(desc_);
-  if (handle_ != nullptr) cublasLtDestroy(handle_);
-}
-
-absl::Status LogitsGemm::Plan(int32_t m, int32_t n, int32_t k) {
-  if (m < 1 || n < 1 || k < 8 || k % 8 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("lm_head gemm: bad shape m=", m, " n=", n, " k=", k));
-  }
-  const std::array<int32_t, 3> key{m, n, k};
-  if (plans_.count(key) != 0) return absl::OkStatus();
-  PlanEntry plan;
-  cublasLtMatmulPreference_t pref = nullptr;
-  absl::Status status = [&]() -> absl::Status {
-    TS_CUDA_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.w_layout, CUDA_R_16BF, k, n, k));
-    TS_CUDA_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.a_layout, CUDA_R_16BF, k, m, k));
-    TS_CUDA_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan.c_layout, CUDA_R_32F, n, m, n));
-    TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref));
-    TS_CUDA_RETURN_IF_ERROR(
-        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                             &workspace_bytes_, sizeof(workspace_bytes_)));
-    // Operands are 256-B aligned buffers with 16-B rows (k % 8 == 0); output rows are n floats.
-    const uint32_t ab_align = 16, c_align = n % 4 == 0 ? 16 : 4;
-    for (auto [attr, v] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, ab_align},
-                           std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ab_align},
-                           std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c_align},
-                           std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c_align}}) {
-      TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v)));
-    }
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    TS_CUDA_RETURN_IF_ERROR(
-        cublasLtMatmulAlgoGetHeuristic(handle_, desc_, plan.w_layout, plan.a_layout, plan.c_layout,
-                                       plan.c_layout, pref, 1, &result, &found));
-    if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
-      return absl::NotFoundError(absl::StrCat("lm_head gemm: cuBLASLt has no algorithm for m=", m,
-                                              " n=", n, " k=", k, " (bf16 in, fp32 out)"));
-    }
-    plan.algo = result.algo;
-    return absl::OkStatus();
-  }();
-  if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
-  if (!status.ok()) {
-    if (plan.w_layout) cublasLtMatrixLayoutDestroy(plan.w_layout);
-    if (plan.a_layout) cublasLtMatrixLayoutDestroy(plan.a_layout);
-    if (plan.c_layout) cublasLtMatrixLayoutDestroy(plan.c_layout);
-    return status;
-  }
-  plans_.emplace(key, plan);
-  return absl::OkStatus();
-}
-
-absl::Status LogitsGemm::Launch(const bf16* a, const bf16* w, float* out, int32_t m, int32_t n,
-                                int32_t k, cudaStream_t stream) const {
-  const auto it = plans_.find({m, n, k});
-  if (it == plans_.end()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("lm_head gemm: shape m=", m, " n=", n, " k=", k, " was not planned"));
-  }
-  const PlanEntry& plan = it->second;
-  const float alpha = 1.0f, beta = 0.0f;  // host scalars: baked into a captured graph
-  TS_CUDA_RETURN_IF_ERROR(cublasLtMatmul(handle_, desc_, &alpha, w, plan.w_layout, a, plan.a_layout,
-                                         &beta, out, plan.c_layout, out, plan.c_layout, &plan.algo,
-                                         workspace_, workspace_bytes_, stream));
-  return absl::OkStatus();
-}
-
-}  // namespace cuda_model_internal
 
 // ---------------------------------------------------------------------------------------------
 // Setup
@@ -289,8 +194,9 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   // The prefill's key-split partials follow, apart from the decode part (whose counters must stay
   // zero); prefill and decode never run at once, both being on the backend's one stream.
   m->prefill_partials_offset_ = (attention_ws + 255) / 256 * 256;
-  attention_ws = m->prefill_partials_offset_ +
-                 k::PrefillAttentionWorkspaceBytes(kPrefillSplitRows, dims.num_heads, dims.head_dim);
+  attention_ws =
+      m->prefill_partials_offset_ +
+      k::PrefillAttentionWorkspaceBytes(kPrefillSplitRows, dims.num_heads, dims.head_dim);
   const k::GemmOptions gemm_options;
   TS_ASSIGN_OR_RETURN(
       m->plan_, PlanMemory(MemoryPlanOptions{.model = o.config,
@@ -328,11 +234,11 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   TS_ASSIGN_OR_RETURN(m->decode_gemm_, k::Gemm::Create(gemm_options));
   TS_ASSIGN_OR_RETURN(m->prefill_gemm_, k::Gemm::Create(gemm_options));
   TS_ASSIGN_OR_RETURN(m->decode_logits_,
-                      ci::LogitsGemm::Create(m->dev_.decode_logits_workspace,
-                                             m->plan_.shape.logits_workspace_bytes));
+                      k::LogitsGemm::Create(m->dev_.decode_logits_workspace,
+                                            m->plan_.shape.logits_workspace_bytes));
   TS_ASSIGN_OR_RETURN(m->prefill_logits_,
-                      ci::LogitsGemm::Create(m->dev_.prefill_logits_workspace,
-                                             m->plan_.shape.logits_workspace_bytes));
+                      k::LogitsGemm::Create(m->dev_.prefill_logits_workspace,
+                                            m->plan_.shape.logits_workspace_bytes));
   TS_RETURN_IF_ERROR(m->PlanGemms());
   TS_RETURN_IF_ERROR(k::ResetDecodeAttentionWorkspace(m->dev_.attention_workspace,
                                                       m->plan_.attention_workspace_bytes, nullptr));
@@ -407,8 +313,13 @@ absl::Status CudaModel::InitRandomWeights(uint64_t seed, float scale, cudaStream
   const size_t h = d.hidden;
   uint64_t tensor = 0;
   auto fill = [&](bf16* p, size_t n, float lo, float hi) {
-    return ci::LaunchFillUniform(p, n, seed * 0x9E3779B97F4A7C15ull + (++tensor) * 0x10000000000ull,
-                                 lo, hi, stream);
+    return k::LaunchFillUniform(
+        {.out = p,
+         .n = n,
+         .seed = seed * 0x9E3779B97F4A7C15ull + (++tensor) * 0x10000000000ull,
+         .lo = lo,
+         .hi = hi},
+        stream);
   };
   auto matrix = [&](bf16* p, size_t rows, size_t cols) {
     return fill(p, rows * cols, -scale, scale);

@@ -1,5 +1,5 @@
-#include "engine/cuda_backend.h"
-#include "engine/sampling_row.h"
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/sampling_row.h"
 
 #include <algorithm>
 #include <atomic>
@@ -350,7 +350,8 @@ absl::Status CudaBackend::PrefillNow(std::span<const SlotInit> inits) {
     params.push_back(ToSamplingRow(in.sampling, in.prompt.size()));
   }
   TS_RETURN_IF_ERROR(model_->EnqueuePrefill(seqs, stream));
-  TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(slot_ids, params, /*publish_ready=*/false, stream));
+  TS_RETURN_IF_ERROR(
+      model_->EnqueuePrefillSample(slot_ids, params, /*publish_ready=*/false, stream));
   // The engine drains the first tokens right after Prefill returns, and the staging rows are
   // free again after this.
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));

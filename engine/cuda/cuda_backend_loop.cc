@@ -25,8 +25,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
-#include "engine/cuda_backend.h"
-#include "engine/sampling_row.h"
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/sampling_row.h"
 #include "graphs/device_guard.h"
 #include "graphs/device_loop.cuh"
 #include "kernels/cuda_check.h"

@@ -1,4 +1,4 @@
-#include "engine/memory_plan.h"
+#include "engine/cuda/memory_plan.h"
 
 #include <algorithm>
 #include <cmath>

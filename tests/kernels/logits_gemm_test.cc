@@ -1,7 +1,7 @@
-// The lm_head GEMM (cuda_model_internal::LogitsGemm: bf16 operands, fp32 accumulation, fp32
-// output through cuBLASLt) against an fp64 reference on the host, at the Llama-3 vocabulary and
-// hidden sizes, the decode and prefill row counts, and odd sizes (an n that is not a multiple of
-// 4 takes the 4-byte output alignment). The output is poisoned with NaN and guarded, so an
+// The lm_head GEMM (kernels::LogitsGemm, kernels/logits_gemm.cuh: bf16 operands, fp32 accumulation,
+// fp32 output through cuBLASLt) against an fp64 reference on the host, at the Llama-3 vocabulary
+// and hidden sizes, the decode and prefill row counts, and odd sizes (an n that is not a multiple
+// of 4 takes the 4-byte output alignment). The output is poisoned with NaN and guarded, so an
 // unwritten or out-of-bounds element fails.
 //
 // Tolerance: both sides use the same bf16 inputs, so the only difference is the fp32
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "engine/cuda_model.h"
+#include "kernels/logits_gemm.cuh"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace ts {
@@ -35,7 +35,7 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
 TEST(LogitsGemmTest, MatchesFp64ReferenceOverAShapeGrid) {
   GuardedBuffer<char> workspace(kWorkspaceBytes);
-  auto gemm = cuda_model_internal::LogitsGemm::Create(workspace.get(), kWorkspaceBytes);
+  auto gemm = kernels::LogitsGemm::Create(workspace.get(), kWorkspaceBytes);
   ASSERT_TRUE(gemm.ok()) << gemm.status();
   cudaStream_t stream;
   TS_ASSERT_CUDA_OK(cudaStreamCreate(&stream));
@@ -101,7 +101,7 @@ TEST(LogitsGemmTest, MatchesFp64ReferenceOverAShapeGrid) {
 
 TEST(LogitsGemmTest, UnplannedShapeIsRefused) {
   GuardedBuffer<char> workspace(kWorkspaceBytes);
-  auto gemm = cuda_model_internal::LogitsGemm::Create(workspace.get(), kWorkspaceBytes);
+  auto gemm = kernels::LogitsGemm::Create(workspace.get(), kWorkspaceBytes);
   ASSERT_TRUE(gemm.ok()) << gemm.status();
   ASSERT_TRUE((*gemm)->Plan(2, 1024, 256).ok());
   EXPECT_EQ((*gemm)->Launch(nullptr, nullptr, nullptr, 3, 1024, 256, nullptr).code(),

@@ -33,7 +33,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
-#include "engine/cuda_model.h"
+#include "engine/cuda/cuda_model.h"
 #include "engine/prefill_queue.h"
 #include "graphs/graph_cache.h"
 
@@ -196,7 +196,7 @@ class CudaBackend : public Backend {
   cudaEvent_t chunk_end_ = nullptr;  // behind the last chunk
   bool chunk_pending_ = false;       // a chunk with no loop behind it may still run
   bool pause_requested_ = false;     // the pause word was set, its memset not yet waited for
-  uint64_t launch_steps_ = 0;     // the step counter at the last Launch
+  uint64_t launch_steps_ = 0;        // the step counter at the last Launch
 };
 
 // Loads options.model_dir and builds the backend.

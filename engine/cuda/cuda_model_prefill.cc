@@ -8,16 +8,16 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "engine/backend.h"
-#include "engine/cuda_model.h"
+#include "engine/cuda/cuda_model.h"
 #include "kernels/cuda_check.h"
 #include "kernels/embedding.cuh"
+#include "kernels/gather_rows.cuh"
 #include "kernels/kv_layout.cuh"
 #include "kernels/postprocess.cuh"
 
 namespace ts {
 
 namespace k = ::ts::kernels;
-namespace ci = ::ts::cuda_model_internal;
 
 absl::Status CudaModel::EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStream_t stream) {
   const int32_t n = static_cast<int32_t>(seqs.size());
@@ -58,8 +58,8 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
   const int32_t mb = s.max_blocks_per_seq;
   if (pieces.empty()) return absl::OkStatus();
   if (static_cast<int32_t>(pieces.size()) > s.max_slots) {
-    return absl::InvalidArgumentError(absl::StrCat("prefill chunk: ", pieces.size(),
-                                                   " pieces exceed max_slots ", s.max_slots));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill chunk: ", pieces.size(), " pieces exceed max_slots ", s.max_slots));
   }
   int32_t rows = 0;
   for (size_t j = 0; j < pieces.size(); ++j) {
@@ -68,15 +68,14 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
     if (len < 1) return absl::InvalidArgumentError(absl::StrCat("prefill piece ", j, ": empty"));
     const int64_t need = (static_cast<int64_t>(len) + bs - 1) / bs;
     if (static_cast<int64_t>(p.block_table.size()) < need || len > max_context_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("prefill piece ", j, ": ", len, " tokens need ", need,
-                       " blocks (max_context ", max_context_, "), block_table has ",
-                       p.block_table.size()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prefill piece ", j, ": ", len, " tokens need ", need, " blocks (max_context ",
+          max_context_, "), block_table has ", p.block_table.size()));
     }
     if (p.len < 1 || p.start < 0 || p.start + p.len > len) {
-      return absl::InvalidArgumentError(absl::StrCat("prefill piece ", j, ": rows [", p.start,
-                                                     ", ", p.start + p.len, ") outside the ",
-                                                     len, "-token prompt"));
+      return absl::InvalidArgumentError(absl::StrCat("prefill piece ", j, ": rows [", p.start, ", ",
+                                                     p.start + p.len, ") outside the ", len,
+                                                     "-token prompt"));
     }
     if ((p.head_row >= 0) != (p.start + p.len == len) || p.head_row >= s.max_slots) {
       return absl::InvalidArgumentError(
@@ -158,8 +157,13 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
   at.max_q_len = max_q;
   for (const PrefillPiece& p : pieces) at.max_kv_len = std::max(at.max_kv_len, p.start + p.len);
   TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
-  return ci::LaunchGatherRows(f.h, dv.gather_src, dv.prefill_head.hidden, dv.gather_dst, gathers,
-                              dims().hidden, stream);
+  return k::LaunchGatherRows({.src = f.h,
+                              .src_rows = dv.gather_src,
+                              .dst = dv.prefill_head.hidden,
+                              .dst_rows = dv.gather_dst,
+                              .n = gathers,
+                              .width = dims().hidden},
+                             stream);
 }
 
 absl::Status CudaModel::EnqueuePrefillSample(std::span<const int32_t> slots,
@@ -217,8 +221,13 @@ absl::StatusOr<std::vector<float>> CudaModel::PromptLogits(std::span<const int32
     TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev_.gather_dst, host_.gather_dst, m * sizeof(int32_t),
                                             cudaMemcpyHostToDevice, stream));
     TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
-    TS_RETURN_IF_ERROR(ci::LaunchGatherRows(dev_.prefill.h, dev_.gather_src, head.hidden,
-                                            dev_.gather_dst, m, d.hidden, stream));
+    TS_RETURN_IF_ERROR(k::LaunchGatherRows({.src = dev_.prefill.h,
+                                            .src_rows = dev_.gather_src,
+                                            .dst = head.hidden,
+                                            .dst_rows = dev_.gather_dst,
+                                            .n = m,
+                                            .width = d.hidden},
+                                           stream));
     TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, PickBucket(buckets_, m), *prefill_logits_,
                                      stream, nullptr));
     TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(

@@ -34,16 +34,13 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "engine/memory_plan.h"
+#include "engine/cuda/memory_plan.h"
 #include "kernels/gemm.cuh"
+#include "kernels/logits_gemm.cuh"
 #include "models/checkpoint.h"
 #include "models/config.h"
 
 namespace ts {
-
-namespace cuda_model_internal {
-class LogitsGemm;  // below
-}  // namespace cuda_model_internal
 
 struct CudaModelOptions {
   ModelConfig config;
@@ -212,7 +209,7 @@ class CudaModel {
                                 const Attention& attn, cudaStream_t stream) const;
   // final norm -> lm_head (fp32 logits) over head rows [0, padded_rows).
   absl::Status EnqueueLogits(__nv_bfloat16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
-                             const cuda_model_internal::LogitsGemm& gemm, cudaStream_t stream,
+                             const kernels::LogitsGemm& gemm, cudaStream_t stream,
                              OpTimer* timer) const;
   // Postprocess moves rows in from_state to to_state (kernels::PostprocessParams); `stamps`
   // (decode steps of a benchmark) records the step's end.
@@ -235,7 +232,7 @@ class CudaModel {
   // (token, split) pairs the prefill attention's key-split partials hold (PrefillAttentionSplits).
   static constexpr int32_t kPrefillSplitRows = 2048;
   size_t prefill_partials_offset_ = 0;  // into dev_.attention_workspace
-  int32_t attention_ctas_per_sm_ = 0;  // resident decode-attention CTAs per SM (0: default)
+  int32_t attention_ctas_per_sm_ = 0;   // resident decode-attention CTAs per SM (0: default)
   MemoryPlan plan_;
   std::vector<int32_t> buckets_;
   std::vector<int32_t> prefill_sizes_;  // planned prefill GEMM row counts, ascending
@@ -250,79 +247,9 @@ class CudaModel {
   HostLayout host_dev_;
   std::unique_ptr<kernels::Gemm> decode_gemm_;   // captured into the decode graphs
   std::unique_ptr<kernels::Gemm> prefill_gemm_;  // host-launched prefill (its own workspace)
-  std::unique_ptr<cuda_model_internal::LogitsGemm> decode_logits_;
-  std::unique_ptr<cuda_model_internal::LogitsGemm> prefill_logits_;
+  std::unique_ptr<kernels::LogitsGemm> decode_logits_;
+  std::unique_ptr<kernels::LogitsGemm> prefill_logits_;
   cudaEvent_t staging_free_ = nullptr;  // recorded after a chunk's staging copies
 };
 
-// ---- Small ops of the step that know slots (engine/cuda_model.cu). ----
-namespace cuda_model_internal {
-
-// The lm_head GEMM with fp32 output, through cuBLASLt: logits[m, n] = a[m, k] w[n, k]^T, bf16
-// operands, fp32 accumulation AND fp32 output, row-major. kernels::Gemm writes bf16 only; bf16
-// logits (spacing 0.03 at |logit| ~ 4) create ties and flip greedy tokens that fp32 keeps apart,
-// and sampling reads fp32 anyway, so this skips a rounding and a widening pass. n (the vocab) may
-// be any size. Plans are made at setup, like kernels::Gemm; launches are graph-capturable.
-class LogitsGemm {
- public:
-  // `workspace` ([workspace_bytes] device) is owned by the caller; launches through one
-  // LogitsGemm must be ordered (one stream).
-  static absl::StatusOr<std::unique_ptr<LogitsGemm>> Create(void* workspace,
-                                                            size_t workspace_bytes);
-  ~LogitsGemm();
-  LogitsGemm(const LogitsGemm&) = delete;
-  LogitsGemm& operator=(const LogitsGemm&) = delete;
-  absl::Status Plan(int32_t m, int32_t n, int32_t k);
-  // a: [m, k] bf16, w: [n, k] bf16, out: [m, n] fp32; (m, n, k) planned.
-  absl::Status Launch(const __nv_bfloat16* a, const __nv_bfloat16* w, float* out, int32_t m,
-                      int32_t n, int32_t k, cudaStream_t stream) const;
-
- private:
-  struct PlanEntry {
-    cublasLtMatrixLayout_t w_layout = nullptr;  // W as col-major [k, n], op T
-    cublasLtMatrixLayout_t a_layout = nullptr;  // A as col-major [k, m]
-    cublasLtMatrixLayout_t c_layout = nullptr;  // out as col-major [n, m], fp32
-    cublasLtMatmulAlgo_t algo{};
-  };
-  LogitsGemm() = default;
-  cublasLtHandle_t handle_ = nullptr;
-  cublasLtMatmulDesc_t desc_ = nullptr;
-  void* workspace_ = nullptr;
-  size_t workspace_bytes_ = 0;
-  std::map<std::array<int32_t, 3>, PlanEntry> plans_;
-};
-
-struct PrepareDecodeParams {
-  const int32_t* row_slots = nullptr;          // [rows] slot or -1
-  const kernels::SlotRow* slots = nullptr;     // [num_slots]
-  const int32_t* slot_block_tables = nullptr;  // [num_slots, max_blocks]
-  int32_t* tokens = nullptr;                   // [rows] last token of the slot
-  int32_t* positions = nullptr;                // [rows] its position
-  int32_t* slot_mapping = nullptr;             // [rows] KV write slot, -1 for padding
-  int32_t* context_lens = nullptr;             // [rows] position + 1, 0 for padding
-  int32_t* block_tables = nullptr;             // [rows, max_blocks] gathered block table rows
-  kernels::SamplingRow* sampling = nullptr;    // [rows] slot params, position = pos + 1
-  int32_t* sample_slots = nullptr;             // [rows] slot, or num_slots (scratch) for padding
-  int32_t rows = 0;
-  int32_t num_slots = 0;
-  int32_t max_blocks = 0;
-  int32_t block_size = 0;
-  kernels::StepStamps* stamps = nullptr;  // benchmarks only: the step's start and idle gap
-};
-absl::Status LaunchPrepareDecode(const PrepareDecodeParams& p, cudaStream_t stream);
-
-// out[r, :vocab] = float(in[r, :vocab]) for rows r < rows; in has row stride in_stride.
-absl::Status LaunchLogitsToF32(const __nv_bfloat16* in, int32_t in_stride, float* out, int32_t rows,
-                               int32_t vocab, cudaStream_t stream);
-
-// dst[dst_rows[i]] = src[src_rows[i]] for i < n (rows of `width` bf16, width % 8 == 0).
-absl::Status LaunchGatherRows(const __nv_bfloat16* src, const int32_t* src_rows, __nv_bfloat16* dst,
-                              const int32_t* dst_rows, int32_t n, int32_t width,
-                              cudaStream_t stream);
-
-// p[i] = lo + (hi - lo) * u(seed, i) for i < n, u uniform in [0, 1).
-absl::Status LaunchFillUniform(__nv_bfloat16* p, size_t n, uint64_t seed, float lo, float hi,
-                               cudaStream_t stream);
-
-}  // namespace cuda_model_internal
 }  // namespace ts
