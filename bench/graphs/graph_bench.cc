@@ -2,19 +2,31 @@
 // kernels (the 8- and 65-node steps of docs/gpu-facts.md, Per-step launch cost, were measured the
 // same way).
 //   per graph size N: the host cost of UpdateRegime (median of --updates), and the time per step
-//   of host graph launches, host launches with a per-step sync (the host-driven mode), and a
-//   device scheduler graph that tail-launches the step and itself (TailLauncher loop mode).
+//   of host graph launches, host launches with a per-step sync (the host-driven mode), a device
+//   scheduler graph that tail-launches the step and itself (TailLauncher loop mode), and one
+//   host-launched graph whose conditional WHILE node runs a one-thread scheduler kernel and a
+//   SWITCH over --switch_bodies copies of the step each iteration (while+switch, issue #13: the
+//   conditional-node alternative to the tail-launch loop; bench/graphs/while_switch.h).
 // Steps are timed with CUDA events around --steps steps after warm-up, median of --reps. Every
 // timed run is checked: the step counter in the graph must advance by exactly --steps.
+// while+switch runs last for each size, once the other modes have their numbers.
+// If the conditional-node API fails (build, instantiate, launch), its column says n/a and a note
+// under the table gives the error; the other modes are still measured and the exit code is
+// unaffected. A while+switch run that never ends is reported after a deadline instead of hanging.
 //
-// Exit codes: 0 done; 1 a CUDA or cache error, or a step count that does not match; 2 bad flags.
+// Exit codes: 0 done; 1 a CUDA or cache error, a step count that does not match (while+switch
+// included), or a while+switch run past its deadline; 2 bad flags.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -22,10 +34,12 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/graphs/tiny_kernels.cuh"
+#include "bench/graphs/while_switch.h"
 #include "common/status.h"
 #include "graphs/graph_cache.h"
 #include "graphs/tail_launch.cuh"
@@ -36,20 +50,37 @@ ABSL_FLAG(int32_t, steps, 200, "steps per timed run (device loop: <= 2^31-1)");
 ABSL_FLAG(int32_t, reps, 20, "timed runs per mode; the median is reported");
 ABSL_FLAG(int32_t, updates, 50, "timed UpdateRegime calls per size; the median is reported");
 ABSL_FLAG(int32_t, device, 0, "CUDA device ordinal");
+ABSL_FLAG(int32_t, switch_bodies, 4,
+          "while+switch: bodies of the SWITCH node (copies of the step; the last one runs), "
+          "1..64");
 
 namespace ts::graphs::bench {
 namespace {
 
 struct Config {
   std::vector<int32_t> nodes;
-  int32_t steps = 0, reps = 0, updates = 0, device = 0;
+  int32_t steps = 0, reps = 0, updates = 0, device = 0, switch_bodies = 0;
 };
 
 struct SizeResult {
   int32_t nodes = 0;
   double update_total_us = 0, update_exec_us = 0, update_capture_us = 0;
   double host_us = 0, host_sync_us = 0, device_us = 0;  // per step
+  // while+switch: per step where while_switch_error is empty, else not measured.
+  double while_switch_us = 0;
+  std::string while_switch_error;
+  bool while_switch_check_failed = false;  // the error is a failed step check, not the API
 };
+
+// Marks a status as a failed step check (wrong count, or a device-side status), which
+// while+switch turns into exit code 1 where an API failure only gets a note.
+constexpr char kStepCheckPayload[] = "tailserve.graph_bench/step_check";
+
+absl::Status StepCheckError(std::string message) {
+  absl::Status s = absl::InternalError(std::move(message));
+  s.SetPayload(kStepCheckPayload, absl::Cord("1"));
+  return s;
+}
 
 double Median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -71,10 +102,15 @@ absl::StatusOr<Config> ParseConfig() {
   c.reps = absl::GetFlag(FLAGS_reps);
   c.updates = absl::GetFlag(FLAGS_updates);
   c.device = absl::GetFlag(FLAGS_device);
+  c.switch_bodies = absl::GetFlag(FLAGS_switch_bodies);
   if (c.steps < 1) return absl::InvalidArgumentError("--steps must be >= 1");
   if (c.reps < 1) return absl::InvalidArgumentError("--reps must be >= 1");
   if (c.updates < 1) return absl::InvalidArgumentError("--updates must be >= 1");
   if (c.device < 0) return absl::InvalidArgumentError("--device must be >= 0");
+  if (c.switch_bodies < 1 || c.switch_bodies > kWhileSwitchMaxBodies) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--switch_bodies must be in [1, ", kWhileSwitchMaxBodies, "]"));
+  }
   return c;
 }
 
@@ -118,14 +154,46 @@ struct Resources {
   }
 };
 
-enum class Mode { kHost, kHostSync, kDevice };
+enum class Mode { kHost, kHostSync, kDevice, kWhileSwitch };
+
+// What the timed runs launch; while_switch is null until its graph is built.
+struct Launchers {
+  GraphCache* cache = nullptr;
+  TailLauncher* looper = nullptr;
+  WhileSwitchLoop* while_switch = nullptr;
+  int32_t while_switch_body = 0;    // the SWITCH body every step runs
+  double while_switch_step_us = 0;  // generous per-step allowance for its deadline
+};
+
+// Polls instead of cudaEventSynchronize: a WHILE loop that never ends would otherwise hang the
+// bench. The deadline bounds the loop.
+absl::Status WaitWithDeadline(cudaEvent_t event, double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  for (;;) {
+    const cudaError_t q = cudaEventQuery(event);
+    if (q == cudaSuccess) return absl::OkStatus();
+    if (q != cudaErrorNotReady) {
+      return ::ts::kernels::CudaErrorToStatus(q, "cudaEventQuery(stop)", __FILE__, __LINE__);
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("while+switch run still not done after ", timeout_s, " s"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
 
 // One timed run of `steps` steps; returns microseconds per step and checks the step counter.
-absl::StatusOr<double> TimedRun(Mode mode, int32_t steps, GraphCache& cache, TailLauncher& looper,
-                                Resources& r, cudaStream_t stream) {
+absl::StatusOr<double> TimedRun(Mode mode, int32_t steps, const Launchers& l, Resources& r,
+                                cudaStream_t stream) {
+  if (mode == Mode::kWhileSwitch && l.while_switch == nullptr) {
+    return absl::FailedPreconditionError("while+switch graph not built");
+  }
   TS_ASSIGN_OR_RETURN(const int32_t before, r.Counter());
-  if (mode == Mode::kDevice) {
-    r.pinned[0] = 0;
+  // Both device loops read the same scalars: the body/bucket index, the steps left, a status.
+  const bool device_loop = mode == Mode::kDevice || mode == Mode::kWhileSwitch;
+  if (device_loop) {
+    r.pinned[0] = mode == Mode::kWhileSwitch ? l.while_switch_body : 0;
     r.pinned[1] = steps;
     r.pinned[2] = 0;
     TS_CUDA_RETURN_IF_ERROR(
@@ -134,70 +202,107 @@ absl::StatusOr<double> TimedRun(Mode mode, int32_t steps, GraphCache& cache, Tai
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(r.start, stream));
   switch (mode) {
     case Mode::kHost:
-      for (int32_t i = 0; i < steps; ++i) TS_RETURN_IF_ERROR(cache.Launch(0, stream));
+      for (int32_t i = 0; i < steps; ++i) TS_RETURN_IF_ERROR(l.cache->Launch(0, stream));
       break;
     case Mode::kHostSync:
       for (int32_t i = 0; i < steps; ++i) {
-        TS_RETURN_IF_ERROR(cache.Launch(0, stream));
+        TS_RETURN_IF_ERROR(l.cache->Launch(0, stream));
         // The host-driven mode's per-step sync on the step stream (it reads the tokens after).
         TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
       }
       break;
     case Mode::kDevice:
-      TS_RETURN_IF_ERROR(looper.Launch(stream));
+      TS_RETURN_IF_ERROR(l.looper->Launch(stream));
+      break;
+    case Mode::kWhileSwitch:
+      TS_RETURN_IF_ERROR(l.while_switch->Launch(stream));
       break;
   }
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(r.stop, stream));
-  TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(r.stop));
+  if (mode == Mode::kWhileSwitch) {
+    TS_RETURN_IF_ERROR(WaitWithDeadline(r.stop, 5.0 + 1e-6 * l.while_switch_step_us * steps));
+  } else {
+    TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(r.stop));
+  }
   float ms = 0;
   TS_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, r.start, r.stop));
   TS_ASSIGN_OR_RETURN(const int32_t after, r.Counter());
-  if (mode == Mode::kDevice) {
+  if (device_loop) {
     TS_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(r.pinned, r.scalars, sizeof(int32_t) * 3, cudaMemcpyDeviceToHost));
     if (r.pinned[2] != 0) {
-      return absl::InternalError(
-          absl::StrCat("device-side graph launch failed with status ", r.pinned[2]));
+      return StepCheckError(absl::StrCat(
+          mode == Mode::kDevice ? "device-side graph launch" : "while+switch scheduler",
+          " failed with status ", r.pinned[2]));
     }
   }
   if (after - before != steps) {
-    return absl::InternalError(
+    return StepCheckError(
         absl::StrCat("expected ", steps, " steps to run, the counter says ", after - before));
   }
   return 1000.0 * ms / steps;
 }
 
-absl::StatusOr<double> MedianPerStep(Mode mode, const Config& c, GraphCache& cache,
-                                     TailLauncher& looper, Resources& r, cudaStream_t stream) {
+absl::StatusOr<double> MedianPerStep(Mode mode, const Config& c, const Launchers& l, Resources& r,
+                                     cudaStream_t stream) {
   // Warm-up: first launches upload and page in whatever the driver defers.
-  TS_RETURN_IF_ERROR(TimedRun(mode, std::min(c.steps, 50), cache, looper, r, stream).status());
+  TS_RETURN_IF_ERROR(TimedRun(mode, std::min(c.steps, 50), l, r, stream).status());
   std::vector<double> per_step;
   for (int32_t i = 0; i < c.reps; ++i) {
-    TS_ASSIGN_OR_RETURN(const double us, TimedRun(mode, c.steps, cache, looper, r, stream));
+    TS_ASSIGN_OR_RETURN(const double us, TimedRun(mode, c.steps, l, r, stream));
     per_step.push_back(us);
   }
   return Median(per_step);
 }
 
+// Every SWITCH body is bucket 0's step captured at the cache's current regime, i.e. the graph the
+// other modes launch. Returns the loop, or the error that stopped it being built.
+absl::StatusOr<std::unique_ptr<WhileSwitchLoop>> BuildWhileSwitch(int32_t nodes, const Config& c,
+                                                                  const CaptureFn& step,
+                                                                  const GraphCache& cache,
+                                                                  Resources& r,
+                                                                  cudaStream_t stream) {
+  const WhileSwitchParams params{.body_index = r.scalars,
+                                 .remaining_steps = r.scalars + 1,
+                                 .status = r.scalars + 2,
+                                 .num_bodies = c.switch_bodies};
+  const CaptureContext ctx{
+      .bucket = cache.buckets()[0], .bucket_index = 0, .regime = cache.regime()};
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<WhileSwitchLoop> loop,
+                      WhileSwitchLoop::Create(
+                          params, [&](int32_t, cudaStream_t s) { return step(ctx, s); }, stream));
+  for (size_t i = 0; i < loop->body_nodes().size(); ++i) {
+    if (loop->body_nodes()[i] != nodes) {
+      return StepCheckError(absl::StrCat("SWITCH body ", i, " captured ", loop->body_nodes()[i],
+                                         " nodes, wanted ", nodes));
+    }
+  }
+  return loop;
+}
+
 absl::StatusOr<SizeResult> RunSize(int32_t nodes, const Config& c, cudaStream_t stream) {
-  Resources r;
-  TS_RETURN_IF_ERROR(r.Init(stream));
-  GraphCacheOptions opt;
-  opt.buckets = {1};
-  opt.device = c.device;
-  opt.capture = [&r, nodes](const CaptureContext& ctx, cudaStream_t s) -> absl::Status {
-    TinyStepParams p{.buf = r.buf,
-                     .counter = r.counter,
+  // Heap-held so that a while+switch run past its deadline can leak them: freeing buffers or
+  // execs that a running graph still uses would block forever.
+  auto r = std::make_unique<Resources>();
+  TS_RETURN_IF_ERROR(r->Init(stream));
+  Resources* rp = r.get();
+  const CaptureFn step = [rp, nodes](const CaptureContext& ctx, cudaStream_t s) -> absl::Status {
+    TinyStepParams p{.buf = rp->buf,
+                     .counter = rp->counter,
                      .nodes = nodes,
                      .shift = 1e-3f * static_cast<float>(ctx.regime.attention_num_splits)};
     TS_CUDA_RETURN_IF_ERROR(EnqueueTinyStep(p, s));
     return absl::OkStatus();
   };
-  GraphCache cache(std::move(opt));
-  TS_RETURN_IF_ERROR(cache.Build(stream));
-  if (cache.node_count(0) != nodes) {
+  GraphCacheOptions opt;
+  opt.buckets = {1};
+  opt.device = c.device;
+  opt.capture = step;
+  auto cache = std::make_unique<GraphCache>(std::move(opt));
+  TS_RETURN_IF_ERROR(cache->Build(stream));
+  if (cache->node_count(0) != nodes) {
     return absl::InternalError(
-        absl::StrCat("captured ", cache.node_count(0), " nodes, wanted ", nodes));
+        absl::StrCat("captured ", cache->node_count(0), " nodes, wanted ", nodes));
   }
 
   SizeResult res;
@@ -205,35 +310,96 @@ absl::StatusOr<SizeResult> RunSize(int32_t nodes, const Config& c, cudaStream_t 
   std::vector<double> total, exec, capture;
   for (int32_t i = 0; i < c.updates + 5; ++i) {  // the first 5 are warm-up
     const Regime regime{.attention_num_splits = 1 + i % 2, .max_context_len = 1024 * (i % 4)};
-    TS_RETURN_IF_ERROR(cache.UpdateRegime(regime, stream));
+    TS_RETURN_IF_ERROR(cache->UpdateRegime(regime, stream));
     if (i < 5) continue;
-    total.push_back(cache.last_update().total_us);
-    exec.push_back(cache.last_update().exec_update_us);
-    capture.push_back(cache.last_update().capture_us);
+    total.push_back(cache->last_update().total_us);
+    exec.push_back(cache->last_update().exec_update_us);
+    capture.push_back(cache->last_update().capture_us);
   }
   res.update_total_us = Median(total);
   res.update_exec_us = Median(exec);
   res.update_capture_us = Median(capture);
 
-  TailLaunchParams loop{.table = cache.device_table(),
-                        .num_buckets = cache.num_buckets(),
-                        .bucket_index = r.scalars,
-                        .remaining_steps = r.scalars + 1,
-                        .status = r.scalars + 2};
+  TailLaunchParams loop{.table = cache->device_table(),
+                        .num_buckets = cache->num_buckets(),
+                        .bucket_index = r->scalars,
+                        .remaining_steps = r->scalars + 1,
+                        .status = r->scalars + 2};
   TS_ASSIGN_OR_RETURN(std::unique_ptr<TailLauncher> looper, TailLauncher::Create(loop, stream));
-  TS_ASSIGN_OR_RETURN(res.host_us, MedianPerStep(Mode::kHost, c, cache, *looper, r, stream));
-  TS_ASSIGN_OR_RETURN(res.host_sync_us,
-                      MedianPerStep(Mode::kHostSync, c, cache, *looper, r, stream));
-  TS_ASSIGN_OR_RETURN(res.device_us, MedianPerStep(Mode::kDevice, c, cache, *looper, r, stream));
-  // The launcher and cache are destroyed next; nothing may still run on `stream`.
+  Launchers l{.cache = cache.get(),
+              .looper = looper.get(),
+              // The last body, so that the SWITCH has to dispatch on a non-zero value.
+              .while_switch_body = c.switch_bodies - 1,
+              // About 10x the 1.7 us a graph node costs (docs/gpu-facts.md), plus the scheduler.
+              .while_switch_step_us = 100.0 + 20.0 * nodes};
+  TS_ASSIGN_OR_RETURN(res.host_us, MedianPerStep(Mode::kHost, c, l, *r, stream));
+  TS_ASSIGN_OR_RETURN(res.host_sync_us, MedianPerStep(Mode::kHostSync, c, l, *r, stream));
+  TS_ASSIGN_OR_RETURN(res.device_us, MedianPerStep(Mode::kDevice, c, l, *r, stream));
+
+  absl::StatusOr<std::unique_ptr<WhileSwitchLoop>> ws =
+      BuildWhileSwitch(nodes, c, step, *cache, *r, stream);
+  absl::Status ws_status = ws.status();
+  if (ws.ok()) {
+    l.while_switch = ws->get();
+    absl::StatusOr<double> us = MedianPerStep(Mode::kWhileSwitch, c, l, *r, stream);
+    if (us.ok()) res.while_switch_us = *us;
+    ws_status = us.status();
+  }
+  if (absl::IsDeadlineExceeded(ws_status)) {
+    if (ws.ok()) (void)ws->release();
+    (void)looper.release();
+    (void)cache.release();
+    (void)r.release();
+    return ws_status;
+  }
+  if (!ws_status.ok()) {
+    // A failed runtime call stays the thread's last error, and the next launch check (the next
+    // size's capture) would report it as its own. A sticky error survives this and stops the run.
+    (void)cudaGetLastError();
+    res.while_switch_error =
+        absl::StrCat(absl::StatusCodeToString(ws_status.code()), ": ", ws_status.message());
+    res.while_switch_check_failed = ws_status.GetPayload(kStepCheckPayload).has_value();
+  }
+  // The launchers and cache are destroyed next; nothing may still run on `stream`.
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   return res;
+}
+
+void PrintTable(const cudaDeviceProp& prop, const Config& c,
+                const std::vector<SizeResult>& results) {
+  std::printf(
+      "\ntailserve-graph-bench on %s: %d steps per run, median of %d runs; UpdateRegime "
+      "median of %d (host clock, 1 bucket)\n",
+      prop.name, c.steps, c.reps, c.updates);
+  std::printf(
+      "while+switch: one host launch per run of WHILE { scheduler kernel; SWITCH over %d copies "
+      "of the step }, body %d every step\n",
+      c.switch_bodies, c.switch_bodies - 1);
+  std::printf("%6s | %12s %12s %12s | %12s %12s %12s %12s\n", "nodes", "update us", "exec upd us",
+              "capture us", "host us/st", "host+sync", "device tail", "while+switch");
+  for (const SizeResult& r : results) {
+    char ws[32] = "n/a";
+    if (r.while_switch_error.empty()) {
+      std::snprintf(ws, sizeof(ws), "%.2f", r.while_switch_us);
+    }
+    std::printf("%6d | %12.1f %12.1f %12.1f | %12.2f %12.2f %12.2f %12s\n", r.nodes,
+                r.update_total_us, r.update_exec_us, r.update_capture_us, r.host_us, r.host_sync_us,
+                r.device_us, ws);
+  }
+  for (const SizeResult& r : results) {
+    if (r.while_switch_error.empty()) continue;
+    std::printf("note: while+switch not measured at %d nodes (%s): %s\n", r.nodes,
+                r.while_switch_check_failed ? "step check failed, exit code 1"
+                                            : "build or launch failed, exit code unaffected",
+                r.while_switch_error.c_str());
+  }
 }
 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "GraphCache micro-benchmark: UpdateRegime cost and per-step launch time (host graph "
-      "launch, host launch + sync, device tail-launch loop) for graphs of tiny kernels.");
+      "launch, host launch + sync, device tail-launch loop, host-launched conditional WHILE + "
+      "SWITCH loop) for graphs of tiny kernels.");
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<Config> config = ParseConfig();
   if (!config.ok()) {
@@ -253,6 +419,15 @@ int Main(int argc, char** argv) {
   std::vector<SizeResult> results;
   for (int32_t n : c.nodes) {
     absl::StatusOr<SizeResult> r = RunSize(n, c, stream);
+    if (absl::IsDeadlineExceeded(r.status())) {
+      // A graph may still be running: no cleanup (it would wait for it); the driver tears the
+      // context down at process exit.
+      PrintTable(prop, c, results);
+      std::fflush(stdout);
+      std::fprintf(stderr, "graph of %d nodes: %s\n", n, r.status().ToString().c_str());
+      std::fflush(nullptr);
+      std::_Exit(1);
+    }
     if (!r.ok()) {
       std::fprintf(stderr, "graph of %d nodes: %s\n", n, r.status().ToString().c_str());
       return 1;
@@ -261,15 +436,9 @@ int Main(int argc, char** argv) {
   }
   cudaStreamDestroy(stream);
 
-  std::printf(
-      "\ntailserve-graph-bench on %s: %d steps per run, median of %d runs; UpdateRegime "
-      "median of %d (host clock, 1 bucket)\n",
-      prop.name, c.steps, c.reps, c.updates);
-  std::printf("%6s | %12s %12s %12s | %12s %12s %12s\n", "nodes", "update us", "exec upd us",
-              "capture us", "host us/st", "host+sync", "device tail");
+  PrintTable(prop, c, results);
   for (const SizeResult& r : results) {
-    std::printf("%6d | %12.1f %12.1f %12.1f | %12.2f %12.2f %12.2f\n", r.nodes, r.update_total_us,
-                r.update_exec_us, r.update_capture_us, r.host_us, r.host_sync_us, r.device_us);
+    if (r.while_switch_check_failed) return 1;
   }
   return 0;
 }
