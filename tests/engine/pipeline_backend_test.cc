@@ -19,6 +19,7 @@
 #include "engine/engine.h"
 #include "tests/common/test_paths.h"
 #include "tests/engine/stream_reader.h"
+#include "tests/engine/waves.h"
 
 namespace ts::testing {
 namespace {
@@ -77,53 +78,16 @@ std::unique_ptr<Engine> Pipelined(const std::string& variant, int32_t stages, bo
 }
 
 std::vector<GenerateRequest> Requests(int32_t vocab) {
-  std::mt19937 rng(17);
-  std::vector<GenerateRequest> out;
-  for (int i = 0; i < 10; ++i) {
-    GenerateRequest r;
-    r.request_id = "p" + std::to_string(i);
-    const int len = 1 + static_cast<int>(rng() % 40);
-    for (int t = 0; t < len; ++t) r.prompt.push_back(3 + static_cast<int32_t>(rng() % (vocab - 3)));
-    r.stop.max_new_tokens = 4 + static_cast<int32_t>(rng() % 60);
-    r.stop.ignore_eos = true;
-    r.sampling.temperature = i % 3 == 1 ? 0.9f : 0.0f;
-    r.sampling.seed = 500 + i;
-    out.push_back(std::move(r));
-  }
-  return out;
+  return MixedRequests(vocab, 17, "p", 500);
 }
 
-struct Result {
-  std::vector<int32_t> tokens;
-  FinishReason reason = FinishReason::kNone;
-};
+using Result = WaveResult;
 
-// Three waves, each sent once the previous wave's first stream has tokens (so prompts are
-// prefilled while others decode, and admission waits for slots); `cancel` ids are cancelled
-// once the last wave streams.
-std::vector<Result> RunWaves(Engine& engine, const std::vector<GenerateRequest>& reqs,
-                             const std::vector<int>& cancel) {
-  std::vector<std::unique_ptr<StreamReader>> readers;
-  for (size_t first = 0; first < reqs.size(); first += 4) {
-    for (size_t i = first; i < std::min(reqs.size(), first + 4); ++i) {
-      auto s = engine.Submit(reqs[i]);
-      EXPECT_TRUE(s.ok()) << s.status();
-      if (!s.ok()) return {};
-      readers.push_back(std::make_unique<StreamReader>(*s));
-    }
-    const auto deadline = std::chrono::steady_clock::now() + kStreamTimeout;
-    while (readers[first]->tokens.empty() && !readers[first]->finished &&
-           std::chrono::steady_clock::now() < deadline) {
-      if (readers[first]->Pull() == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-  }
-  for (int i : cancel) engine.Cancel(reqs[i].request_id);
-  std::vector<Result> out;
-  for (auto& r : readers) {
-    ReadToEnd(r.get());
-    EXPECT_TRUE(r->status.ok()) << r->status;
-    out.push_back(Result{r->tokens, r->reason});
-  }
+// RunWaves, then every stream ended OK, and the engine is idle with every KV block free.
+std::vector<Result> RunWavesToIdle(Engine& engine, const std::vector<GenerateRequest>& reqs,
+                                   const std::vector<int>& cancel) {
+  std::vector<Result> out = RunWaves(engine, reqs, cancel);
+  for (const Result& r : out) EXPECT_TRUE(r.status.ok()) << r.status;
   WaitIdle(engine);
   EXPECT_EQ(engine.stats().kv_blocks_free, engine.stats().kv_blocks_total);
   return out;
@@ -140,13 +104,13 @@ TEST_P(PipelineBackendTest, StreamsEqualTheSingleStageBackend) {
     auto whole = Whole(variant);
     ASSERT_NE(whole, nullptr);
     vocab = whole->model_info().vocab_size;
-    want = RunWaves(*whole, Requests(vocab), {});
+    want = RunWavesToIdle(*whole, Requests(vocab), {});
   }
   const std::vector<int> cancel = {5, 8};
   auto piped = Pipelined(variant, stages, loop);
   ASSERT_NE(piped, nullptr);
   const std::vector<GenerateRequest> reqs = Requests(vocab);
-  const std::vector<Result> got = RunWaves(*piped, reqs, cancel);
+  const std::vector<Result> got = RunWavesToIdle(*piped, reqs, cancel);
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < want.size(); ++i) {
     SCOPED_TRACE(reqs[i].request_id);

@@ -25,6 +25,7 @@
 #include "gmock/gmock.h"
 #include "tests/common/test_paths.h"
 #include "tests/engine/stream_reader.h"
+#include "tests/engine/waves.h"
 
 namespace ts::testing {
 namespace {
@@ -107,51 +108,10 @@ Ring StartRing(const std::string& variant, int32_t world, bool loop,
 }
 
 std::vector<GenerateRequest> Requests(int32_t vocab) {
-  std::mt19937 rng(23);
-  std::vector<GenerateRequest> out;
-  for (int i = 0; i < 10; ++i) {
-    GenerateRequest r;
-    r.request_id = "r" + std::to_string(i);
-    const int len = 1 + static_cast<int>(rng() % 40);
-    for (int t = 0; t < len; ++t) r.prompt.push_back(3 + static_cast<int32_t>(rng() % (vocab - 3)));
-    r.stop.max_new_tokens = 4 + static_cast<int32_t>(rng() % 60);
-    r.stop.ignore_eos = true;
-    r.sampling.temperature = i % 3 == 1 ? 0.9f : 0.0f;
-    r.sampling.seed = 700 + i;
-    out.push_back(std::move(r));
-  }
-  return out;
+  return MixedRequests(vocab, 23, "r", 700);
 }
 
-struct Result {
-  std::vector<int32_t> tokens;
-  FinishReason reason = FinishReason::kNone;
-  absl::Status status;
-};
-
-// Three waves, each sent once the previous wave's first stream has a token (so prompts are
-// prefilled while others decode, and admission waits for slots); `cancel` ids are cancelled
-// once the last wave streams.
-std::vector<Result> RunWaves(Engine& engine, const std::vector<GenerateRequest>& reqs,
-                             const std::vector<int>& cancel) {
-  std::vector<std::unique_ptr<StreamReader>> readers;
-  for (size_t first = 0; first < reqs.size(); first += 4) {
-    for (size_t i = first; i < std::min(reqs.size(), first + 4); ++i) {
-      auto s = engine.Submit(reqs[i]);
-      EXPECT_TRUE(s.ok()) << s.status();
-      if (!s.ok()) return {};
-      readers.push_back(std::make_unique<StreamReader>(*s));
-    }
-    ReadAtLeast(readers[first].get(), 1);
-  }
-  for (int i : cancel) engine.Cancel(reqs[i].request_id);
-  std::vector<Result> out;
-  for (auto& r : readers) {
-    ReadToEnd(r.get());
-    out.push_back(Result{r->tokens, r->reason, r->status});
-  }
-  return out;
-}
+using Result = WaveResult;
 
 std::vector<Result> SingleStage(const std::string& variant, int32_t* vocab) {
   auto b = CreateCpuBackend(Options(variant, false));
