@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <tuple>

@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <future>
 #include <memory>
-#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
