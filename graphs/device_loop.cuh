@@ -1,6 +1,6 @@
 // The device-resident decode loop's scheduler (docs/device-loop.md): a kernel in a device graph
 // of its own that, at every step boundary,
-//   1. turns the slots the prefill stream made READY into ACTIVE (the publish point),
+//   1. turns the slots a prefill made READY into ACTIVE (the publish point),
 //   2. compacts the ACTIVE slots, in ascending slot order, into the decode row list,
 //   3. exits when no slot is ACTIVE, the host asked for a pause, or the longest context left the
 //      window the graphs' attention regime was chosen for (it never spins idle),
