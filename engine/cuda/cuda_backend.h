@@ -138,8 +138,10 @@ class CudaBackend : public Backend {
   explicit CudaBackend(const CudaBackendOptions& options);
   absl::Status CreateStream();
   // Maps the host's steady clock onto %globaltimer, which the postprocess kernel reads for the
-  // request deadlines (GpuDeadline); again from Prefill every 10 s.
+  // request deadlines (GpuDeadline). At creation, then every 10 s through MaybeCalibrateClock
+  // from Run, where the GPU is idle.
   absl::Status CalibrateClock();
+  absl::Status MaybeCalibrateClock();
   // StopParams::deadline on the GPU's clock; 0 for none.
   uint64_t GpuDeadline(std::chrono::steady_clock::time_point deadline) const;
   absl::Status Init(std::unique_ptr<CudaModel> model);
@@ -179,7 +181,7 @@ class CudaBackend : public Backend {
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<graphs::GraphCache> graphs_;
   cudaStream_t stream_ = nullptr;
-  cudaStream_t clock_stream_ = nullptr;  // CalibrateClock's, beside a running loop
+  cudaStream_t clock_stream_ = nullptr;  // CalibrateClock's
   uint64_t* clock_sample_ = nullptr;     // [1] device
   int64_t gpu_clock_offset_ns_ = 0;      // %globaltimer minus steady_clock, in ns
   std::chrono::steady_clock::time_point calibrated_at_{};

@@ -195,6 +195,7 @@ absl::Status CudaBackend::RunLoop() {
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream_));
     pause_requested_ = false;
   }
+  TS_RETURN_IF_ERROR(MaybeCalibrateClock());  // the GPU is idle until the next enqueue
   // The loop has exited, so every write of its steps (done flags, rings) is visible now; read
   // them again (the loop may have ended after the refresh above), and the host's contexts are
   // exact: the regime is chosen from what the host-driven mode would see before this step, and
