@@ -40,14 +40,7 @@ CpuBackendOptions Options(const std::string& variant, bool loop) {
 }
 
 std::unique_ptr<Engine> MakeEngine(std::unique_ptr<Backend> backend, bool loop) {
-  EngineOptions e;
-  e.max_batch = kSlots;
-  e.buckets = {1, 2, 4};
-  e.max_context = kContext;
-  e.run_mode = loop ? RunMode::kLoop : RunMode::kOneStep;
-  auto engine = Engine::Create(e, std::move(backend));
-  EXPECT_TRUE(engine.ok()) << engine.status();
-  return engine.ok() ? std::move(*engine) : nullptr;
+  return MakeWaveEngine(std::move(backend), loop, kSlots, kContext);
 }
 
 std::unique_ptr<Engine> Whole(const std::string& variant) {

@@ -14,6 +14,19 @@
 
 namespace ts::testing {
 
+// An engine over `backend` as the pipeline tests run it: buckets 1, 2, 4, `slots` at once.
+inline std::unique_ptr<Engine> MakeWaveEngine(std::unique_ptr<Backend> backend, bool loop,
+                                              int32_t slots, int32_t context) {
+  EngineOptions e;
+  e.max_batch = slots;
+  e.buckets = {1, 2, 4};
+  e.max_context = context;
+  e.run_mode = loop ? RunMode::kLoop : RunMode::kOneStep;
+  auto engine = Engine::Create(e, std::move(backend));
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? std::move(*engine) : nullptr;
+}
+
 struct WaveResult {
   std::vector<int32_t> tokens;
   FinishReason reason = FinishReason::kNone;
