@@ -69,14 +69,14 @@ ABSL_FLAG(int32_t, pipeline_timeout_ms, 60000,
           "pipeline counts as broken.");
 ABSL_FLAG(std::string, decode_loop, "auto",
           "Who runs the decode steps: loop (the backend's own loop beside the engine thread; CUDA: "
-          "the device-resident loop, no host call between steps, new prompts prefilled between "
-          "steps in chunks of --prefill_step_tokens; CPU: a loop thread), host (host-driven: the "
+          "the device-resident loop, no host call between steps, new prompts prefilled in mixed "
+          "steps of --prefill_step_tokens rows; CPU: a loop thread), host (host-driven: the "
           "engine thread runs each step and waits for it; "
           "the baseline and fallback), auto (loop on cuda, host on cpu).");
 ABSL_FLAG(int32_t, prefill_step_tokens, 256,
-          "CUDA device loop: the most prompt tokens prefilled between two decode steps while "
-          "streams decode (a larger value: shorter time to first token, longer token intervals "
-          "while prompts arrive; docs/device-loop.md).");
+          "CUDA device loop: the rows of a mixed step, decode and prompt, while prompts wait "
+          "beside decoding streams (a larger value: shorter time to first token, longer token "
+          "intervals while prompts arrive; docs/device-loop.md).");
 ABSL_FLAG(std::string, buckets, "",
           "Comma list of batch-size buckets, ascending; default: 1,2,4,8,16,24,32,48,64,96,128 "
           "below max_batch, then max_batch.");

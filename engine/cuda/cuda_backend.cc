@@ -73,6 +73,13 @@ absl::Status ValidateOptions(const CudaBackendOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("buckets: largest bucket ", o.buckets.back(), " < max_slots ", o.max_slots));
   }
+  if (o.device_loop && o.prefill_chunk_tokens <= o.buckets.back()) {
+    // A mixed step holds a bucket's decode rows and at least one prompt row in the prefill
+    // buffers (docs/device-loop.md, Mixed steps).
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_chunk_tokens: must exceed the largest bucket ", o.buckets.back(),
+                     " with the device loop, got ", o.prefill_chunk_tokens));
+  }
   return absl::OkStatus();
 }
 
@@ -356,7 +363,7 @@ absl::Status CudaBackend::PrefillNow(std::span<const SlotInit> inits) {
   }
   TS_RETURN_IF_ERROR(model_->EnqueuePrefill(seqs, stream));
   TS_RETURN_IF_ERROR(
-      model_->EnqueuePrefillSample(slot_ids, params, /*publish_ready=*/false, stream));
+      model_->EnqueuePrefillSample(slot_ids, params, k::kSlotActive, k::kSlotActive, stream));
   // The engine drains the first tokens right after Prefill returns, and the staging rows are
   // free again after this.
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));

@@ -52,8 +52,9 @@ struct CudaBackendOptions {
   int32_t max_context = 0;  // tokens per sequence; 0 = the model's max_position_embeddings
   int device = 0;
   int32_t prefill_chunk_tokens = 2048;  // rows of the prefill buffers: the largest chunk
-  // Device loop: the most prompt rows prefilled between two decode steps while streams decode
-  // (docs/device-loop.md, Prefill between steps); >= 1, capped at prefill_chunk_tokens.
+  // Device loop: the rows of a mixed step, decode and prompt, while prompts wait beside decoding
+  // streams (docs/device-loop.md, mixed steps); >= 1, capped at prefill_chunk_tokens. The prompts
+  // get at least a quarter of it.
   int32_t prefill_step_tokens = 256;
   uint32_t ring_capacity = 1024;
   // The device-resident loop (docs/device-loop.md): Run(kLoop) keeps a scheduler kernel
@@ -107,6 +108,8 @@ class CudaBackend : public Backend {
   // returning once they have completed (benchmarks and tests that want a batch to start decoding
   // together). The next Run(kLoop) relaunches the loop.
   absl::Status WaitForPrefills();
+  // Device loop: mixed steps enqueued so far (docs/device-loop.md, Mixed steps).
+  uint64_t mixed_steps() const { return mixed_steps_; }
   // The longest context (prompt + generated) among ACTIVE slots after the last step.
   int32_t max_active_context() const;
   // One decode step like Run(kOneStep), but host-launched op by op, each op timed with events.
@@ -159,9 +162,15 @@ class CudaBackend : public Backend {
   absl::Status InitLoop();
   void StopLoop();
   void QueuePrefills(std::span<const SlotInit> inits);
-  // Stages and prefills the next chunk of at most max_rows rows from the queue on stream_, and
-  // samples the first token of each prompt it completes.
-  absl::Status EnqueueChunk(int32_t max_rows);
+  // Stages and prefills the next chunk of at most max_rows prompt rows from the queue on
+  // stream_, and samples the first token of each prompt it completes. With mixed_bucket > 0 the
+  // chunk rides in a mixed step with that bucket's decode rows (the row list staged by
+  // StageRows) and mixed_splits attention splits.
+  absl::Status EnqueueChunk(int32_t max_rows, int32_t mixed_bucket = 0, int32_t mixed_splits = 1);
+  // One mixed step (docs/device-loop.md, Mixed steps): the active slots decode one token while
+  // the next chunk of queued prompts is prefilled through the same GEMMs. The loop is not
+  // running; the model's staging must be free.
+  absl::Status EnqueueMixedStep();
   // Prompts cancelled before their last chunk: dropped, with a FINISHED record written here.
   void DropCancelledPrefills();
   absl::Status LoopError();
@@ -196,9 +205,11 @@ class CudaBackend : public Backend {
   cudaStream_t control_stream_ = nullptr;  // the pause word's memset (stream_ is the loop's)
   PrefillQueue prefill_queue_;
   cudaEvent_t chunk_end_ = nullptr;  // behind the last chunk
-  bool chunk_pending_ = false;       // a chunk with no loop behind it may still run
-  bool pause_requested_ = false;     // the pause word was set, its memset not yet waited for
-  uint64_t launch_steps_ = 0;        // the step counter at the last Launch
+  bool chunk_pending_ = false;     // a chunk or mixed steps with no loop behind them may still run
+  bool pause_requested_ = false;   // the pause word was set, its memset not yet waited for
+  uint64_t launch_steps_ = 0;      // the loop's step counter at its last Launch
+  uint64_t mixed_steps_ = 0;       // mixed steps enqueued (each decodes every active slot)
+  bool ready_unadmitted_ = false;  // a plain chunk made slots READY; no loop has run since
 };
 
 // Loads options.model_dir and builds the backend.

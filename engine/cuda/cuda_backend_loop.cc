@@ -1,23 +1,29 @@
 // CudaBackend's device-resident loop (docs/device-loop.md): the scheduler kernel of
 // graphs/device_loop.cuh tail-launches the bucket graphs step after step; new prompts are
-// prefilled between steps, one bounded chunk at a time; the engine thread only polls: it
-// relaunches the loop after an exit, pauses it for the next prefill chunk and reads the done
-// flags.
+// prefilled in mixed steps; the engine thread only polls: it relaunches the loop after an exit,
+// pauses it when a prompt arrives, enqueues the mixed steps and reads the done flags.
 //
 // Prefill between steps, not beside them: measured on the H200, a prefill on a stream of its own
 // next to the loop's back-to-back tail-launched graphs got the SMs only in the cracks between
 // decode kernels, and a burst of prompts waited up to one whole generation (~700 ms at 16 req/s)
-// for its first token. A chunk on the loop's own stream runs with the whole GPU, and the loop
-// launched behind it admits its slots at the first step. While streams decode, a chunk holds at
-// most prefill_step_tokens rows (vLLM's max_num_batched_tokens plays the same part), so a
-// stream's token interval grows by at most one such chunk while prompts are prefilled; with
-// nothing decoding, chunks are as large as the prefill buffers allow.
+// for its first token. So prefill runs on the loop's own stream, with the whole GPU.
+//
+// Mixed steps: while prompts wait and streams decode, the loop is off and the host enqueues
+// mixed steps (CudaModel::EnqueueMixedStep): every active slot decodes one token while the next
+// chunk of prompt rows rides in the same layer GEMMs, so the weights, most of a step's bytes,
+// are read once for both. A step holds at most prefill_step_tokens rows, decode and prompt
+// (vLLM's max_num_batched_tokens), so a stream's token interval grows by the chunk's compute
+// only. The host stages the next mixed step as soon as the last one's copies have run, keeping
+// about one step queued ahead of the GPU; when the queue is empty the loop is launched behind
+// the last one. With nothing decoding, a prompt goes in plain chunks as large as the prefill
+// buffers allow, and the loop launched behind the chunk admits its slots at its first step.
 //
 // Who writes a slot's device state: the chunk that holds a prompt's first piece stages it
-// PREFILL; the prefill's postprocess after its last piece makes it READY (or FINISHED on its
-// first token); the scheduler kernel makes READY ACTIVE at a step boundary; a step's postprocess
-// makes it FINISHED. The engine thread writes nothing on the device for a running slot: a cancel
-// is the mapped flag the postprocess reads (or, for a prompt still waiting for its chunks, the
+// PREFILL; the postprocess after its last piece makes it READY for the loop's scheduler (a plain
+// chunk) or ACTIVE (a mixed step: the next mixed step decodes it), or FINISHED on its first
+// token; the scheduler kernel makes READY ACTIVE at a step boundary; a step's postprocess makes
+// it FINISHED. The engine thread writes nothing on the device for a running slot: a cancel is
+// the mapped flag the postprocess reads (or, for a prompt still waiting for its chunks, the
 // backend drops it and writes the FINISHED record itself).
 #include <algorithm>
 #include <atomic>
@@ -80,7 +86,8 @@ void CudaBackend::QueuePrefills(std::span<const SlotInit> inits) {
   }
 }
 
-absl::Status CudaBackend::EnqueueChunk(int32_t max_rows) {
+absl::Status CudaBackend::EnqueueChunk(int32_t max_rows, int32_t mixed_bucket,
+                                       int32_t mixed_splits) {
   const std::vector<PrefillQueue::Piece> pieces = prefill_queue_.NextChunk(max_rows);
   std::vector<PrefillPiece> model_pieces;
   std::vector<int32_t> sample_slots;
@@ -102,15 +109,42 @@ absl::Status CudaBackend::EnqueueChunk(int32_t max_rows) {
                                         .len = p.len,
                                         .head_row = head_row});
   }
-  TS_RETURN_IF_ERROR(model_->EnqueuePrefillChunk(model_pieces, stream_));
-  TS_RETURN_IF_ERROR(
-      model_->EnqueuePrefillSample(sample_slots, params, /*publish_ready=*/true, stream_));
+  if (mixed_bucket > 0) {
+    TS_RETURN_IF_ERROR(model_->EnqueueMixedStep(mixed_bucket, mixed_splits, model_pieces, stream_));
+  } else {
+    TS_RETURN_IF_ERROR(model_->EnqueuePrefillChunk(model_pieces, stream_));
+  }
+  // A plain chunk's prompts become READY, for the loop launched behind it to admit at its first
+  // step; a mixed step's become ACTIVE, for the next mixed step to decode (the loop is off).
+  TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(sample_slots, params, k::kSlotPrefill,
+                                                  mixed_bucket > 0 ? k::kSlotActive : k::kSlotReady,
+                                                  stream_));
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(chunk_end_, stream_));
-  // The loop launched behind this chunk admits these slots at its first step; from here on the
-  // host counts them as decoding (a first token that finishes one shows in its done flag).
+  // From here on the host counts these slots as decoding (a first token that finishes one shows
+  // in its done flag).
   for (int32_t slot : sample_slots) slots_[slot].state = SlotState::kActive;
+  if (mixed_bucket == 0 && !sample_slots.empty()) ready_unadmitted_ = true;
   prefill_queue_.PopFinished();
   chunk_pending_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::EnqueueMixedStep() {
+  // StageRows writes the row-list staging, which the last mixed step's copy may not have read
+  // yet; the caller checked StagingFree. The host's ACTIVE set can include slots that finished
+  // in a step still in flight: their rows are padding on the GPU (not ACTIVE there).
+  TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
+  TS_CHECK_GE(index, 0);
+  const int32_t bucket = options_.buckets[index];
+  // prefill_step_tokens counts the step's rows, decode and prompt, as vLLM's
+  // max_num_batched_tokens does; prompts always get a quarter of it.
+  const int32_t step = std::min(options_.prefill_step_tokens, options_.prefill_chunk_tokens);
+  const int32_t prompt_rows = std::min(std::max(step - bucket, std::max(step / 4, 1)),
+                                       options_.prefill_chunk_tokens - bucket);
+  const int32_t splits = model_->NumSplits(bucket, RegimeBound(max_active_context()));
+  TS_RETURN_IF_ERROR(EnqueueChunk(prompt_rows, bucket, splits));
+  AfterStep(rows_);  // the host's decoded counts; RefreshSlots corrects them from the rings
+  ++mixed_steps_;
   return absl::OkStatus();
 }
 
@@ -174,47 +208,62 @@ absl::Status CudaBackend::RunLoop() {
   DropCancelledPrefills();
   RefreshSlots();
   if (loop_->Running()) {
-    // A chunk is waiting: the loop ends at the boundary after the step it is in, and at least
-    // one step runs between two chunks.
+    // A prompt is waiting: the loop ends at the boundary after the step it is in, and mixed
+    // steps take over until every prompt is prefilled. Only once a step of this launch has run:
+    // before, the launch's own clear of the pause word may still be queued behind a chunk or
+    // mixed step, and would undo the request.
     if (!prefill_queue_.empty() && !pause_requested_ && loop_->steps() > launch_steps_) {
       TS_RETURN_IF_ERROR(loop_->RequestPause(control_stream_));
       pause_requested_ = true;
     }
     return absl::OkStatus();
   }
-  if (chunk_pending_) {
-    // A chunk with no loop behind it (nothing was decoding) runs on: the next one waits for it,
-    // since its staging may still be unread.
-    const cudaError_t q = cudaEventQuery(chunk_end_);
-    if (q == cudaErrorNotReady) return absl::OkStatus();
-    TS_CUDA_RETURN_IF_ERROR(q);
-    chunk_pending_ = false;
-  }
   if (pause_requested_) {
     // The pause word must have landed before the next Launch clears it, or it could land after.
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream_));
     pause_requested_ = false;
   }
-  TS_RETURN_IF_ERROR(MaybeCalibrateClock());  // the GPU is idle until the next enqueue
-  // The loop has exited, so every write of its steps (done flags, rings) is visible now; read
-  // them again (the loop may have ended after the refresh above), and the host's contexts are
-  // exact: the regime is chosen from what the host-driven mode would see before this step, and
-  // the loop exits by itself at the step where that choice changes.
-  RefreshSlots();
   if (!prefill_queue_.empty()) {
-    // With nothing decoding there is no step to keep short: the largest chunk.
-    const int32_t cap = options_.prefill_chunk_tokens;
-    TS_RETURN_IF_ERROR(
-        EnqueueChunk(num_active() > 0 ? std::min(options_.prefill_step_tokens, cap) : cap));
+    // The next chunk or mixed step is staged only once the last one's copies have run, so the
+    // host never blocks here; it keeps about one step queued ahead of the GPU.
+    TS_ASSIGN_OR_RETURN(const bool staging_free, model_->StagingFree());
+    if (!staging_free) return absl::OkStatus();
+    // Slots a plain chunk made READY decode only once a loop step admits them (a mixed step
+    // would leave them out): then the loop runs first, and is paused again behind that step.
+    if (num_active() > 0 && !ready_unadmitted_) return EnqueueMixedStep();
+    if (num_active() == 0) {
+      // With nothing decoding there is no step to keep short: the largest chunk.
+      TS_RETURN_IF_ERROR(EnqueueChunk(options_.prefill_chunk_tokens));
+      if (num_active() == 0) return absl::OkStatus();  // every first token ended its stream
+    }
   }
   if (num_active() == 0) return absl::OkStatus();
+  if (chunk_pending_) {
+    const cudaError_t q = cudaEventQuery(chunk_end_);
+    if (q != cudaErrorNotReady) {
+      TS_CUDA_RETURN_IF_ERROR(q);
+      chunk_pending_ = false;
+    }
+  }
+  // The clock is re-mapped only where the GPU is idle: after the loop's exit with nothing
+  // enqueued behind it.
+  if (!chunk_pending_) TS_RETURN_IF_ERROR(MaybeCalibrateClock());
+  // With nothing in flight the loop has exited, so every write of its steps (done flags, rings)
+  // is visible: read them again (the loop may have ended after the refresh above), and the
+  // host's contexts are exact. The regime is then what the host-driven mode would choose before
+  // this step, and the loop exits by itself at the step where that choice changes. Behind a
+  // chunk or mixed steps still in flight, the host's counts run ahead of the GPU's by those
+  // steps, so the regime may grow a step or two early; splits never change a result's
+  // correctness, only its summation order.
+  RefreshSlots();
   TS_RETURN_IF_ERROR(MaybeUpdateRegime());
   const int32_t hi = graphs_->regime().max_context_len;
   int32_t lo = 0;  // MaybeUpdateRegime shrinks once RegimeBound(context) * 4 <= hi
   for (int32_t v = 128; v < hi && 4 * v <= hi; v *= 2) lo = v;
   launch_steps_ = loop_->steps();
   TS_RETURN_IF_ERROR(loop_->Launch(stream_, lo, hi));
-  chunk_pending_ = false;  // the loop's end implies the chunk's
+  chunk_pending_ = false;     // the loop's end implies the chunk's
+  ready_unadmitted_ = false;  // its first step admits them, paused or not
   return absl::OkStatus();
 }
 
@@ -230,13 +279,19 @@ absl::Status CudaBackend::Pause() {
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream_));
     pause_requested_ = false;
   }
+  if (chunk_pending_) {
+    // Mixed steps or a chunk with no loop behind them: paused means nothing runs.
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    chunk_pending_ = false;
+  }
   return loop_->status();
 }
 
 absl::StatusOr<LoopStatus> CudaBackend::Poll() {
   if (loop_ == nullptr) return LoopStatus{.steps = steps_, .running = false};
   TS_RETURN_IF_ERROR(LoopError());
-  return LoopStatus{.steps = loop_->steps(), .running = loop_->Running()};
+  return LoopStatus{.steps = loop_->steps() + mixed_steps_,
+                    .running = loop_->Running() || chunk_pending_};
 }
 
 }  // namespace ts

@@ -246,6 +246,8 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpy(m->dev_.inv_freq, inv_freq.data(),
                                      inv_freq.size() * sizeof(float), cudaMemcpyHostToDevice));
   TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&m->staging_free_, cudaEventDisableTiming));
+  TS_CUDA_RETURN_IF_ERROR(
+      cudaEventCreateWithFlags(&m->sample_staging_free_, cudaEventDisableTiming));
   TS_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return m;
 }
@@ -258,6 +260,7 @@ CudaModel::~CudaModel() {
   decode_logits_.reset();
   prefill_logits_.reset();
   if (staging_free_ != nullptr) cudaEventDestroy(staging_free_);
+  if (sample_staging_free_ != nullptr) cudaEventDestroy(sample_staging_free_);
   if (arena_ != nullptr) cudaFree(arena_);
   if (host_block_ != nullptr) cudaFreeHost(host_block_);
 }

@@ -163,14 +163,29 @@ class CudaModel {
   // through the layers in one pass. Waits on the host only until the previous chunk's staging
   // copies have run.
   absl::Status EnqueuePrefillChunk(std::span<const PrefillPiece> pieces, cudaStream_t stream);
+  // A mixed step (docs/device-loop.md, Mixed steps): one decode step over `bucket` rows (the row
+  // list in dev().decode_head.row_slots, as for EnqueueDecodeStep) with a prefill chunk's pieces
+  // riding in the same layer GEMMs, so the weights are read once for both. Rows [0, bucket) of
+  // the prefill buffers decode, rows [bucket, bucket + prompt rows) prefill; bucket plus the
+  // pieces' rows must fit prefill_chunk_tokens. The decode rows are sampled and postprocessed as
+  // in a decode step; the pieces that end their prompt leave their last hidden row for
+  // EnqueuePrefillSample, as EnqueuePrefillChunk does. Host-launched, not a graph; it shares the
+  // chunk staging with EnqueuePrefillChunk (see StagingFree).
+  absl::Status EnqueueMixedStep(int32_t bucket, int32_t num_splits,
+                                std::span<const PrefillPiece> pieces, cudaStream_t stream);
+  // Whether the staging of the last chunk, mixed step and first-token sample has been copied, so
+  // the next can be staged without waiting on the host. A mixed step's caller writes
+  // host().row_slots only once this is true.
+  absl::StatusOr<bool> StagingFree() const;
   // Samples the first token of the rows left by EnqueuePrefill. slots[i] is sequence i's slot
   // (its slot table row, counts and mask already written); params[i].position = prompt length.
-  // publish_ready: the slots were staged PREFILL beside a running device loop, and a slot that
-  // does not finish on its first token becomes READY for the loop's scheduler (otherwise they
-  // were staged ACTIVE and stay so).
+  // The slots are in device state from_state (kernels/postprocess.cuh); a slot that does not
+  // finish on its first token moves to to_state: ACTIVE to ACTIVE for a host-driven prefill,
+  // PREFILL to READY for a chunk the device loop's scheduler admits, PREFILL to ACTIVE for a
+  // mixed step's prompts (the loop is not running, and the next mixed step decodes them).
   absl::Status EnqueuePrefillSample(std::span<const int32_t> slots,
                                     std::span<const kernels::SamplingRow> params,
-                                    bool publish_ready, cudaStream_t stream);
+                                    int32_t from_state, int32_t to_state, cudaStream_t stream);
   // Teacher-forced fp32 logits [tokens.size(), vocab] of one prompt (tests). Writes KV through
   // block_table; synchronises `stream`.
   absl::StatusOr<std::vector<float>> PromptLogits(std::span<const int32_t> tokens,
@@ -180,17 +195,20 @@ class CudaModel {
  private:
   CudaModel() = default;
   absl::Status PlanGemms();
-  // Which attention a forward runs, and its inputs.
+  // Which attention a forward runs, and its inputs. A mixed step runs both: decode attention
+  // over rows [0, decode_rows), prefill attention over the rows after them.
   struct Attention {
     bool decode = true;
-    // decode
+    int32_t decode_rows = 0;  // !decode: the mixed step's decode rows, 0 for a plain chunk
+    // decode rows
     int32_t num_splits = 1;
     int32_t max_splits = 1;
-    const int32_t* context_lens = nullptr;  // [rows]
-    const int32_t* block_tables = nullptr;  // [rows or num_seqs, max_blocks_per_seq]
-    // prefill
-    const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1]
-    const int32_t* start_pos = nullptr;   // [num_seqs]
+    const int32_t* context_lens = nullptr;         // [decode rows]
+    const int32_t* decode_block_tables = nullptr;  // [decode rows, max_blocks_per_seq]
+    // prefill rows
+    const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
+    const int32_t* cu_seqlens = nullptr;    // [num_seqs + 1], from the first prefill row
+    const int32_t* start_pos = nullptr;     // [num_seqs]
     int32_t num_seqs = 0;
     int32_t total_tokens = 0;
     int32_t max_q_len = 0;
@@ -207,6 +225,13 @@ class CudaModel {
   bool FusedDecodeLayers(int32_t rows) const;
   absl::Status EnqueueAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
                                 const Attention& attn, cudaStream_t stream) const;
+  // Decode attention over q rows [0, rows) of f; prefill attention over the q rows from
+  // first_row on.
+  absl::Status DecodeAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
+                               const Attention& attn, cudaStream_t stream) const;
+  absl::Status PrefillAttention(const ForwardBuffers& f, int32_t first_row,
+                                const LayerBuffers& layer, const Attention& attn,
+                                cudaStream_t stream) const;
   // final norm -> lm_head (fp32 logits) over head rows [0, padded_rows).
   absl::Status EnqueueLogits(__nv_bfloat16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
                              const kernels::LogitsGemm& gemm, cudaStream_t stream,
@@ -218,6 +243,11 @@ class CudaModel {
                                     cudaStream_t stream, OpTimer* timer) const;
   // The planned prefill GEMM row count for `tokens` rows (>= tokens).
   int32_t PrefillRowsFor(int32_t tokens) const;
+  // Checks the pieces and stages their rows as rows [row_offset, ...) of dev().prefill (tokens,
+  // positions, KV slots; the pieces' sequence table; the last-row gathers), padding up to the
+  // planned GEMM size, on `stream`. Returns the attention inputs; rows_out = padded rows.
+  absl::StatusOr<Attention> StagePieces(std::span<const PrefillPiece> pieces, int32_t row_offset,
+                                        cudaStream_t stream, int32_t* rows_out, int32_t* gathers);
 
   ModelConfig config_;
   bool small_m_gemv_ = true;
@@ -250,6 +280,9 @@ class CudaModel {
   std::unique_ptr<kernels::LogitsGemm> decode_logits_;
   std::unique_ptr<kernels::LogitsGemm> prefill_logits_;
   cudaEvent_t staging_free_ = nullptr;  // recorded after a chunk's staging copies
+  // Recorded after a first-token sample's staging copies (sample_params, sample_slots,
+  // head_row_slots), so staging a sample never waits for the chunk before it to start.
+  cudaEvent_t sample_staging_free_ = nullptr;
 };
 
 }  // namespace ts

@@ -74,45 +74,58 @@ bool CudaModel::FusedDecodeLayers(int32_t rows) const {
 absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
                                          const LayerBuffers& layer, const Attention& at,
                                          cudaStream_t stream) const {
+  if (at.decode) return DecodeAttention(f, rows, layer, at, stream);
+  if (at.decode_rows > 0) TS_RETURN_IF_ERROR(DecodeAttention(f, at.decode_rows, layer, at, stream));
+  return PrefillAttention(f, at.decode_rows, layer, at, stream);
+}
+
+absl::Status CudaModel::DecodeAttention(const ForwardBuffers& f, int32_t rows,
+                                        const LayerBuffers& layer, const Attention& at,
+                                        cudaStream_t stream) const {
   const ModelDims& d = dims();
   const ArenaShape& s = plan_.shape;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
-  if (at.decode) {
-    k::DecodeAttentionParams p;
-    p.q = f.q;
-    p.k_cache = layer.k_cache;
-    p.v_cache = layer.v_cache;
-    p.block_tables = at.block_tables;
-    p.context_lens = at.context_lens;
-    p.out = f.attn;
-    p.workspace = dev_.attention_workspace;
-    p.workspace_bytes = plan_.attention_workspace_bytes;
-    p.error_flag = host_dev_.error_flag;
-    p.num_seqs = rows;
-    p.num_q_heads = d.num_heads;
-    p.num_kv_heads = d.num_kv_heads;
-    p.head_dim = d.head_dim;
-    p.block_size = s.kv_block_size;
-    p.num_blocks = s.num_kv_blocks;
-    p.max_blocks_per_seq = s.max_blocks_per_seq;
-    p.scale = scale;
-    p.mode = k::DecodeAttentionMode::kStaticSplit;
-    p.max_splits = at.max_splits;
-    p.num_splits = at.num_splits;
-    p.pdl = true;
-    // A bucket whose split count is 1 even at the longest context (the large batches) needs no
-    // combine node in any regime; decided per bucket, so exec updates never change the nodes.
-    p.no_combine = attention_skip_combine_ && at.max_splits == 1;
-    return k::LaunchDecodeAttention(p, stream);
-  }
-  k::PrefillAttentionParams p;
+  k::DecodeAttentionParams p;
   p.q = f.q;
+  p.k_cache = layer.k_cache;
+  p.v_cache = layer.v_cache;
+  p.block_tables = at.decode_block_tables;
+  p.context_lens = at.context_lens;
+  p.out = f.attn;
+  p.workspace = dev_.attention_workspace;
+  p.workspace_bytes = plan_.attention_workspace_bytes;
+  p.error_flag = host_dev_.error_flag;
+  p.num_seqs = rows;
+  p.num_q_heads = d.num_heads;
+  p.num_kv_heads = d.num_kv_heads;
+  p.head_dim = d.head_dim;
+  p.block_size = s.kv_block_size;
+  p.num_blocks = s.num_kv_blocks;
+  p.max_blocks_per_seq = s.max_blocks_per_seq;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
+  p.mode = k::DecodeAttentionMode::kStaticSplit;
+  p.max_splits = at.max_splits;
+  p.num_splits = at.num_splits;
+  p.pdl = true;
+  // A bucket whose split count is 1 even at the longest context (the large batches) needs no
+  // combine node in any regime; decided per bucket, so exec updates never change the nodes.
+  p.no_combine = attention_skip_combine_ && at.max_splits == 1;
+  return k::LaunchDecodeAttention(p, stream);
+}
+
+absl::Status CudaModel::PrefillAttention(const ForwardBuffers& f, int32_t first_row,
+                                         const LayerBuffers& layer, const Attention& at,
+                                         cudaStream_t stream) const {
+  const ModelDims& d = dims();
+  const ArenaShape& s = plan_.shape;
+  const size_t offset = static_cast<size_t>(first_row) * d.q_dim();
+  k::PrefillAttentionParams p;
+  p.q = f.q + offset;
   p.k_cache = layer.k_cache;
   p.v_cache = layer.v_cache;
   p.block_tables = at.block_tables;
   p.cu_seqlens = at.cu_seqlens;
   p.start_pos = at.start_pos;
-  p.out = f.attn;
+  p.out = f.attn + offset;
   p.error_flag = host_dev_.error_flag;
   p.num_seqs = at.num_seqs;
   p.total_tokens = at.total_tokens;
@@ -123,7 +136,7 @@ absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
   p.block_size = s.kv_block_size;
   p.num_blocks = s.num_kv_blocks;
   p.max_blocks_per_seq = s.max_blocks_per_seq;
-  p.scale = scale;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
   p.num_splits =
       k::PrefillAttentionSplits(at.total_tokens, at.max_q_len, at.num_seqs, d.num_heads,
                                 d.num_kv_heads, at.max_kv_len, num_sms_, kPrefillSplitRows);
@@ -411,7 +424,7 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
   at.num_splits = num_splits;
   at.max_splits = max_splits_[it - buckets_.begin()];
   at.context_lens = dev_.decode_context_lens;
-  at.block_tables = dev_.decode_block_tables;
+  at.decode_block_tables = dev_.decode_block_tables;
   TS_RETURN_IF_ERROR(EnqueueLayers(f, bucket, at, *decode_gemm_, stream, timer));
   TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, timer));
   return EnqueueSampleAndPost(head, bucket, k::kSlotActive, k::kSlotActive, step_stamps_, stream,

@@ -14,6 +14,7 @@
 #include "kernels/gather_rows.cuh"
 #include "kernels/kv_layout.cuh"
 #include "kernels/postprocess.cuh"
+#include "kernels/prepare_decode.cuh"
 
 namespace ts {
 
@@ -51,12 +52,12 @@ absl::Status CudaModel::EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStr
   return EnqueuePrefillChunk(pieces, stream);
 }
 
-absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces,
-                                            cudaStream_t stream) {
+absl::StatusOr<CudaModel::Attention> CudaModel::StagePieces(std::span<const PrefillPiece> pieces,
+                                                            int32_t row_offset, cudaStream_t stream,
+                                                            int32_t* rows_out, int32_t* gathers) {
   const ArenaShape& s = plan_.shape;
   const int32_t bs = s.kv_block_size;
   const int32_t mb = s.max_blocks_per_seq;
-  if (pieces.empty()) return absl::OkStatus();
   if (static_cast<int32_t>(pieces.size()) > s.max_slots) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill chunk: ", pieces.size(), " pieces exceed max_slots ", s.max_slots));
@@ -84,15 +85,15 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
     }
     rows += p.len;
   }
-  if (rows > s.prefill_rows) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prefill chunk: ", rows, " rows exceed prefill rows ", s.prefill_rows));
+  if (row_offset + rows > s.prefill_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("prefill chunk: ", row_offset, " + ", rows,
+                                                   " rows exceed prefill rows ", s.prefill_rows));
   }
 
   // The staging is reused per chunk: wait until the previous chunk's copies have read it.
   TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(staging_free_));
   const HostLayout& h = host_;
-  int32_t row = 0, gathers = 0, max_q = 0;
+  int32_t row = 0, gathered = 0, max_q = 0, max_kv = 0;
   for (size_t j = 0; j < pieces.size(); ++j) {
     const PrefillPiece& p = pieces[j];
     h.cu_seqlens[j] = row;
@@ -108,16 +109,19 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
       h.slot_mapping[row] = k::KvSlotFor(table, mb, bs, pos);
     }
     max_q = std::max(max_q, p.len);
+    max_kv = std::max(max_kv, p.start + p.len);
     if (p.head_row >= 0) {
-      h.gather_src[gathers] = row - 1;
-      h.gather_dst[gathers] = p.head_row;
-      ++gathers;
+      h.gather_src[gathered] = row_offset + row - 1;
+      h.gather_dst[gathered] = p.head_row;
+      ++gathered;
     }
   }
   const int32_t num_pieces = static_cast<int32_t>(pieces.size());
   h.cu_seqlens[num_pieces] = row;
-  const int32_t padded = PrefillRowsFor(row);
-  for (int32_t r = row; r < padded; ++r) {
+  // Staged rows [0, padded - row_offset) land at device rows [row_offset, padded).
+  const int32_t padded = PrefillRowsFor(row_offset + row);
+  const int32_t staged = padded - row_offset;
+  for (int32_t r = row; r < staged; ++r) {
     h.tokens[r] = 0;
     h.positions[r] = 0;
     h.slot_mapping[r] = k::kNoKvWrite;  // padding rows
@@ -127,17 +131,46 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
     return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream);
   };
   const size_t ib = sizeof(int32_t);
-  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.tokens, h.tokens, padded * ib));
-  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.positions, h.positions, padded * ib));
-  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.slot_mapping, h.slot_mapping, padded * ib));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.tokens + row_offset, h.tokens, staged * ib));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.positions + row_offset, h.positions, staged * ib));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill.slot_mapping + row_offset, h.slot_mapping, staged * ib));
   TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill_cu_seqlens, h.cu_seqlens, (num_pieces + 1) * ib));
   TS_CUDA_RETURN_IF_ERROR(h2d(dv.prefill_start_pos, h.start_pos, num_pieces * ib));
   TS_CUDA_RETURN_IF_ERROR(
       h2d(dv.prefill_block_tables, h.block_tables, static_cast<size_t>(num_pieces) * mb * ib));
-  TS_CUDA_RETURN_IF_ERROR(h2d(dv.gather_src, h.gather_src, gathers * ib));
-  TS_CUDA_RETURN_IF_ERROR(h2d(dv.gather_dst, h.gather_dst, gathers * ib));
-  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.gather_src, h.gather_src, gathered * ib));
+  TS_CUDA_RETURN_IF_ERROR(h2d(dv.gather_dst, h.gather_dst, gathered * ib));
 
+  Attention at;
+  at.decode = false;
+  at.block_tables = dv.prefill_block_tables;
+  at.cu_seqlens = dv.prefill_cu_seqlens;
+  at.start_pos = dv.prefill_start_pos;
+  at.num_seqs = num_pieces;
+  at.total_tokens = row;
+  at.max_q_len = max_q;
+  at.max_kv_len = max_kv;
+  *rows_out = padded;
+  *gathers = gathered;
+  return at;
+}
+
+absl::StatusOr<bool> CudaModel::StagingFree() const {
+  for (cudaEvent_t e : {staging_free_, sample_staging_free_}) {
+    const cudaError_t q = cudaEventQuery(e);
+    if (q == cudaErrorNotReady) return false;
+    TS_CUDA_RETURN_IF_ERROR(q);
+  }
+  return true;
+}
+
+absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces,
+                                            cudaStream_t stream) {
+  if (pieces.empty()) return absl::OkStatus();
+  int32_t padded = 0, gathers = 0;
+  TS_ASSIGN_OR_RETURN(const Attention at, StagePieces(pieces, 0, stream, &padded, &gathers));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
+  const DeviceLayout& dv = dev_;
   const ForwardBuffers& f = dv.prefill;
   TS_RETURN_IF_ERROR(k::LaunchEmbedding({.tokens = f.tokens,
                                          .table = dv.embed,
@@ -147,15 +180,6 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
                                          .hidden = dims().hidden,
                                          .vocab = dims().vocab},
                                         stream));
-  Attention at;
-  at.decode = false;
-  at.block_tables = dv.prefill_block_tables;
-  at.cu_seqlens = dv.prefill_cu_seqlens;
-  at.start_pos = dv.prefill_start_pos;
-  at.num_seqs = num_pieces;
-  at.total_tokens = row;
-  at.max_q_len = max_q;
-  for (const PrefillPiece& p : pieces) at.max_kv_len = std::max(at.max_kv_len, p.start + p.len);
   TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
   return k::LaunchGatherRows({.src = f.h,
                               .src_rows = dv.gather_src,
@@ -166,14 +190,78 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
                              stream);
 }
 
+absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
+                                         std::span<const PrefillPiece> pieces,
+                                         cudaStream_t stream) {
+  const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), bucket);
+  if (it == buckets_.end() || *it != bucket) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mixed step: bucket ", bucket, " is not one of the planned buckets"));
+  }
+  if (pieces.empty()) return absl::InvalidArgumentError("mixed step: no prefill piece");
+  const ArenaShape& s = plan_.shape;
+  const DeviceLayout& dv = dev_;
+  const ForwardBuffers& f = dv.prefill;
+  const HeadBuffers& head = dv.decode_head;
+  int32_t padded = 0, gathers = 0;
+  TS_ASSIGN_OR_RETURN(Attention at, StagePieces(pieces, bucket, stream, &padded, &gathers));
+  // The row list the caller staged in host().row_slots rides with the chunk's staging.
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(head.row_slots, host_.row_slots, bucket * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice, stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
+  // The decode rows' inputs, from the slot table, into rows [0, bucket) of the prefill buffers.
+  k::PrepareDecodeParams prep;
+  prep.row_slots = head.row_slots;
+  prep.slots = dv.slots;
+  prep.slot_block_tables = dv.slot_block_tables;
+  prep.tokens = f.tokens;
+  prep.positions = f.positions;
+  prep.slot_mapping = f.slot_mapping;
+  prep.context_lens = dv.decode_context_lens;
+  prep.block_tables = dv.decode_block_tables;
+  prep.sampling = head.params;
+  prep.sample_slots = head.sample_slots;
+  prep.rows = bucket;
+  prep.num_slots = s.max_slots;
+  prep.max_blocks = s.max_blocks_per_seq;
+  prep.block_size = s.kv_block_size;
+  TS_RETURN_IF_ERROR(k::LaunchPrepareDecode(prep, stream));
+  TS_RETURN_IF_ERROR(k::LaunchEmbedding({.tokens = f.tokens,
+                                         .table = dv.embed,
+                                         .out = f.h,
+                                         .error_flag = host_dev_.error_flag,
+                                         .rows = padded,
+                                         .hidden = dims().hidden,
+                                         .vocab = dims().vocab},
+                                        stream));
+  at.decode_rows = bucket;
+  at.num_splits = num_splits;
+  at.max_splits = max_splits_[it - buckets_.begin()];
+  at.context_lens = dv.decode_context_lens;
+  at.decode_block_tables = dv.decode_block_tables;
+  TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
+  TS_RETURN_IF_ERROR(k::LaunchGatherRows({.src = f.h,
+                                          .src_rows = dv.gather_src,
+                                          .dst = dv.prefill_head.hidden,
+                                          .dst_rows = dv.gather_dst,
+                                          .n = gathers,
+                                          .width = dims().hidden},
+                                         stream));
+  // The decode rows' hidden states are rows [0, bucket) of f.h: the head reads them in place.
+  TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, nullptr));
+  return EnqueueSampleAndPost(head, bucket, k::kSlotActive, k::kSlotActive, nullptr, stream,
+                              nullptr);
+}
+
 absl::Status CudaModel::EnqueuePrefillSample(std::span<const int32_t> slots,
                                              std::span<const k::SamplingRow> params,
-                                             bool publish_ready, cudaStream_t stream) {
+                                             int32_t from_state, int32_t to_state,
+                                             cudaStream_t stream) {
   const int32_t n = static_cast<int32_t>(slots.size());
   if (n == 0) return absl::OkStatus();
   TS_CHECK_EQ(slots.size(), params.size());
   TS_CHECK_LE(n, plan_.shape.max_slots);
-  TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(staging_free_));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sample_staging_free_));
   const HostLayout& h = host_;
   for (int32_t i = 0; i < n; ++i) {
     h.sample_params[i] = params[i];
@@ -187,12 +275,10 @@ absl::Status CudaModel::EnqueuePrefillSample(std::span<const int32_t> slots,
                                           cudaMemcpyHostToDevice, stream));
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(head.row_slots, h.head_row_slots, n * sizeof(int32_t),
                                           cudaMemcpyHostToDevice, stream));
-  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(sample_staging_free_, stream));
   const int32_t padded = PickBucket(buckets_, n);
   TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, padded, *prefill_logits_, stream, nullptr));
-  const int32_t from = publish_ready ? k::kSlotPrefill : k::kSlotActive;
-  const int32_t to = publish_ready ? k::kSlotReady : k::kSlotActive;
-  return EnqueueSampleAndPost(head, n, from, to, nullptr, stream, nullptr);
+  return EnqueueSampleAndPost(head, n, from_state, to_state, nullptr, stream, nullptr);
 }
 
 absl::StatusOr<std::vector<float>> CudaModel::PromptLogits(std::span<const int32_t> tokens,

@@ -1,13 +1,17 @@
 // The shipped default model on the CUDA backend against transformers in bf16 on the GPU (issue
 // #14): greedy continuations equal transformers' token for token, through the decode graphs with
-// all four prompts batched; teacher-forced top-1 through the same decode graphs and through the
-// prefill agrees at >= 99% of the 4 x 64 positions.
+// all four prompts batched, and through the device loop's mixed steps with the prompts arriving
+// one by one while the others decode; teacher-forced top-1 through the same decode graphs and
+// through the prefill agrees at >= 99% of the 4 x 64 positions.
 #include <cstdio>
+#include <memory>
 #include <vector>
 
 #include "engine/cuda/cuda_backend.h"
+#include "engine/engine.h"
 #include "tests/engine/cuda_test_driver.h"
 #include "tests/engine/default_model_reference.h"
+#include "tests/engine/stream_reader.h"
 
 namespace ts::testing {
 namespace {
@@ -34,6 +38,85 @@ TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16) {
   auto backend = MakeBackend();
   ASSERT_NE(backend, nullptr);
   ExpectGreedyEqualsReference(*backend, cases, kMaxContext);
+}
+
+// Each prompt arrives while the earlier ones decode, so the device loop prefills it in mixed
+// steps (docs/device-loop.md, Mixed steps) of six rows, decode and prompt, so every prompt's
+// rows are spread over several steps, each beside the other streams' decode rows in the same
+// GEMMs, and every stream must follow transformers' greedy tokens (up to a tie, see below).
+TEST(DefaultModelCudaTest, MixedStepsKeepTransformersGreedyBf16) {
+  const std::vector<DefaultCase> cases = LoadDefaultReference("bf16");
+  ASSERT_FALSE(cases.empty());
+  CudaBackendOptions o;
+  o.model_dir = DefaultModelDir();
+  o.max_slots = 4;
+  o.buckets = {1, 2, 4};
+  o.max_context = kMaxContext;
+  o.gpu_memory_fraction = 0.3;
+  o.ring_capacity = 128;
+  o.log_progress = false;
+  o.device_loop = true;
+  o.prefill_chunk_tokens = 64;
+  o.prefill_step_tokens = 6;  // rows a step: 5 prompt rows beside 1 stream, 2 beside 3 or 4
+  auto made = CudaBackend::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  CudaBackend* backend = made->get();
+  EngineOptions e;
+  e.max_batch = 4;
+  e.buckets = o.buckets;
+  e.max_context = kMaxContext;
+  e.run_mode = RunMode::kLoop;
+  auto engine = Engine::Create(e, std::move(*made));
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<std::unique_ptr<StreamReader>> readers;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    GenerateRequest r;
+    r.request_id = "case" + std::to_string(i);
+    r.prompt = cases[i].prompt_ids;
+    r.stop.max_new_tokens = static_cast<int32_t>(cases[i].greedy.size());
+    r.stop.ignore_eos = true;
+    r.sampling.temperature = 0.0f;
+    auto s = (*engine)->Submit(r);
+    ASSERT_TRUE(s.ok()) << s.status();
+    readers.push_back(std::make_unique<StreamReader>(*s));
+    // The next prompt arrives once this one decodes.
+    ReadAtLeast(readers.back().get(), 3);
+  }
+  // Mixed steps sum the decode rows' products in another order than the decode graphs do, and
+  // the reference has ties: min_margin is 0 in three of the four cases, where transformers' own
+  // top two logits are equal in bf16. So each stream must equal transformers' greedy tokens up
+  // to its first difference, and that difference must fall where the reference's top-1 margin is
+  // within kTieMargin: two of the 0.0625 steps its smallest nonzero margins show (one bf16 ulp
+  // for logits of 8 to 16). A wrong row, position or KV write diverges where the margin is large
+  // (most are 0.4 to 6). Half the tokens at least must match, so the check cannot pass by
+  // diverging at once.
+  constexpr float kTieMargin = 0.125f;
+  size_t matched = 0, total = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    ReadToEnd(readers[i].get());
+    EXPECT_TRUE(readers[i]->status.ok()) << readers[i]->status;
+    const std::vector<int32_t>& got = readers[i]->tokens;
+    const std::vector<int32_t>& want = cases[i].greedy;
+    ASSERT_EQ(got.size(), want.size()) << cases[i].prompt;
+    size_t first = 0;
+    while (first < want.size() && got[first] == want[first]) ++first;
+    matched += first;
+    total += want.size();
+    if (first == want.size()) continue;
+    ASSERT_LT(first, cases[i].forced_margin.size());
+    std::printf("case %zu diverges at token %zu of %zu, reference margin %.4f\n", i, first,
+                want.size(), cases[i].forced_margin[first]);
+    EXPECT_LE(cases[i].forced_margin[first], kTieMargin)
+        << cases[i].prompt << ": token " << first << " is " << got[first] << ", transformers' "
+        << want[first] << " by a margin no tie explains";
+  }
+  EXPECT_GE(2 * matched, total);
+  WaitIdle(**engine);
+  // Every prompt after the first went through mixed steps, two at least (the shortest prompt
+  // has 6 tokens, and a step beside one stream takes 5 of them).
+  const uint64_t mixed = backend->mixed_steps();
+  std::printf("mixed steps: %llu\n", static_cast<unsigned long long>(mixed));
+  EXPECT_GE(mixed, 2 * (cases.size() - 1));
 }
 
 TEST(DefaultModelCudaTest, TeacherForcedTop1AgreesWithTransformersBf16) {
