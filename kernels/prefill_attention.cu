@@ -12,18 +12,45 @@
 namespace ts::kernels {
 namespace {
 
-using attention_internal::CheckedBlock;
+using attention_internal::CheckedBlockId;
+using attention_internal::CpAsync16;
+using attention_internal::CpAsyncCommit;
+using attention_internal::CpAsyncWait;
+using attention_internal::Exp2Approx;
 using attention_internal::kLog2e;
+using attention_internal::LdMatrixX4;
+using attention_internal::LdMatrixX4Trans;
 using attention_internal::MmaBf16;
 using attention_internal::PackBf16;
 using attention_internal::SafeShift;
+using attention_internal::SharedAddress;
 
-constexpr int kWarps = 4;
+// 8 warps x 16 rows: one K/V tile in shared memory serves 128 (token, head) rows, so the L2 -> SM
+// traffic per flop is half that of 64-row CTAs (at 300 TFLOP/s, 64-row CTAs would need ~4.7 TB/s
+// of L2 bandwidth, 128-row ones ~2.3 TB/s).
+constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = 16;  // the mma M dimension
 constexpr int kRowsPerCta = kWarps * kRowsPerWarp;
 constexpr int kKeyTile = 64;  // keys staged in shared memory per step
-constexpr int kPad = 8;       // bf16 row padding: keeps fragment loads free of bank conflicts
+constexpr int kPad = 8;  // bf16 row padding: keeps ldmatrix and cp.async free of bank conflicts
+// Tiles in flight: tile i is computed while i+1 and i+2 load (cp.async), so the L2 latency of a
+// tile hides behind two tiles of mma. Three buffers need one barrier per tile: the buffer refilled
+// at step i was last read at step i-1, before step i's barrier.
+constexpr int kStages = 3;
+// CTAs per SM: two at D <= 64 (54 KB of smem and <= 128 registers each, so one CTA's softmax and
+// barrier waits overlap the other's mma), one at D = 128 (~220 registers x 256 threads).
+template <int D>
+constexpr int kMinCtasPerSm = D >= 128 ? 1 : 2;
+// What PrefillAttentionSplits fills, without knowing D: two CTAs per SM, one wave at D <= 64 and
+// two at D = 128.
+constexpr int kCtaSlotsPerSm = 2;
+
+// [kStages][K, V][kKeyTile][D + kPad] bf16.
+template <int D>
+constexpr size_t SmemBytes() {
+  return size_t{kStages} * 2 * kKeyTile * (D + kPad) * sizeof(__nv_bfloat16);
+}
 
 struct PrefillArgs {
   const __nv_bfloat16* q;        // [total_tokens, num_q_heads, D]
@@ -48,26 +75,88 @@ struct PrefillArgs {
   float* partial_lse;  // [total_tokens * num_q_heads, num_splits]
 };
 
+// Which tile of work a CTA has: (seq, split) from blockIdx.z, and the (row tile, kv head) pair
+// from blockIdx.x, y. Row tiles are handed out last first, across the kv heads: under the causal
+// mask a tile's work grows with its index, so the longest CTAs start in the first wave and the
+// short ones fill the tail (a few percent on a fresh prompt with more CTAs than fit at once).
+struct CtaPlace {
+  int seq;
+  int split;
+  int kvh;
+  int row_tile;  // rows [row_tile * kRowsPerCta, +kRowsPerCta) of the sequence's (token, head) rows
+};
+
+__device__ __forceinline__ CtaPlace Place(const PrefillArgs& a, uint3 cta) {
+  const int64_t linear = cta.x + static_cast<int64_t>(gridDim.x) * cta.y;
+  return {static_cast<int>(cta.z) / a.num_splits, static_cast<int>(cta.z) % a.num_splits,
+          static_cast<int>(linear % a.num_kv_heads),
+          static_cast<int>(gridDim.x) - 1 - static_cast<int>(linear / a.num_kv_heads)};
+}
+
+// blockIdx and threadIdx through asm volatile, which the compiler cannot merge with the earlier
+// reads: the epilogue's indices derived from them are recomputed after the loop rather than kept
+// live through it, where at D = 64 all 128 registers that two CTAs per SM leave are needed.
+__device__ __forceinline__ uint3 OpaqueCtaId() {
+  uint3 c;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(c.x));
+  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(c.y));
+  asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(c.z));
+  return c;
+}
+
+__device__ __forceinline__ int OpaqueTid() {
+  int v;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(v));
+  return v;
+}
+
+// Row `r` of the sequence's (token, head in group) rows as a row of q and out.
+__device__ __forceinline__ int64_t QueryRow(const PrefillArgs& a, const CtaPlace& at, int q_begin,
+                                            int r) {
+  return static_cast<int64_t>(q_begin + r / a.group_size) * a.num_q_heads + at.kvh * a.group_size +
+         r % a.group_size;
+}
+
 // Rows are (token, query head in group) pairs flattened as token * group_size + head, so GQA
-// heads of one token share the K/V tile. mma fragment ownership (PTX m16n8k16): lane = 4*g + t
-// holds rows g and g+8 of its warp's 16 rows, and columns 2t, 2t+1 of every 8-wide n tile.
+// heads of one token share the K/V tile. mma fragment ownership (PTX m16n8k16), lane = 4g + t:
+//   A (16x16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..);
+//   B (16x8, col):  b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g);
+//   C (16x8):       c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1).
+// ldmatrix.x4: lane l gives the address of row l % 8 of matrix l / 8 and gets, in register i,
+// matrix i's (row l / 4, cols 2(l % 4), +1); with .trans, (rows 2(l % 4), +1, col l / 4).
+//   S = Q K^T, B[k = d][n = key] = K[key][d]: b0 is K row `key` at d 2t..2t+1, a plain ldmatrix
+//     of K rows. Matrices (keys 16p + 0..7, d 16kk + 0..7), (16p + 0..7, 16kk + 8..15),
+//     (16p + 8..15, 16kk), (16p + 8..15, 16kk + 8) give b0, b1 of n tile 2p, then of 2p + 1: lane l
+//     reads key 16p + (l & 7) + 8 (l >> 4) at d 16kk + 8 ((l >> 3) & 1).
+//   O += P V, B[k = key][n = d] = V[key][d]: b0 is column d of V rows 2t, 2t+1, ldmatrix.trans of
+//     V rows. Matrices (keys 16k + 0..7, d 16p + 0..7), (16k + 8..15, 16p), (16k, 16p + 8),
+//     (16k + 8, 16p + 8) give b0, b1 of n tile 2p, then of 2p + 1: lane l reads key 16k + (l & 15)
+//     at d 16p + 8 (l >> 4).
+// Row strides of (D + 8) bf16 (144 B, 272 B, 48 B) put the 8 rows of one matrix in 8 distinct
+// 16-byte bank groups.
 template <int D>
-__global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<D>)
+    PrefillAttentionKernel(PrefillArgs a) {
   constexpr int KSTEPS = D / 16;      // k steps of QK^T
   constexpr int NT_S = kKeyTile / 8;  // n tiles of S
   constexpr int NT_O = D / 8;         // n tiles of O
   constexpr int CHUNKS = D / 8;       // 16-byte pieces per K/V row
-  __shared__ __align__(16) __nv_bfloat16 sk[kKeyTile][D + kPad];
-  __shared__ __align__(16) __nv_bfloat16 sv[kKeyTile][D + kPad];
+  constexpr int LD = D + kPad;        // bf16 per shared-memory row
+  constexpr uint32_t kRowBytes = LD * sizeof(__nv_bfloat16);
+  constexpr uint32_t kTileBytes = kKeyTile * kRowBytes;                  // one K or V tile
+  constexpr uint32_t kStageBytes = 2 * kTileBytes;                       // K then V
+  constexpr int kLoads = (kKeyTile * CHUNKS + kThreads - 1) / kThreads;  // 16-B copies per thread
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // [kStages][2][kKeyTile][LD] bf16
+  const uint32_t smem = SharedAddress(smem_raw);
 
-  const int seq = static_cast<int>(blockIdx.z) / a.num_splits;
-  const int split = static_cast<int>(blockIdx.z) % a.num_splits;
-  const int kvh = blockIdx.y;
+  const CtaPlace at = Place(a, blockIdx);
+  const int seq = at.seq;
+  const int kvh = at.kvh;
   const int q_begin = a.cu_seqlens[seq];
   const int q_len = min(a.cu_seqlens[seq + 1], a.total_tokens) - q_begin;
   const int start = a.start_pos != nullptr ? a.start_pos[seq] : 0;
   const int num_rows = q_len * a.group_size;
-  const int row_begin = blockIdx.x * kRowsPerCta;
+  const int row_begin = at.row_tile * kRowsPerCta;
   if (q_len <= 0 || q_begin < 0 || start < 0 || row_begin >= num_rows) return;
   const int last_tok = min(num_rows - 1, row_begin + kRowsPerCta - 1) / a.group_size;
   const int kv_end = min(start + last_tok + 1, a.max_context);
@@ -76,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a
   const int seq_keys = min(start + q_len, a.max_context);
   const int tiles_per_split =
       ((seq_keys + kKeyTile - 1) / kKeyTile + a.num_splits - 1) / a.num_splits;
-  const int kv_begin = split * tiles_per_split * kKeyTile;
+  const int kv_begin = at.split * tiles_per_split * kKeyTile;
   const int kv_stop = min(kv_end, kv_begin + tiles_per_split * kKeyTile);
 
   const int lane = threadIdx.x & 31;
@@ -87,28 +176,81 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a
   const bool warp_active = warp_row0 < num_rows;
   const int warp_max_pos =
       warp_active ? start + min(num_rows - 1, warp_row0 + kRowsPerWarp - 1) / a.group_size : -1;
+  // Keys up to here are visible to all the warp's rows: tiles that end there need no mask.
+  const int warp_unmasked = min(start + warp_row0 / a.group_size, kv_end - 1);
 
-  // This thread's two rows (g and g+8): query position and q/out row offset.
-  int pos[2];
-  int64_t row_off[2];
+  // The last key each of this thread's rows (g and g+8) sees, its query position capped by
+  // kv_end; -1 for a row past num_rows: every key is masked, nothing is written.
+  int last_key[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = warp_row0 + g + 8 * i;
-    const bool valid = r < num_rows;
-    const int tok = valid ? r / a.group_size : 0;
-    const int head = kvh * a.group_size + (valid ? r % a.group_size : 0);
-    pos[i] = valid ? start + tok : -1;  // -1: every key is masked, nothing is written
-    row_off[i] = (static_cast<int64_t>(q_begin + tok) * a.num_q_heads + head) * D;
+    last_key[i] = r < num_rows ? min(start + r / a.group_size, kv_end - 1) : -1;
   }
+
+  const int32_t* bt =  // [max_blocks_per_seq]
+      a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+  const int bs_mask = (1 << a.block_shift) - 1;
+  const int64_t head_stride = static_cast<int64_t>(D) << a.block_shift;
+  const int64_t block_stride = head_stride * a.num_kv_heads;
+  // This thread's rows of a tile are j = (threadIdx.x + i * kThreads) / CHUNKS, i < kLoads, at
+  // piece threadIdx.x % CHUNKS. Their table entries are read one step before the copies that use
+  // them (and checked there), so the table's L2 latency hides behind a tile of mma instead of
+  // stalling every warp right after the barrier. Entries of keys at or past kv_end are never read
+  // (they may be padding); block 0 stands in.
+  int32_t blk[kLoads];
+  auto lookup = [&](int kt) {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int c = threadIdx.x + i * kThreads;
+      if (kKeyTile * CHUNKS % kThreads != 0 && c >= kKeyTile * CHUNKS) break;
+      const int key = kt + c / CHUNKS;
+      blk[i] = key < kv_end ? __ldg(bt + (key >> a.block_shift)) : 0;
+    }
+  };
+  // Keys [kt, kt + kKeyTile) into stage `stage` with the ids from lookup(kt), 16 B per cp.async;
+  // keys at or past kv_end are zero-filled (src-size 0): masked P times garbage V could be NaN.
+  auto copy_tile = [&](int kt, int stage) {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int c = threadIdx.x + i * kThreads;
+      if (kKeyTile * CHUNKS % kThreads != 0 && c >= kKeyTile * CHUNKS) break;
+      const int j = c / CHUNKS;
+      const int piece = c % CHUNKS;
+      const int key = kt + j;
+      const int32_t id = CheckedBlockId(blk[i], a.num_blocks, a.error_flag);
+      const int64_t off = id * block_stride + kvh * head_stride +
+                          static_cast<int64_t>(key & bs_mask) * D + piece * 8;
+      const uint32_t dst = smem + stage * kStageBytes + j * kRowBytes + piece * 16;
+      CpAsync16(dst, a.k_cache + off, key < kv_end);
+      CpAsync16(dst + kTileBytes, a.v_cache + off, key < kv_end);
+    }
+  };
+  // Issued before the Q loads so the first tiles are in flight while Q arrives.
+  if (kv_begin < kv_stop) {
+    lookup(kv_begin);
+    copy_tile(kv_begin, 0);
+  }
+  CpAsyncCommit();
+  if (kv_begin + kKeyTile < kv_stop) {
+    lookup(kv_begin + kKeyTile);
+    copy_tile(kv_begin + kKeyTile, 1);
+  }
+  CpAsyncCommit();
+  if (kv_begin + 2 * kKeyTile < kv_stop) lookup(kv_begin + 2 * kKeyTile);
 
   uint32_t qa[KSTEPS][4];
 #pragma unroll
-  for (int kk = 0; kk < KSTEPS; ++kk) {
+  for (int row = 0; row < 2; ++row) {  // a0, a2: row g; a1, a3: row g+8
+    // [D], from column 2t.
+    const __nv_bfloat16* qr = a.q + QueryRow(a, at, q_begin, warp_row0 + g + 8 * row) * D + 2 * t;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = i & 1;  // a0: row g, a1: row g+8, a2: row g, a3: row g+8
-      const int col = kk * 16 + 2 * t + (i >> 1) * 8;
-      qa[kk][i] = pos[row] >= 0 ? *reinterpret_cast<const uint32_t*>(a.q + row_off[row] + col) : 0u;
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        qa[kk][row + 2 * half] =
+            last_key[row] >= 0 ? *reinterpret_cast<const uint32_t*>(qr + kk * 16 + half * 8) : 0u;
+      }
     }
   }
 
@@ -118,74 +260,82 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.f, 0.f};
 
-  const int32_t* bt = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
-  const int bs_mask = (1 << a.block_shift) - 1;
-  const int64_t head_stride = static_cast<int64_t>(D) << a.block_shift;
-  const int64_t block_stride = head_stride * a.num_kv_heads;
+  // This lane's ldmatrix row addresses within a stage (the mapping above).
+  const uint32_t k_lane = ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + ((lane >> 3) & 1) * 16;
+  const uint32_t v_lane = kTileBytes + (lane & 15) * kRowBytes + (lane >> 4) * 16;
 
-  for (int kt = kv_begin; kt < kv_stop; kt += kKeyTile) {
-    __syncthreads();  // the previous tile is no longer read
-    for (int c = threadIdx.x; c < kKeyTile * CHUNKS; c += kThreads) {
-      const int j = c / CHUNKS;
-      const int piece = c % CHUNKS;
-      const int key = kt + j;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (key < kv_end) {  // zero fill past the end: masked P times garbage V could be NaN
-        const int32_t blk = CheckedBlock(bt, key >> a.block_shift, a.num_blocks, a.error_flag);
-        const int64_t off = blk * block_stride + kvh * head_stride +
-                            static_cast<int64_t>(key & bs_mask) * D + piece * 8;
-        kv = __ldg(reinterpret_cast<const uint4*>(a.k_cache + off));
-        vv = __ldg(reinterpret_cast<const uint4*>(a.v_cache + off));
-      }
-      *reinterpret_cast<uint4*>(&sk[j][piece * 8]) = kv;
-      *reinterpret_cast<uint4*>(&sv[j][piece * 8]) = vv;
-    }
-    __syncthreads();
+  int stage = 0;
+  for (int kt = kv_begin; kt < kv_stop; kt += kKeyTile) {  // tile i = (kt - kv_begin) / kKeyTile
+    CpAsyncWait<1>();  // this thread's copies of tile i have landed (tile i+1 may be in flight)
+    __syncthreads();   // everyone's have, and every warp is done with tile i-1's buffer
+    static_assert(kStages == 3, "the prologue loads two tiles; step i refills stage (i + 2) % 3");
+    if (kt + 2 * kKeyTile < kv_stop) copy_tile(kt + 2 * kKeyTile, stage == 0 ? 2 : stage - 1);
+    CpAsyncCommit();  // possibly empty: keeps "all but the newest group" meaning tile i+1
+    if (kt + 3 * kKeyTile < kv_stop) lookup(kt + 3 * kKeyTile);
+    const uint32_t ks = smem + stage * kStageBytes;
+    stage = stage == kStages - 1 ? 0 : stage + 1;
     if (kt > warp_max_pos) continue;  // causal: every key of this tile is in the warp's future
 
     float s[NT_S][4];
 #pragma unroll
-    for (int n = 0; n < NT_S; ++n) {
-      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int n = 0; n < NT_S; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < KSTEPS; ++kk) {
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&sk[n * 8 + g][kk * 16 + 2 * t]);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&sk[n * 8 + g][kk * 16 + 8 + 2 * t]);
-        MmaBf16(s[n], qa[kk], b0, b1);
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+#pragma unroll
+      for (int p = 0; p < NT_S / 2; ++p) {
+        uint32_t b[4];
+        LdMatrixX4(b, ks + k_lane + p * 16 * kRowBytes + kk * 32);
+        MmaBf16(s[2 * p], qa[kk], b[0], b[1]);
+        MmaBf16(s[2 * p + 1], qa[kk], b[2], b[3]);
       }
     }
 
-    // Scale, mask, online softmax; c[0..1] belong to row g, c[2..3] to row g+8.
-    float alpha[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float mx = m[i];
+    // Scale, mask, online softmax; c[0..1] belong to row g, c[2..3] to row g+8. A tile wholly at
+    // or before the warp's first position (and inside kv_end) needs no mask, which saves a compare
+    // and a select per score: rows past num_rows get finite junk there (q = 0), never written.
+    if (kt + kKeyTile - 1 <= warp_unmasked) {
 #pragma unroll
       for (int n = 0; n < NT_S; ++n) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = kt + n * 8 + 2 * t + e;
-          float& v = s[n][2 * i + e];
-          v = key <= pos[i] && key < kv_end ? v * a.scale_log2 : -INFINITY;
-          mx = fmaxf(mx, v);
+        for (int e = 0; e < 4; ++e) s[n][e] *= a.scale_log2;
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // Keys past `last` are masked, counted from this lane's first key of the tile.
+        const int last = last_key[r] - kt - 2 * t;
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& v = s[n][2 * r + e];
+            v = n * 8 + e <= last ? v * a.scale_log2 : -INFINITY;
+          }
         }
       }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m[r];
+#pragma unroll
+      for (int n = 0; n < NT_S; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float shift = SafeShift(mx);
-      alpha[i] = exp2f(m[i] - shift);
-      m[i] = mx;
+      alpha[r] = Exp2Approx(m[r] - shift);
+      m[r] = mx;
       float psum = 0.f;
 #pragma unroll
       for (int n = 0; n < NT_S; ++n) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          float& v = s[n][2 * i + e];
-          v = exp2f(v - shift);
+          float& v = s[n][2 * r + e];
+          v = Exp2Approx(v - shift);
           psum += v;
         }
       }
-      l[i] = l[i] * alpha[i] + psum;  // per-thread partial; the quad is summed at the end
+      l[r] = l[r] * alpha[r] + psum;  // per-thread partial; the quad is summed at the end
     }
 #pragma unroll
     for (int n = 0; n < NT_O; ++n) {
@@ -196,36 +346,43 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a
     }
 
     // O += P V: S's accumulator layout for keys [16k, 16k+16) is exactly P's A fragment.
+    const uint32_t vs = ks + v_lane;
 #pragma unroll
     for (int k = 0; k < kKeyTile / 16; ++k) {
       const uint32_t pa[4] = {
           PackBf16(s[2 * k][0], s[2 * k][1]), PackBf16(s[2 * k][2], s[2 * k][3]),
           PackBf16(s[2 * k + 1][0], s[2 * k + 1][1]), PackBf16(s[2 * k + 1][2], s[2 * k + 1][3])};
-      const int k0 = k * 16 + 2 * t;
 #pragma unroll
-      for (int n = 0; n < NT_O; ++n) {
-        const int col = n * 8 + g;
-        const uint32_t b0 = PackBf16(sv[k0][col], sv[k0 + 1][col]);
-        const uint32_t b1 = PackBf16(sv[k0 + 8][col], sv[k0 + 9][col]);
-        MmaBf16(o[n], pa, b0, b1);
+      for (int p = 0; p < NT_O / 2; ++p) {
+        uint32_t b[4];
+        LdMatrixX4Trans(b, vs + k * 16 * kRowBytes + p * 32);
+        MmaBf16(o[2 * p], pa, b[0], b[1]);
+        MmaBf16(o[2 * p + 1], pa, b[2], b[3]);
       }
     }
   }
+  // No copy is in flight here: only tiles below kv_stop are issued, and the last was waited for
+  // in the last step.
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
   }
+  const CtaPlace at_end = Place(a, OpaqueCtaId());
+  const int q_begin_end = __ldg(a.cu_seqlens + at_end.seq);
+  const int tid = OpaqueTid();
+  const int row0_end =
+      at_end.row_tile * kRowsPerCta + (tid >> 5) * kRowsPerWarp + ((tid & 31) >> 2);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    if (pos[i] < 0) continue;
+    if (last_key[i] < 0) continue;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const int64_t row = QueryRow(a, at_end, q_begin_end, row0_end + 8 * i);
     if (a.num_splits > 1) {
-      // row_off / D is the (token, head) row; a split that saw none of the row's keys says so
-      // with -inf, and the merge skips it.
-      const int64_t prow = row_off[i] / D * a.num_splits + split;
-      float* po = a.partial_out + prow * D;
+      // A split that saw none of the row's keys says so with -inf, and the merge skips it.
+      const int64_t prow = row * a.num_splits + at_end.split;
+      float* po = a.partial_out + prow * D;  // [D]
 #pragma unroll
       for (int n = 0; n < NT_O; ++n) {
         *reinterpret_cast<float2*>(po + n * 8 + 2 * t) =
@@ -236,7 +393,7 @@ __global__ void __launch_bounds__(kThreads) PrefillAttentionKernel(PrefillArgs a
     }
 #pragma unroll
     for (int n = 0; n < NT_O; ++n) {
-      *reinterpret_cast<__nv_bfloat162*>(a.out + row_off[i] + n * 8 + 2 * t) =
+      *reinterpret_cast<__nv_bfloat162*>(a.out + row * D + n * 8 + 2 * t) =
           __floats2bfloat162_rn(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
     }
   }
@@ -338,15 +495,28 @@ size_t AlignUp(size_t v) {
 int32_t PrefillAttentionSplits(int32_t total_tokens, int32_t max_q_len, int32_t num_seqs,
                                int32_t num_q_heads, int32_t num_kv_heads, int32_t max_kv_len,
                                int32_t num_sms, int32_t max_split_rows) {
-  if (total_tokens < 1 || num_kv_heads < 1 || num_sms < 1) return 1;
+  if (total_tokens < 1 || num_kv_heads < 1 || num_sms < 1 || num_seqs < 1) return 1;
   const int64_t group = num_q_heads / num_kv_heads;
   const int64_t ctas = (static_cast<int64_t>(max_q_len) * group + kRowsPerCta - 1) / kRowsPerCta *
                        num_kv_heads * num_seqs;
-  const int64_t want = (2 * static_cast<int64_t>(num_sms) + ctas - 1) / ctas;
+  const int64_t slots = static_cast<int64_t>(kCtaSlotsPerSm) * num_sms;
+  if (ctas >= slots) return 1;
   const int64_t by_keys = (static_cast<int64_t>(max_kv_len) + kKeyTile - 1) / kKeyTile / 4;
   const int64_t by_room = max_split_rows / total_tokens;
-  const int64_t splits = std::min<int64_t>({want, by_keys, by_room, 16, 65535 / num_seqs});
-  return static_cast<int32_t>(std::max<int64_t>(splits, 1));
+  const int64_t cap = std::min<int64_t>({by_keys, by_room, 16, 65535 / num_seqs});
+  // CTAs of one chunk do about equal work, so with s splits the kernel takes about
+  // waves(s) / s of the unsplit CTA's time, waves(s) = ceil(ctas * s / slots): the fewest splits
+  // with the least of that. A split past one full wave only pays when it fills the last one
+  // better (64 CTAs on 264 slots: 4 splits fill 97%, 5 need two waves for 1.25x the work of one).
+  int64_t best = 1, best_waves = 1;
+  for (int64_t s = 2; s <= cap; ++s) {
+    const int64_t waves = (ctas * s + slots - 1) / slots;
+    if (s * best_waves > best * waves) {  // s / waves > best / best_waves
+      best = s;
+      best_waves = waves;
+    }
+  }
+  return static_cast<int32_t>(best);
 }
 
 size_t PrefillAttentionLseOffset(int32_t max_split_rows, int32_t num_q_heads, int32_t head_dim) {
@@ -388,7 +558,15 @@ absl::Status LaunchPrefillAttention(const PrefillAttentionParams& p, cudaStream_
   return attention_internal::DispatchHeadDim(
       p.head_dim, "PrefillAttentionParams.head_dim", [&](auto d) -> absl::Status {
         constexpr int D = decltype(d)::value;
-        PrefillAttentionKernel<D><<<grid, kThreads, 0, stream>>>(a);
+        // Above the default 48 KB at D >= 64, and all of the SM's L1 as shared memory so two CTAs
+        // fit at D = 64 (the K/V copies bypass L1). Function attributes: legal during capture.
+        TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(PrefillAttentionKernel<D>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     static_cast<int>(SmemBytes<D>())));
+        TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(PrefillAttentionKernel<D>,
+                                                     cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                     cudaSharedmemCarveoutMaxShared));
+        PrefillAttentionKernel<D><<<grid, kThreads, SmemBytes<D>(), stream>>>(a);
         TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
         if (p.num_splits == 1) return absl::OkStatus();
         const int64_t out_rows = static_cast<int64_t>(p.total_tokens) * p.num_q_heads;

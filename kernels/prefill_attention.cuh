@@ -1,8 +1,9 @@
 // Causal prefill attention over the paged KV cache, for a ragged batch of prompt chunks. The
 // rope_kv kernel has already written this chunk's K/V into the cache, so every query reads all of
 // its keys (cached prefix + chunk) from the cache. GQA: one CTA serves the query heads of one kv
-// head for up to 64 (token, head) rows; QK^T and PV run on the tensor cores (mma.sync bf16,
-// fp32 accumulate) with an fp32 online softmax.
+// head for up to 128 (token, head) rows; QK^T and PV run on the tensor cores (mma.sync bf16,
+// fp32 accumulate) with an fp32 online softmax, over 64-key tiles that cp.async stages in shared
+// memory two tiles ahead.
 //
 // A short chunk after a long prefix (chunked prefill beside running decode streams) has too few
 // (token, head) tiles to fill the GPU while each CTA walks the whole prefix, so the keys can also
@@ -50,9 +51,11 @@ struct PrefillAttentionParams {
   float* partial_lse = nullptr;  // [total_tokens * num_q_heads, num_splits], log2 units
 };
 
-// The key split for a chunk: 1 when the (token, head) tiles alone give every SM two CTAs or the
-// longest sequence has few key tiles; otherwise enough splits for that, at most 16, at least 4 key
-// tiles per split, and total_tokens * splits <= max_split_rows (the partials' capacity).
+// The key split for a chunk. CTAs = ceil(max_q_len * group / 128) * num_kv_heads * num_seqs; 1 when
+// they alone give every SM two CTAs or the longest sequence has few key tiles. Otherwise the fewest
+// splits s that minimise ceil(CTAs * s / (2 * num_sms)) / s (waves of two CTAs per SM, each with
+// 1/s of the keys), among s <= 16 with at least 4 64-key tiles per split, total_tokens * s <=
+// max_split_rows (the partials' capacity) and num_seqs * s <= 65535.
 int32_t PrefillAttentionSplits(int32_t total_tokens, int32_t max_q_len, int32_t num_seqs,
                                int32_t num_q_heads, int32_t num_kv_heads, int32_t max_kv_len,
                                int32_t num_sms, int32_t max_split_rows);
