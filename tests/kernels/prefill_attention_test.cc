@@ -265,6 +265,26 @@ TEST(PrefillAttentionTest, LongChunkAfterLongPrefix) {
   h.Run();
 }
 
+// The engine's chunked-prefill path: a 256-token chunk after a prefix of many key tiles, split as
+// PrefillAttentionSplits chooses for an H100/H200 (132 SMs) and the engine's partials.
+TEST(PrefillAttentionTest, ChunkAfterLongPrefixAtTheChosenSplit) {
+  for (const int d : {64, 128}) {
+    SCOPED_TRACE(absl::StrCat("D ", d));
+    const PrefillCase c{8, 2, d, {256}, {3000}};
+    const int32_t splits = PrefillAttentionSplits(256, 256, 1, 8, 2, 3256, 132, 2048);
+    ASSERT_GT(splits, 1);
+    const PrefillHarness h(c, 41 + d);
+    h.Run(splits);
+  }
+}
+
+// A fresh prompt of many 128-row tiles and 64-key tiles: the diagonal tile at every offset, the
+// unmasked tiles before it, and the longest row tiles launched first.
+TEST(PrefillAttentionTest, LongFreshPrompt) {
+  const PrefillHarness h({8, 2, 64, {1000, 37}, {0, 0}}, 23);
+  h.Run();
+}
+
 TEST(PrefillAttentionTest, NullStartMeansFreshPrompt) {
   const PrefillCase c{8, 2, 64, {40, 3}, {0, 0}};
   const PrefillHarness h(c, 12);
