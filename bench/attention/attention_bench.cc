@@ -4,9 +4,13 @@
 // table reports the median (and p10/p90) in us and the achieved GB/s of K/V read, against the
 // floor of KV bytes / 4.3 TB/s.
 //
+// The prefill is one chunk of prefill_len queries after a cached prefix of prefill_start tokens
+// (0: a fresh prompt; > 0: chunked prefill), timed at PrefillAttentionSplits' choice and a sweep of
+// key splits around it, with TFLOP/s over the (start + i + 1) keys query i attends to.
+//
 //   tailserve-attn-bench [--num_seqs=32] [--min_ctx=100] [--max_ctx=4000] [--q_heads=32]
 //                        [--kv_heads=8] [--head_dim=128] [--iters=100] [--warmup=10]
-//                        [--prefill_len=2048]
+//                        [--prefill_len=2048] [--prefill_start=0]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -47,7 +51,12 @@ struct Options {
   int iters = 100;
   int warmup = 10;
   int prefill_len = 2048;
+  int prefill_start = 0;
 };
+
+// The partials' capacity in (token, split) pairs, as the engine sizes it (CudaModel's
+// kPrefillSplitRows).
+constexpr int32_t kPrefillSplitRows = 2048;
 
 bool ParseFlag(const char* arg, const char* name, int* out) {
   const std::string prefix = absl::StrCat("--", name, "=");
@@ -64,12 +73,14 @@ bool Parse(int argc, char** argv, Options* o) {
           ParseFlag(a, "kv_heads", &o->kv_heads) || ParseFlag(a, "head_dim", &o->head_dim) ||
           ParseFlag(a, "block_size", &o->block_size) ||
           ParseFlag(a, "max_splits", &o->max_splits) || ParseFlag(a, "iters", &o->iters) ||
-          ParseFlag(a, "warmup", &o->warmup) || ParseFlag(a, "prefill_len", &o->prefill_len))) {
+          ParseFlag(a, "warmup", &o->warmup) || ParseFlag(a, "prefill_len", &o->prefill_len) ||
+          ParseFlag(a, "prefill_start", &o->prefill_start))) {
       std::fprintf(stderr, "unknown flag %s\n", a);
       return false;
     }
   }
-  return o->num_seqs > 0 && o->min_ctx > 0 && o->max_ctx >= o->min_ctx && o->iters > 0;
+  return o->num_seqs > 0 && o->min_ctx > 0 && o->max_ctx >= o->min_ctx && o->iters > 0 &&
+         o->prefill_start >= 0;
 }
 
 template <typename T>
@@ -262,29 +273,33 @@ void RunDecode(const Options& o, const char* name, std::vector<int32_t> ctx, int
   FreeBatch(b);
 }
 
-void RunPrefill(const Options& o, cudaStream_t stream) {
+void RunPrefill(const Options& o, int sms, cudaStream_t stream) {
   Options po = o;
   po.num_seqs = 1;
-  Batch b = MakeBatch(po, {o.prefill_len}, 99);
-  __nv_bfloat16* q =
-      DeviceAlloc<__nv_bfloat16>(static_cast<size_t>(o.prefill_len) * o.q_heads * o.head_dim);
-  __nv_bfloat16* out =
-      DeviceAlloc<__nv_bfloat16>(static_cast<size_t>(o.prefill_len) * o.q_heads * o.head_dim);
-  FillRandom(q, static_cast<size_t>(o.prefill_len) * o.q_heads * o.head_dim, 7);
-  const int32_t cu[2] = {0, o.prefill_len};
-  int32_t* dcu = DeviceAlloc<int32_t>(2);
-  BENCH_CUDA(cudaMemcpy(dcu, cu, sizeof(cu), cudaMemcpyHostToDevice));
+  const int32_t len = o.prefill_len;
+  const int32_t start = o.prefill_start;
+  Batch b = MakeBatch(po, {start + len}, 99);  // the chunk's own K/V sit after the prefix
+  const size_t q_elems = static_cast<size_t>(len) * o.q_heads * o.head_dim;
+  __nv_bfloat16* q = DeviceAlloc<__nv_bfloat16>(q_elems);    // [len, q_heads, head_dim]
+  __nv_bfloat16* out = DeviceAlloc<__nv_bfloat16>(q_elems);  // [len, q_heads, head_dim]
+  FillRandom(q, q_elems, 7);
+  const int32_t host_meta[3] = {0, len, start};  // cu_seqlens [2], start_pos [1]
+  int32_t* meta = DeviceAlloc<int32_t>(3);
+  BENCH_CUDA(cudaMemcpy(meta, host_meta, sizeof(host_meta), cudaMemcpyHostToDevice));
+  const size_t ws_bytes =
+      kernels::PrefillAttentionWorkspaceBytes(kPrefillSplitRows, o.q_heads, o.head_dim);
+  char* ws = DeviceAlloc<char>(ws_bytes);
   kernels::PrefillAttentionParams p;
   p.q = q;
   p.k_cache = b.k;
   p.v_cache = b.v;
   p.block_tables = b.tables;
-  p.cu_seqlens = dcu;
-  p.start_pos = nullptr;
+  p.cu_seqlens = meta;
+  p.start_pos = meta + 2;
   p.out = out;
   p.num_seqs = 1;
-  p.total_tokens = o.prefill_len;
-  p.max_q_len = o.prefill_len;
+  p.total_tokens = len;
+  p.max_q_len = len;
   p.num_q_heads = o.q_heads;
   p.num_kv_heads = o.kv_heads;
   p.head_dim = o.head_dim;
@@ -292,15 +307,40 @@ void RunPrefill(const Options& o, cudaStream_t stream) {
   p.num_blocks = b.num_blocks;
   p.max_blocks_per_seq = b.max_blocks;
   p.scale = 1.f / std::sqrt(static_cast<float>(o.head_dim));
-  const Timing t =
-      TimeGraph(o, stream, [&](cudaStream_t s) { return kernels::LaunchPrefillAttention(p, s); });
-  // Causal: ~n^2/2 query-key pairs, 4*D flops each (QK^T and PV).
-  const double flops = 0.5 * o.prefill_len * (o.prefill_len + 1.0) * o.q_heads * 4.0 * o.head_dim;
-  std::printf("prefill  len=%-5d %-30s %9.1f %9.1f %9.1f %8.1f TFLOP/s\n", o.prefill_len, "",
-              t.median_us, t.p10_us, t.p90_us, flops / (t.median_us * 1e6));
+  p.partial_out = reinterpret_cast<float*>(ws);
+  p.partial_lse = reinterpret_cast<float*>(
+      ws + kernels::PrefillAttentionLseOffset(kPrefillSplitRows, o.q_heads, o.head_dim));
+  const int32_t chosen = kernels::PrefillAttentionSplits(len, len, 1, o.q_heads, o.kv_heads,
+                                                         start + len, sms, kPrefillSplitRows);
+  // Query i attends to start + i + 1 keys; 4 * D flops per query-key pair and head (QK^T, PV).
+  const double pairs = static_cast<double>(len) * start + 0.5 * len * (len + 1.0);
+  const double flops = pairs * o.q_heads * 4.0 * o.head_dim;
+  std::vector<int32_t> sweep = {1, 2, 3, 4, 6, 8, 12, 16, chosen};
+  std::sort(sweep.begin(), sweep.end());
+  sweep.erase(std::unique(sweep.begin(), sweep.end()), sweep.end());
+  std::vector<__nv_bfloat16> baseline, got(q_elems);
+  for (const int32_t splits : sweep) {
+    if (static_cast<int64_t>(splits) * len > kPrefillSplitRows && splits > 1) continue;
+    p.num_splits = splits;
+    const Timing t =
+        TimeGraph(o, stream, [&](cudaStream_t s) { return kernels::LaunchPrefillAttention(p, s); });
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    BENCH_CUDA(cudaMemcpy(got.data(), out, q_elems * 2, cudaMemcpyDeviceToHost));
+    if (baseline.empty()) baseline = got;
+    double diff = 0;
+    for (size_t i = 0; i < q_elems; ++i) {
+      diff = std::max(diff, static_cast<double>(std::fabs(__bfloat162float(got[i]) -
+                                                          __bfloat162float(baseline[i]))));
+    }
+    const std::string label =
+        absl::StrCat("start=", start, " splits=", splits, splits == chosen ? " (chosen)" : "");
+    std::printf("prefill  len=%-5d %-30s %9.1f %9.1f %9.1f %8.1f TFLOP/s %10.2e\n", len,
+                label.c_str(), t.median_us, t.p10_us, t.p90_us, flops / (t.median_us * 1e6), diff);
+  }
   cudaFree(q);
   cudaFree(out);
-  cudaFree(dcu);
+  cudaFree(meta);
+  cudaFree(ws);
   FreeBatch(b);
 }
 
@@ -333,7 +373,7 @@ int Main(int argc, char** argv) {
               "GB/s", "maxdiff");
   RunDecode(o, "ragged", ragged, sms, stream);
   RunDecode(o, "uniform", uniform, sms, stream);
-  if (o.prefill_len > 0) RunPrefill(o, stream);
+  if (o.prefill_len > 0) RunPrefill(o, sms, stream);
   BENCH_CUDA(cudaStreamDestroy(stream));
   return 0;
 }
