@@ -362,8 +362,11 @@ absl::Status CudaBackend::PrefillNow(std::span<const SlotInit> inits) {
     params.push_back(ToSamplingRow(in.sampling, in.prompt.size()));
   }
   TS_RETURN_IF_ERROR(model_->EnqueuePrefill(seqs, stream));
-  TS_RETURN_IF_ERROR(
-      model_->EnqueuePrefillSample(slot_ids, params, k::kSlotActive, k::kSlotActive, stream));
+  TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(FirstTokens{.slots = slot_ids,
+                                                              .params = params,
+                                                              .from_state = k::kSlotActive,
+                                                              .to_state = k::kSlotActive},
+                                                  stream));
   // The engine drains the first tokens right after Prefill returns, and the staging rows are
   // free again after this.
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));

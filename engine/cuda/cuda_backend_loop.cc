@@ -121,16 +121,18 @@ absl::Status CudaBackend::EnqueueChunk(int32_t max_rows, int32_t mixed_bucket,
                                         .len = p.len,
                                         .head_row = head_row});
   }
-  if (mixed_bucket > 0) {
-    TS_RETURN_IF_ERROR(model_->EnqueueMixedStep(mixed_bucket, mixed_splits, model_pieces, stream_));
-  } else {
-    TS_RETURN_IF_ERROR(model_->EnqueuePrefillChunk(model_pieces, stream_));
-  }
   // A plain chunk's prompts become READY, for the loop launched behind it to admit at its first
   // step; a mixed step's become ACTIVE, for the next mixed step to decode (the loop is off).
-  TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(sample_slots, params, k::kSlotPrefill,
-                                                  mixed_bucket > 0 ? k::kSlotActive : k::kSlotReady,
-                                                  stream_));
+  const FirstTokens first{.slots = sample_slots,
+                          .params = params,
+                          .from_state = k::kSlotPrefill,
+                          .to_state = mixed_bucket > 0 ? k::kSlotActive : k::kSlotReady};
+  if (mixed_bucket > 0) {
+    TS_RETURN_IF_ERROR(
+        model_->EnqueueMixedStep(mixed_bucket, mixed_splits, model_pieces, first, stream_));
+  } else {
+    TS_RETURN_IF_ERROR(model_->EnqueuePrefillChunk(model_pieces, first, stream_));
+  }
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(chunk_end_, stream_));
   // From here on the host counts these slots as decoding (a first token that finishes one shows
   // in its done flag).

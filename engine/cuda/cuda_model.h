@@ -108,6 +108,19 @@ struct PrefillSeq {
   std::span<const int32_t> block_table;  // [>= ceil(n / block_size)] KV block ids
 };
 
+// The first tokens to sample after a chunk: slots[i] is the slot whose prompt's last hidden row
+// is head row i (PrefillPiece::head_row), params[i] its sampling row (position = prompt length).
+// The slots are in device state from_state (kernels/postprocess.cuh); one that does not finish
+// on its first token moves to to_state: ACTIVE to ACTIVE for a host-driven prefill, PREFILL to
+// READY for a chunk the device loop's scheduler admits, PREFILL to ACTIVE for a mixed step's
+// prompts (the loop is not running, and the next mixed step decodes them).
+struct FirstTokens {
+  std::span<const int32_t> slots;
+  std::span<const kernels::SamplingRow> params;
+  int32_t from_state = 0;
+  int32_t to_state = 0;
+};
+
 // One prompt's rows [start, start + len) in a prefill chunk. Its rows before start are in the
 // KV cache already, written by earlier chunks through the same block table.
 struct PrefillPiece {
@@ -160,32 +173,29 @@ class CudaModel {
   // seqs.size() <= max_slots. Synchronises `stream` between chunks only to reuse the staging.
   absl::Status EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStream_t stream);
   // One chunk: the pieces' rows (at most prefill_chunk_tokens in all, at most max_slots pieces)
-  // through the layers in one pass. Waits on the host only until the previous chunk's staging
-  // copies have run.
-  absl::Status EnqueuePrefillChunk(std::span<const PrefillPiece> pieces, cudaStream_t stream);
+  // through the layers in one pass, then the first tokens of the prompts it completes (first;
+  // none when empty). Waits on the host only until the previous chunk's staging copies have run.
+  absl::Status EnqueuePrefillChunk(std::span<const PrefillPiece> pieces, const FirstTokens& first,
+                                   cudaStream_t stream);
   // A mixed step (docs/device-loop.md, Mixed steps): one decode step over `bucket` rows (the row
   // list in dev().decode_head.row_slots, as for EnqueueDecodeStep) with a prefill chunk's pieces
   // riding in the same layer GEMMs, so the weights are read once for both. Rows [0, bucket) of
   // the prefill buffers decode, rows [bucket, bucket + prompt rows) prefill; bucket plus the
   // pieces' rows must fit prefill_chunk_tokens. The decode rows are sampled and postprocessed as
-  // in a decode step; the pieces that end their prompt leave their last hidden row for
-  // EnqueuePrefillSample, as EnqueuePrefillChunk does. Host-launched, not a graph; it shares the
-  // chunk staging with EnqueuePrefillChunk (see StagingFree).
+  // in a decode step, then the prompts it completes get their first tokens (first). All staging
+  // is copied at the step's start, so the host can stage the next step while this one runs.
+  // Host-launched, not a graph; it shares the chunk staging with EnqueuePrefillChunk (see
+  // StagingFree).
   absl::Status EnqueueMixedStep(int32_t bucket, int32_t num_splits,
-                                std::span<const PrefillPiece> pieces, cudaStream_t stream);
+                                std::span<const PrefillPiece> pieces, const FirstTokens& first,
+                                cudaStream_t stream);
   // Whether the staging of the last chunk, mixed step and first-token sample has been copied, so
   // the next can be staged without waiting on the host. A mixed step's caller writes
   // host().row_slots only once this is true.
   absl::StatusOr<bool> StagingFree() const;
-  // Samples the first token of the rows left by EnqueuePrefill. slots[i] is sequence i's slot
-  // (its slot table row, counts and mask already written); params[i].position = prompt length.
-  // The slots are in device state from_state (kernels/postprocess.cuh); a slot that does not
-  // finish on its first token moves to to_state: ACTIVE to ACTIVE for a host-driven prefill,
-  // PREFILL to READY for a chunk the device loop's scheduler admits, PREFILL to ACTIVE for a
-  // mixed step's prompts (the loop is not running, and the next mixed step decodes them).
-  absl::Status EnqueuePrefillSample(std::span<const int32_t> slots,
-                                    std::span<const kernels::SamplingRow> params,
-                                    int32_t from_state, int32_t to_state, cudaStream_t stream);
+  // Samples the first token of the rows left by EnqueuePrefill (head row i = sequence i; its
+  // slot table row, counts and mask already written).
+  absl::Status EnqueuePrefillSample(const FirstTokens& first, cudaStream_t stream);
   // Teacher-forced fp32 logits [tokens.size(), vocab] of one prompt (tests). Writes KV through
   // block_table; synchronises `stream`.
   absl::StatusOr<std::vector<float>> PromptLogits(std::span<const int32_t> tokens,
@@ -248,6 +258,10 @@ class CudaModel {
   // planned GEMM size, on `stream`. Returns the attention inputs; rows_out = padded rows.
   absl::StatusOr<Attention> StagePieces(std::span<const PrefillPiece> pieces, int32_t row_offset,
                                         cudaStream_t stream, int32_t* rows_out, int32_t* gathers);
+  // The first-token sample's staging (params, slots), copied on `stream`; then, once the head
+  // rows are in dev().prefill_head.hidden, its lm_head, sampling and postprocess.
+  absl::Status StageFirstTokens(const FirstTokens& first, cudaStream_t stream);
+  absl::Status LaunchFirstTokens(const FirstTokens& first, cudaStream_t stream);
 
   ModelConfig config_;
   bool small_m_gemv_ = true;

@@ -42,14 +42,14 @@ absl::Status CudaModel::EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStr
       rows_used += take;
       start += take;
       if (rows_used == chunk_cap) {
-        TS_RETURN_IF_ERROR(EnqueuePrefillChunk(pieces, stream));
+        TS_RETURN_IF_ERROR(EnqueuePrefillChunk(pieces, FirstTokens{}, stream));
         pieces.clear();
         rows_used = 0;
       }
     }
   }
   if (pieces.empty()) return absl::OkStatus();
-  return EnqueuePrefillChunk(pieces, stream);
+  return EnqueuePrefillChunk(pieces, FirstTokens{}, stream);
 }
 
 absl::StatusOr<CudaModel::Attention> CudaModel::StagePieces(std::span<const PrefillPiece> pieces,
@@ -165,11 +165,12 @@ absl::StatusOr<bool> CudaModel::StagingFree() const {
 }
 
 absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces,
-                                            cudaStream_t stream) {
+                                            const FirstTokens& first, cudaStream_t stream) {
   if (pieces.empty()) return absl::OkStatus();
   int32_t padded = 0, gathers = 0;
   TS_ASSIGN_OR_RETURN(const Attention at, StagePieces(pieces, 0, stream, &padded, &gathers));
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
+  TS_RETURN_IF_ERROR(StageFirstTokens(first, stream));
   const DeviceLayout& dv = dev_;
   const ForwardBuffers& f = dv.prefill;
   TS_RETURN_IF_ERROR(k::LaunchEmbedding({.tokens = f.tokens,
@@ -181,18 +182,19 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
                                          .vocab = dims().vocab},
                                         stream));
   TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
-  return k::LaunchGatherRows({.src = f.h,
-                              .src_rows = dv.gather_src,
-                              .dst = dv.prefill_head.hidden,
-                              .dst_rows = dv.gather_dst,
-                              .n = gathers,
-                              .width = dims().hidden},
-                             stream);
+  TS_RETURN_IF_ERROR(k::LaunchGatherRows({.src = f.h,
+                                          .src_rows = dv.gather_src,
+                                          .dst = dv.prefill_head.hidden,
+                                          .dst_rows = dv.gather_dst,
+                                          .n = gathers,
+                                          .width = dims().hidden},
+                                         stream));
+  return LaunchFirstTokens(first, stream);
 }
 
 absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
                                          std::span<const PrefillPiece> pieces,
-                                         cudaStream_t stream) {
+                                         const FirstTokens& first, cudaStream_t stream) {
   const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), bucket);
   if (it == buckets_.end() || *it != bucket) {
     return absl::InvalidArgumentError(
@@ -249,24 +251,22 @@ absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
                                          stream));
   // The decode rows' hidden states are rows [0, bucket) of f.h: the head reads them in place.
   TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, nullptr));
-  return EnqueueSampleAndPost(head, bucket, k::kSlotActive, k::kSlotActive, nullptr, stream,
-                              nullptr);
+  TS_RETURN_IF_ERROR(
+      EnqueueSampleAndPost(head, bucket, k::kSlotActive, k::kSlotActive, nullptr, stream, nullptr));
+  return LaunchFirstTokens(first, stream);
 }
 
-absl::Status CudaModel::EnqueuePrefillSample(std::span<const int32_t> slots,
-                                             std::span<const k::SamplingRow> params,
-                                             int32_t from_state, int32_t to_state,
-                                             cudaStream_t stream) {
-  const int32_t n = static_cast<int32_t>(slots.size());
+absl::Status CudaModel::StageFirstTokens(const FirstTokens& first, cudaStream_t stream) {
+  const int32_t n = static_cast<int32_t>(first.slots.size());
   if (n == 0) return absl::OkStatus();
-  TS_CHECK_EQ(slots.size(), params.size());
+  TS_CHECK_EQ(first.slots.size(), first.params.size());
   TS_CHECK_LE(n, plan_.shape.max_slots);
   TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sample_staging_free_));
   const HostLayout& h = host_;
   for (int32_t i = 0; i < n; ++i) {
-    h.sample_params[i] = params[i];
-    h.sample_slots[i] = slots[i];
-    h.head_row_slots[i] = slots[i];
+    h.sample_params[i] = first.params[i];
+    h.sample_slots[i] = first.slots[i];
+    h.head_row_slots[i] = first.slots[i];
   }
   const HeadBuffers& head = dev_.prefill_head;
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(head.params, h.sample_params, n * sizeof(k::SamplingRow),
@@ -276,9 +276,21 @@ absl::Status CudaModel::EnqueuePrefillSample(std::span<const int32_t> slots,
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(head.row_slots, h.head_row_slots, n * sizeof(int32_t),
                                           cudaMemcpyHostToDevice, stream));
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(sample_staging_free_, stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaModel::LaunchFirstTokens(const FirstTokens& first, cudaStream_t stream) {
+  const int32_t n = static_cast<int32_t>(first.slots.size());
+  if (n == 0) return absl::OkStatus();
+  const HeadBuffers& head = dev_.prefill_head;
   const int32_t padded = PickBucket(buckets_, n);
   TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, padded, *prefill_logits_, stream, nullptr));
-  return EnqueueSampleAndPost(head, n, from_state, to_state, nullptr, stream, nullptr);
+  return EnqueueSampleAndPost(head, n, first.from_state, first.to_state, nullptr, stream, nullptr);
+}
+
+absl::Status CudaModel::EnqueuePrefillSample(const FirstTokens& first, cudaStream_t stream) {
+  TS_RETURN_IF_ERROR(StageFirstTokens(first, stream));
+  return LaunchFirstTokens(first, stream);
 }
 
 absl::StatusOr<std::vector<float>> CudaModel::PromptLogits(std::span<const int32_t> tokens,
