@@ -7,6 +7,9 @@
 #   MODEL=/tmp/llama8b MODES="host loop" RATES="4 16 48" REQUESTS=200 \
 #     bash bench/serving/serve_bench.sh
 #
+# SERVER_ARGS adds tailserve flags (with TAG to tell the runs apart), for example
+# SERVER_ARGS="--prefill_step_tokens 192" TAG=-s192.
+#
 # MODEL: a Hugging Face Llama directory; when missing, tests/gpu/make_llama_reference.py writes a
 # random-weight one in the SHAPE given (default 8b). Prompts are random ids, uniform 64-512 tokens,
 # 128 output tokens (EOS ignored), greedy; --max_batch 64. Full reports under $OUT/serve-*.
@@ -20,6 +23,7 @@ RATES=${RATES:-"4 16 48"}
 REQUESTS=${REQUESTS:-200}
 PORT=${PORT:-50077}
 TAG=${TAG:-}  # appended to the mode in file names and rows
+SERVER_ARGS=${SERVER_ARGS:-}  # more tailserve flags, e.g. "--prefill_step_tokens 192"
 BIN=${BIN:-.bundle/bin}
 mkdir -p "$OUT"
 [ -d .bundle/lib ] && export LD_LIBRARY_PATH=$PWD/.bundle/lib:${LD_LIBRARY_PATH:-}
@@ -34,7 +38,7 @@ rows=()
 for mode in $MODES; do
   log="$OUT/serve-$mode$TAG.log"
   "$BIN/tailserve" --backend cuda --model_dir "$MODEL" --max_batch 64 --decode_loop "$mode" \
-    --port "$PORT" --stats_interval_s 0 > "$log" 2>&1 &
+    --port "$PORT" --stats_interval_s 0 $SERVER_ARGS > "$log" 2>&1 &
   pid=$!
   t0=$(date +%s.%N)
   for _ in $(seq 600); do
