@@ -1,12 +1,14 @@
 // tailserve-gemv-bench: the decode-shaped GEMMs of Llama-3.2-1B and Llama-3.1-8B (qkv, o, gate_up,
 // down, lm_head) at M = 1, 4, 8: kernels/gemv.cuh (plain and with programmatic dependent launch)
-// against kernels/gemm.cuh's cuBLASLt Gemm. Each variant is captured as a graph of `launches`
-// back-to-back launches whose W rotates over enough copies that L2 (read off the device) never
-// holds it; a replay is timed with CUDA events after warm-up and the table shows the median per
-// launch in us and as a fraction of the 4.3 TB/s read roof (W bytes only), plus the rel. L2
-// difference of the GEMV output against cuBLASLt's (a sanity check, ~1e-3 is bf16 rounding).
+// against kernels/gemm.cuh's cuBLASLt Gemm; then the four projections at M = 16, 32, 64, 128:
+// kernels/skinny_gemm.cuh (plain and PDL) against cuBLASLt. Each variant is captured as a graph
+// of `launches` back-to-back launches whose W rotates over enough copies that L2 (read off the
+// device) never holds it; a replay is timed with CUDA events after warm-up and the table shows the
+// median per launch in us and as a fraction of the 4.3 TB/s read roof (W bytes only), plus the
+// rel. L2 difference of our output against cuBLASLt's (a sanity check, ~1e-3 is bf16 rounding).
 //
-//   tailserve-gemv-bench [--model=all|1b|8b] [--iters=30] [--warmup=3] [--launches=20]
+//   tailserve-gemv-bench [--model=all|1b|8b] [--part=all|gemv|skinny] [--iters=30] [--warmup=3]
+//                        [--launches=20] [--skinny_split=0 (heuristic) | 1..8]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -26,6 +28,7 @@
 #include "bench/common/graph_timing.h"
 #include "kernels/gemm.cuh"
 #include "kernels/gemv.cuh"
+#include "kernels/skinny_gemm.cuh"
 
 namespace ts::bench {
 namespace {
@@ -34,9 +37,11 @@ constexpr double kRoofBytesPerUs = 4.3e6;  // 4.3 TB/s (docs/gpu-facts.md, Bandw
 
 struct Options {
   std::string model = "all";
+  std::string part = "all";  // gemv (M = 1, 4, 8), skinny (M = 16..128) or both
   int iters = 30;
   int warmup = 3;
   int launches = 20;
+  int skinny_split = 0;  // 0: ChooseSkinnyGemmSplitK; 1..8 forces split_k (tuning, diagnosis)
 };
 
 bool ParseInt(const char* arg, const char* name, int* out) {
@@ -51,14 +56,19 @@ bool Parse(int argc, char** argv, Options* o) {
     const char* a = argv[i];
     if (std::strncmp(a, "--model=", 8) == 0) {
       o->model = a + 8;
+    } else if (std::strncmp(a, "--part=", 7) == 0) {
+      o->part = a + 7;
     } else if (!(ParseInt(a, "iters", &o->iters) || ParseInt(a, "warmup", &o->warmup) ||
-                 ParseInt(a, "launches", &o->launches))) {
+                 ParseInt(a, "launches", &o->launches) ||
+                 ParseInt(a, "skinny_split", &o->skinny_split))) {
       std::fprintf(stderr, "unknown flag %s\n", a);
       return false;
     }
   }
-  return (o->model == "all" || o->model == "1b" || o->model == "8b") && o->iters > 0 &&
-         o->launches > 0;
+  return (o->model == "all" || o->model == "1b" || o->model == "8b") &&
+         (o->part == "all" || o->part == "gemv" || o->part == "skinny") && o->iters > 0 &&
+         o->launches > 0 && o->skinny_split >= 0 &&
+         o->skinny_split <= kernels::kSkinnyGemmMaxSplitK;
 }
 
 // Uniform in (-1, 1), |x| >= 1/64: random data (zeros can run faster than real data), made on the
@@ -193,6 +203,79 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
   BENCH_CUDA(cudaFree(ws));
 }
 
+// The skinny GEMM at M = 16..128 against cuBLASLt: plain, and with PDL (the W copies of each CTA's
+// first three K tiles start before the wait). `split` is ChooseSkinnyGemmSplitK's (or
+// --skinny_split), `clus` how many clusters of that size the device keeps resident (a shape with
+// more tiles runs in waves).
+void RunSkinnyShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm& gemm,
+                    cudaStream_t stream) {
+  constexpr int kMaxM = kernels::kSkinnyGemmMaxM;
+  const size_t w_elems = size_t(s.n) * s.k;
+  const double bytes = 2.0 * w_elems;
+  const int copies = static_cast<int>(
+      std::clamp<double>(std::ceil(3.0 * dev.l2_bytes / bytes), 4.0, std::max(4, o.launches)));
+  __nv_bfloat16 *w = nullptr, *a = nullptr, *c_ours = nullptr, *c_blas = nullptr;
+  BENCH_CUDA(cudaMalloc(&w, w_elems * copies * sizeof(__nv_bfloat16)));
+  BENCH_CUDA(cudaMalloc(&a, size_t(kMaxM) * s.k * sizeof(__nv_bfloat16)));
+  BENCH_CUDA(cudaMalloc(&c_ours, size_t(kMaxM) * s.n * sizeof(__nv_bfloat16)));
+  BENCH_CUDA(cudaMalloc(&c_blas, size_t(kMaxM) * s.n * sizeof(__nv_bfloat16)));
+  Fill(w, w_elems * copies, 1234 + s.n);
+  Fill(a, size_t(kMaxM) * s.k, 99 + s.k);
+  BENCH_CUDA(cudaDeviceSynchronize());
+
+  for (int m : {16, 32, 64, 128}) {
+    CheckOk(gemm.Plan(kernels::GemmShape{m, s.n, s.k}), "gemm plan");
+    kernels::SkinnyGemmParams sp;
+    sp.a = a;
+    sp.c = c_ours;
+    sp.m = m;
+    sp.n = s.n;
+    sp.k = s.k;
+    sp.split_k = o.skinny_split > 0
+                     ? o.skinny_split
+                     : kernels::ChooseSkinnyGemmSplitK(
+                           m, s.n, s.k, kernels::SkinnyGemmEpilogue::kStore, dev.num_sms);
+    int32_t clusters = 0;
+    CheckOk(kernels::SkinnyGemmResidentClusters(m, sp.split_k, &clusters), "resident clusters");
+    auto ours = [&](bool pdl) {
+      return [&, pdl](cudaStream_t st, int i) {
+        kernels::SkinnyGemmParams p = sp;
+        p.w = w + w_elems * (i % copies);
+        p.pdl = pdl;
+        return kernels::LaunchSkinnyGemm(p, st);
+      };
+    };
+    const double t_blas = TimePerLaunch(o, stream, [&](cudaStream_t st, int i) {
+      return gemm.Launch(
+          kernels::GemmParams{a, w + w_elems * (i % copies), c_blas, m, s.n, s.k, false}, st);
+    });
+    const double t_ours = TimePerLaunch(o, stream, ours(false));
+    const double t_pdl = TimePerLaunch(o, stream, ours(true));
+
+    // Same inputs once more, outside any graph, for the sanity check.
+    BENCH_CUDA(cudaMemset(c_ours, 0xFF, size_t(m) * s.n * 2));
+    kernels::SkinnyGemmParams p = sp;
+    p.w = w;
+    CheckOk(kernels::LaunchSkinnyGemm(p, stream), "skinny gemm");
+    CheckOk(gemm.Launch(kernels::GemmParams{a, w, c_blas, m, s.n, s.k, false}, stream), "gemm");
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    const double diff = RelL2(Download(c_ours, size_t(m) * s.n), Download(c_blas, size_t(m) * s.n));
+
+    const double roof = bytes / kRoofBytesPerUs;
+    auto pct = [&](double us) { return 100.0 * roof / us; };
+    std::printf(
+        "%-3s %-8s %6d %6d %3d %8.1f %7.2f | %8.2f %4.0f%% | %8.2f %4.0f%% | %8.2f %4.0f%% |"
+        " %5d %4d %9.1e %3d\n",
+        s.model, s.layer, s.n, s.k, m, bytes / 1e6, roof, t_blas, pct(t_blas), t_ours, pct(t_ours),
+        t_pdl, pct(t_pdl), sp.split_k, clusters, diff, copies);
+    std::fflush(stdout);
+  }
+  BENCH_CUDA(cudaFree(w));
+  BENCH_CUDA(cudaFree(a));
+  BENCH_CUDA(cudaFree(c_ours));
+  BENCH_CUDA(cudaFree(c_blas));
+}
+
 int Main(int argc, char** argv) {
   Options o;
   if (!Parse(argc, argv, &o)) {
@@ -204,9 +287,6 @@ int Main(int argc, char** argv) {
   const Device dev{prop.multiProcessorCount, static_cast<size_t>(prop.l2CacheSize)};
   std::printf("device %s, %d SMs, L2 %.1f MB; %d launches per graph, median of %d replays\n",
               prop.name, dev.num_sms, dev.l2_bytes / 1e6, o.launches, o.iters);
-  std::printf("%-3s %-8s %6s %6s %2s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %9s %3s\n", "mdl",
-              "layer", "n", "k", "M", "W MB", "roof us", "cublas", "roof", "gemv", "roof",
-              "gemv+pdl", "roof", "split", "relL2", "cps");
 
   // Llama-3.2-1B: hidden 2048, 32 q / 8 kv heads of 64, intermediate 8192, vocab 128256.
   // Llama-3.1-8B: hidden 4096, 32 q / 8 kv heads of 128, intermediate 14336, vocab 128256.
@@ -220,8 +300,22 @@ int Main(int argc, char** argv) {
   CheckOk(gemm.status(), "gemm create");
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (const Shape& s : shapes) {
-    if (o.model == "all" || o.model == s.model) RunShape(o, dev, s, **gemm, stream);
+  if (o.part != "skinny") {
+    std::printf("%-3s %-8s %6s %6s %2s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %9s %3s\n",
+                "mdl", "layer", "n", "k", "M", "W MB", "roof us", "cublas", "roof", "gemv", "roof",
+                "gemv+pdl", "roof", "split", "relL2", "cps");
+    for (const Shape& s : shapes) {
+      if (o.model == "all" || o.model == s.model) RunShape(o, dev, s, **gemm, stream);
+    }
+  }
+  if (o.part != "gemv") {
+    std::printf("%-3s %-8s %6s %6s %3s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %4s %9s %3s\n",
+                "mdl", "layer", "n", "k", "M", "W MB", "roof us", "cublas", "roof", "skinny",
+                "roof", "skin+pdl", "roof", "split", "clus", "relL2", "cps");
+    for (const Shape& s : shapes) {
+      if (std::strcmp(s.layer, "lm_head") == 0) continue;  // the fp32 logits GEMM's job
+      if (o.model == "all" || o.model == s.model) RunSkinnyShape(o, dev, s, **gemm, stream);
+    }
   }
   BENCH_CUDA(cudaStreamDestroy(stream));
   return 0;
