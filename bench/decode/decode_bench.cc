@@ -69,21 +69,13 @@ ABSL_FLAG(int32_t, profile_reps, 20, "profiled steps; per-op medians are reporte
 ABSL_FLAG(double, gpu_memory_fraction, 0.9, "memory budget fraction");
 ABSL_FLAG(int32_t, device, 0, "CUDA device ordinal");
 ABSL_FLAG(uint64_t, seed, 1, "weights and prompts seed");
-ABSL_FLAG(bool, fused, true,
-          "decode at <= 8 rows with rmsnorm, residual add and silu * up inside the GEMVs");
-ABSL_FLAG(bool, split_sampling, true, "sampling's argmax pass over several CTAs per row");
-ABSL_FLAG(bool, fuse_rope, true, "with --fused, RoPE and the K/V write in the qkv GEMV epilogue");
-ABSL_FLAG(bool, gemv_warp_tiles, true,
-          "decode GEMVs with plenty of tiles stream whole tiles per warp");
 ABSL_FLAG(std::vector<std::string>, timing_skip, {},
-          "ops left out of the fused decode graph (attention, qkv_rope_gemm, o_gemm, gate_up_gemm, "
-          "down_gemm) to measure their in-graph cost by difference; tokens become meaningless");
+          "ops left out of the captured decode graphs (attention, qkv_rope_gemm, o_gemm, "
+          "gate_up_gemm, down_gemm, or any op --profile names) to measure their in-graph cost by "
+          "difference; tokens become meaningless");
 ABSL_FLAG(int32_t, attn_min_split_tokens, 64,
           "decode attention's shortest split when a batch leaves SMs idle (128: never shorter "
           "than the large-batch floor)");
-ABSL_FLAG(bool, attn_skip_combine, true,
-          "decode attention without its combine node in buckets that always run one split");
-ABSL_FLAG(bool, gemv, true, "decode GEMMs with <= 8 rows and small weights through kernels/gemv");
 ABSL_FLAG(std::string, modes, "host,loop",
           "comma-separated: host (host-driven, one Run(kOneStep) per step), loop (the "
           "device-resident loop)");
@@ -101,6 +93,37 @@ using nlohmann::json;
 ModelConfig Shape(const std::string& name) {
   return Llama3Shape(name == "8b");
 }
+
+// --timing_skip, injected into every captured decode step (CudaModelOptions::capture_observer):
+// the named ops are left out of the graphs, and every name must be one some capture asked about.
+class SkipOps : public OpObserver {
+ public:
+  explicit SkipOps(std::vector<std::string> ops) : ops_(std::move(ops)), seen_(ops_.size()) {}
+  bool empty() const { return ops_.empty(); }
+  bool Skip(std::string_view op) override {
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      if (ops_[i] == op) {
+        seen_[i] = true;
+        return true;
+      }
+    }
+    return false;
+  }
+  absl::Status CheckAllSeen() const {
+    for (size_t i = 0; i < ops_.size(); ++i) {
+      if (!seen_[i]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--timing_skip: no captured decode step has an op named '", ops_[i],
+                         "' (--profile lists the ops)"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<std::string> ops_;
+  std::vector<bool> seen_;
+};
 
 double Quantile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
@@ -296,13 +319,10 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
   o.gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
   o.device = absl::GetFlag(FLAGS_device);
   o.ring_capacity = static_cast<uint32_t>(max_new + 8);
-  o.small_m_gemv = absl::GetFlag(FLAGS_gemv);
-  o.fused_decode_layers = absl::GetFlag(FLAGS_fused);
-  o.split_sampling = absl::GetFlag(FLAGS_split_sampling);
-  o.fuse_rope = absl::GetFlag(FLAGS_fuse_rope);
-  o.gemv_warp_tiles = absl::GetFlag(FLAGS_gemv_warp_tiles);
-  o.attention_skip_combine = absl::GetFlag(FLAGS_attn_skip_combine);
-  o.timing_skip_ops = absl::GetFlag(FLAGS_timing_skip);
+  // --timing_skip is injected into the captures; an op name no capture asked about is an error
+  // (a misspelt op would time the full step as if it had been left out).
+  SkipOps skip(absl::GetFlag(FLAGS_timing_skip));
+  if (!skip.empty()) o.capture_observer = &skip;
   o.attention_min_split_tokens = absl::GetFlag(FLAGS_attn_min_split_tokens);
   o.device_loop = loop;
   TS_ASSIGN_OR_RETURN(std::unique_ptr<Stamps> stamps,
@@ -313,6 +333,7 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
       std::unique_ptr<CudaBackend> b,
       CudaBackend::CreateRandom(
           o, RandomWeightsSpec{.config = config, .seed = absl::GetFlag(FLAGS_seed)}));
+  TS_RETURN_IF_ERROR(skip.CheckAllSeen());
   const ModelDims& d = b->model().dims();
   const size_t weight_bytes = b->model().step_weight_bytes();
   const size_t kv_per_token =
@@ -399,12 +420,6 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
                         {"graph_nodes", b->graph_cache().node_count(
                                             b->graph_cache().BucketIndexFor(batch).value_or(0))},
                         {"regime_updates", b->graph_cache().update_count() - updates0},
-                        {"gemv", absl::GetFlag(FLAGS_gemv)},
-                        {"fused", absl::GetFlag(FLAGS_fused)},
-                        {"split_sampling", absl::GetFlag(FLAGS_split_sampling)},
-                        {"fuse_rope", absl::GetFlag(FLAGS_fuse_rope)},
-                        {"gemv_warp_tiles", absl::GetFlag(FLAGS_gemv_warp_tiles)},
-                        {"attn_skip_combine", absl::GetFlag(FLAGS_attn_skip_combine)},
                         {"timing_skip", absl::GetFlag(FLAGS_timing_skip)},
                         {"attn_min_split_tokens", absl::GetFlag(FLAGS_attn_min_split_tokens)}};
       std::printf(

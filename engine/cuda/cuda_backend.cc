@@ -48,13 +48,7 @@ CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& co
   m.gpu_memory_fraction = o.gpu_memory_fraction;
   m.device = o.device;
   m.print_plan = o.log_progress;
-  m.small_m_gemv = o.small_m_gemv;
-  m.fused_decode_layers = o.fused_decode_layers;
-  m.split_sampling = o.split_sampling;
-  m.fuse_rope = o.fuse_rope;
-  m.gemv_warp_tiles = o.gemv_warp_tiles;
-  m.attention_skip_combine = o.attention_skip_combine;
-  m.timing_skip_ops = o.timing_skip_ops;
+  m.capture_observer = o.capture_observer;
   m.attention_min_split_tokens = o.attention_min_split_tokens;
   m.step_stamps = o.step_stamps;
   return m;
@@ -221,7 +215,7 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
   g.capture = [m](const graphs::CaptureContext& ctx, cudaStream_t s) -> absl::Status {
     const int32_t splits = std::min(ctx.regime.attention_num_splits,
                                     m->NumSplits(ctx.bucket, ctx.regime.max_context_len));
-    return m->EnqueueDecodeStep(ctx.bucket, std::max(splits, 1), s);
+    return m->EnqueueDecodeStep(ctx.bucket, std::max(splits, 1), s, m->capture_observer());
   };
   graphs_ = std::make_unique<graphs::GraphCache>(std::move(g));
   TS_RETURN_IF_ERROR(graphs_->Build(stream_));

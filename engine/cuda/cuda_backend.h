@@ -62,16 +62,10 @@ struct CudaBackendOptions {
   // between steps in chunks no longer than one step. false: host-driven, Run(kOneStep) launches
   // one step and synchronises (the baseline and the fallback).
   bool device_loop = false;
-  bool log_progress = true;            // memory budget and graph capture progress on stderr
-  bool small_m_gemv = true;            // see CudaModelOptions::small_m_gemv
-  bool fused_decode_layers = true;     // see CudaModelOptions::fused_decode_layers
-  bool split_sampling = true;          // see CudaModelOptions::split_sampling
-  bool fuse_rope = true;               // see CudaModelOptions::fuse_rope
-  bool gemv_warp_tiles = true;         // see CudaModelOptions::gemv_warp_tiles
-  bool attention_skip_combine = true;  // see CudaModelOptions::attention_skip_combine
-  std::vector<std::string> timing_skip_ops = {};  // benchmarks only, see CudaModelOptions
-  int32_t attention_min_split_tokens = 64;        // see CudaModelOptions
-  kernels::StepStamps* step_stamps = nullptr;     // benchmarks only, see CudaModelOptions
+  bool log_progress = true;                    // memory budget and graph capture progress on stderr
+  OpObserver* capture_observer = nullptr;      // benchmarks only, see CudaModelOptions
+  int32_t attention_min_split_tokens = 64;     // see CudaModelOptions
+  kernels::StepStamps* step_stamps = nullptr;  // benchmarks only, see CudaModelOptions
 };
 
 // Weights generated on the device instead of read from model_dir (benchmarks).

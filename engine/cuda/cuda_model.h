@@ -30,6 +30,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -41,6 +42,21 @@
 #include "models/config.h"
 
 namespace ts {
+
+// What a benchmark injects into the enqueue of a step (production passes none): it hears of
+// every op (by name: "prepare", "qkv_rope_gemm", "attention", ...) around its launch, and may
+// leave an op out, so that each op's cost inside a captured graph can be measured by difference
+// (no profiler sees graph nodes on the GPU machine). A step with an op left out computes
+// meaningless tokens.
+class OpObserver {
+ public:
+  virtual ~OpObserver() = default;
+  virtual bool Skip(std::string_view /*op*/) { return false; }
+  virtual absl::Status Begin(const char* /*op*/, cudaStream_t /*stream*/) {
+    return absl::OkStatus();
+  }
+  virtual absl::Status End(cudaStream_t /*stream*/) { return absl::OkStatus(); }
+};
 
 struct CudaModelOptions {
   ModelConfig config;
@@ -54,27 +70,9 @@ struct CudaModelOptions {
   size_t graph_reserve_bytes = size_t{256} << 20;
   int device = 0;
   bool print_plan = true;  // the budget on stderr at startup
-  // Decode GEMMs with <= 8 rows and a small weight go through kernels/gemv instead of cuBLASLt.
-  bool small_m_gemv = true;
-  // With small_m_gemv, decode at m <= 8 also folds the rmsnorms, residual adds and silu * up
-  // into the GEMV kernels (7 graph nodes per layer instead of 10).
-  bool fused_decode_layers = true;
-  // Sampling spreads a small batch's first pass (the argmax) over several CTAs per row.
-  bool split_sampling = true;
-  // With fused_decode_layers, RoPE and the K/V cache write ride in the qkv GEMV's epilogue (6
-  // graph nodes per layer instead of 7).
-  bool fuse_rope = true;
-  // Decode GEMVs with plenty of tiles let each warp stream whole tiles (kernels/gemv.cuh
-  // ChooseGemvWarpTiles); false keeps the CTA's warps sharing each tile.
-  bool gemv_warp_tiles = true;
-  // Decode attention skips its combine node in buckets that always run one split (the split
-  // kernel writes the output; kernels/decode_attention.cuh no_combine).
-  bool attention_skip_combine = true;
-  // Benchmarks only: ops of the fused decode step ("attention", "qkv_rope_gemm", "o_gemm",
-  // "gate_up_gemm", "down_gemm") left out of the captured graph, so each op's cost inside the
-  // graph can be measured by difference (no profiler sees graph nodes on the GPU machine). The
-  // step's tokens are then meaningless.
-  std::vector<std::string> timing_skip_ops = {};
+  // Benchmarks only: told of every op of every captured decode step (OpObserver), and may leave
+  // ops out of the graphs. Owned by the caller; nullptr in production.
+  OpObserver* capture_observer = nullptr;
   // Decode attention's shortest split when a batch leaves SMs idle
   // (SplitChoiceInputs::min_split_tokens).
   int32_t attention_min_split_tokens = 64;
@@ -85,13 +83,13 @@ struct CudaModelOptions {
 
 // Times each op of a step separately with CUDA events (the --profile mode of tailserve-bench).
 // Events are created up front; Begin/End only record them.
-class OpTimer {
+class OpTimer : public OpObserver {
  public:
   static absl::StatusOr<std::unique_ptr<OpTimer>> Create(int32_t max_ops);
-  ~OpTimer();
+  ~OpTimer() override;
   void Reset() { used_ = 0; }
-  absl::Status Begin(const char* op, cudaStream_t stream);
-  absl::Status End(cudaStream_t stream);
+  absl::Status Begin(const char* op, cudaStream_t stream) override;
+  absl::Status End(cudaStream_t stream) override;
   // After the stream is synchronised: (op name, milliseconds) in enqueue order.
   absl::StatusOr<std::vector<std::pair<std::string, float>>> Read() const;
 
@@ -157,16 +155,18 @@ class CudaModel {
   const std::vector<int32_t>& buckets() const { return buckets_; }
   int32_t max_context() const { return max_context_; }
   int32_t num_sms() const { return num_sms_; }
+  OpObserver* capture_observer() const { return capture_observer_; }
   // Bytes of weights one decode step reads (every matrix once, the embedding rows excluded).
   size_t step_weight_bytes() const;
 
   // Attention split count for `bucket` rows when the longest context is `max_context_len`.
   int32_t NumSplits(int32_t bucket, int32_t max_context_len) const;
 
-  // One decode step over `bucket` rows (a planned bucket). Graph-capturable. With a timer, each
-  // op is bracketed by events (never while capturing).
+  // One decode step over `bucket` rows (a planned bucket). Graph-capturable. An observer hears
+  // of each op (an OpTimer brackets them with events, never while capturing); the graphs'
+  // capture passes capture_observer.
   absl::Status EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
-                                 OpTimer* timer = nullptr) const;
+                                 OpObserver* observer = nullptr) const;
 
   // Runs the layers over every prompt (chunks of at most prefill_chunk_tokens tokens), writing
   // their KV and leaving sequence i's last hidden row in dev().prefill_head.hidden row i.
@@ -229,9 +229,10 @@ class CudaModel {
   absl::Status LaunchLinear(const kernels::Gemm& gemm, const kernels::GemmParams& p,
                             cudaStream_t stream) const;
   absl::Status EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& attn,
-                             const kernels::Gemm& gemm, cudaStream_t stream, OpTimer* timer) const;
-  // Decode with `rows` rows runs the fused GEMV layers (norms, residual adds and SwiGLU inside
-  // the GEMVs) rather than rmsnorm + cuBLASLt + silu_mul nodes.
+                             const kernels::Gemm& gemm, cudaStream_t stream,
+                             OpObserver* observer) const;
+  // Decode with `rows` rows runs the fused GEMV layers (norms, residual adds, SwiGLU and RoPE
+  // with the K/V write inside the GEMVs) rather than rmsnorm + cuBLASLt + silu_mul nodes.
   bool FusedDecodeLayers(int32_t rows) const;
   absl::Status EnqueueAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
                                 const Attention& attn, cudaStream_t stream) const;
@@ -245,12 +246,12 @@ class CudaModel {
   // final norm -> lm_head (fp32 logits) over head rows [0, padded_rows).
   absl::Status EnqueueLogits(__nv_bfloat16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
                              const kernels::LogitsGemm& gemm, cudaStream_t stream,
-                             OpTimer* timer) const;
+                             OpObserver* observer) const;
   // Postprocess moves rows in from_state to to_state (kernels::PostprocessParams); `stamps`
   // (decode steps of a benchmark) records the step's end.
   absl::Status EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows, int32_t from_state,
                                     int32_t to_state, kernels::StepStamps* stamps,
-                                    cudaStream_t stream, OpTimer* timer) const;
+                                    cudaStream_t stream, OpObserver* observer) const;
   // The planned prefill GEMM row count for `tokens` rows (>= tokens).
   int32_t PrefillRowsFor(int32_t tokens) const;
   // Checks the pieces and stages their rows as rows [row_offset, ...) of dev().prefill (tokens,
@@ -264,14 +265,8 @@ class CudaModel {
   absl::Status LaunchFirstTokens(const FirstTokens& first, cudaStream_t stream);
 
   ModelConfig config_;
-  bool small_m_gemv_ = true;
-  bool fused_decode_layers_ = true;
-  bool split_sampling_ = true;
-  bool fuse_rope_ = true;
-  bool attention_skip_combine_ = true;
-  bool gemv_warp_tiles_ = true;
-  std::vector<std::string> timing_skip_ops_;
   int32_t attention_min_split_tokens_ = 64;
+  OpObserver* capture_observer_ = nullptr;
   kernels::StepStamps* step_stamps_ = nullptr;
   // (token, split) pairs the prefill attention's key-split partials hold (PrefillAttentionSplits).
   static constexpr int32_t kPrefillSplitRows = 2048;

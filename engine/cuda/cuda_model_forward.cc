@@ -27,13 +27,14 @@ namespace k = ::ts::kernels;
 
 namespace {
 
-// Brackets one op with the timer's events when profiling.
+// Launches one op, told to a benchmark's observer (OpObserver), which may leave it out.
 template <typename Fn>
-absl::Status TimedOp(OpTimer* timer, const char* name, cudaStream_t stream, Fn&& fn) {
-  if (timer != nullptr) TS_RETURN_IF_ERROR(timer->Begin(name, stream));
+absl::Status RunOp(OpObserver* observer, const char* name, cudaStream_t stream, Fn&& fn) {
+  if (observer == nullptr) return fn();
+  if (observer->Skip(name)) return absl::OkStatus();
+  TS_RETURN_IF_ERROR(observer->Begin(name, stream));
   TS_RETURN_IF_ERROR(fn());
-  if (timer != nullptr) TS_RETURN_IF_ERROR(timer->End(stream));
-  return absl::OkStatus();
+  return observer->End(stream);
 }
 
 }  // namespace
@@ -45,7 +46,7 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
   // cuBLASLt stays at the roof on the large ones (gate_up of 8B, lm_head), so only small W moves.
   constexpr int64_t kGemvMaxWeightBytes = int64_t{64} << 20;
   const int64_t weight_bytes = int64_t{p.n} * p.k * 2;
-  if (small_m_gemv_ && p.m <= k::kGemvMaxM && weight_bytes <= kGemvMaxWeightBytes && p.k % 8 == 0 &&
+  if (p.m <= k::kGemvMaxM && weight_bytes <= kGemvMaxWeightBytes && p.k % 8 == 0 &&
       k::ChooseGemvSplitK(p.m, p.n, p.k, num_sms_) == 1) {
     // pdl: the GEMV starts streaming W while the kernel before it finishes; nothing in the step
     // writes weights, and A and C are touched only after griddepcontrol.wait.
@@ -58,7 +59,7 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
          .k = p.k,
          .epilogue = p.accumulate ? k::GemvEpilogue::kAccumulate : k::GemvEpilogue::kStore,
          .pdl = true,
-         .warp_tiles = gemv_warp_tiles_ ? k::GemvWarpTiles::kAuto : k::GemvWarpTiles::kNever},
+         .warp_tiles = k::GemvWarpTiles::kAuto},
         stream);
   }
   return gemm.Launch(p, stream);
@@ -66,9 +67,8 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
 
 bool CudaModel::FusedDecodeLayers(int32_t rows) const {
   const ModelDims& d = dims();
-  return small_m_gemv_ && fused_decode_layers_ && rows <= k::kGemvMaxM &&
-         k::GemvCanFuseNorm(rows, d.hidden) && d.hidden % 8 == 0 && d.q_dim() % 8 == 0 &&
-         d.intermediate_padded % 8 == 0;
+  return rows <= k::kGemvMaxM && k::GemvCanFuseNorm(rows, d.hidden) && d.hidden % 8 == 0 &&
+         d.q_dim() % 8 == 0 && d.intermediate_padded % 8 == 0;
 }
 
 absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
@@ -108,7 +108,7 @@ absl::Status CudaModel::DecodeAttention(const ForwardBuffers& f, int32_t rows,
   p.pdl = true;
   // A bucket whose split count is 1 even at the longest context (the large batches) needs no
   // combine node in any regime; decided per bucket, so exec updates never change the nodes.
-  p.no_combine = attention_skip_combine_ && at.max_splits == 1;
+  p.no_combine = at.max_splits == 1;
   return k::LaunchDecodeAttention(p, stream);
 }
 
@@ -151,14 +151,14 @@ absl::Status CudaModel::PrefillAttention(const ForwardBuffers& f, int32_t first_
 // output is bf16 before the residual add, the add is rounded, and so on.
 absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& at,
                                       const k::Gemm& gemm, cudaStream_t stream,
-                                      OpTimer* timer) const {
+                                      OpObserver* observer) const {
   const ModelDims& d = dims();
   const ArenaShape& s = plan_.shape;
   const float eps = config_.rms_norm_eps;
   const bool fused = at.decode && FusedDecodeLayers(rows);
   const k::KvLayout kv_layout{s.num_kv_blocks, d.num_kv_heads, s.kv_block_size, d.head_dim};
   auto rope_kv = [&](const LayerBuffers& layer) {
-    return TimedOp(timer, "rope_kv", stream, [&] {
+    return RunOp(observer, "rope_kv", stream, [&] {
       k::RopeKvParams p;
       p.qkv = f.qkv;
       p.q_out = f.q;
@@ -176,25 +176,21 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     });
   };
   auto attention = [&](const LayerBuffers& layer) {
-    return TimedOp(timer, "attention", stream,
-                   [&] { return EnqueueAttention(f, rows, layer, at, stream); });
-  };
-  auto skipped = [&](std::string_view op) {
-    return std::find(timing_skip_ops_.begin(), timing_skip_ops_.end(), op) !=
-           timing_skip_ops_.end();
+    return RunOp(observer, "attention", stream,
+                 [&] { return EnqueueAttention(f, rows, layer, at, stream); });
   };
 
   if (fused) {
     // Decode at m <= 8: four GEMV nodes per layer carry the norms, the residual adds, SwiGLU and
-    // (fuse_rope_) RoPE with the K/V write, so a layer is 6 graph nodes with the attention's split
-    // and combine, instead of 10 (each node costs ~1.7 us at batch 1, docs/gpu-facts.md, Per-step
-    // launch cost).
+    // (head_dim a multiple of 16) RoPE with the K/V write, so a layer is 6 graph nodes with the
+    // attention's split and combine, instead of 10 (each node costs ~1.7 us at batch 1,
+    // docs/gpu-facts.md, Per-step launch cost). Each fusion was measured against the separate
+    // nodes and kept (bench/results/2026-11-29*-h200.md).
     auto gemv = [&](const char* name, k::GemvParams p) {
-      if (skipped(name)) return absl::OkStatus();
       p.m = rows;
-      p.warp_tiles = gemv_warp_tiles_ ? k::GemvWarpTiles::kAuto : k::GemvWarpTiles::kNever;
+      p.warp_tiles = k::GemvWarpTiles::kAuto;
       p.pdl = true;  // nothing in the step writes weights; A and C are read after the wait
-      return TimedOp(timer, name, stream, [&] { return k::LaunchGemv(p, stream); });
+      return RunOp(observer, name, stream, [&] { return k::LaunchGemv(p, stream); });
     };
     for (const LayerBuffers& layer : dev_.layers) {
       k::GemvParams qkv{.a = f.h,
@@ -204,7 +200,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                         .k = d.hidden,
                         .norm_weight = layer.attn_norm,
                         .norm_eps = eps};
-      if (fuse_rope_ && d.head_dim % 16 == 0) {
+      if (d.head_dim % 16 == 0) {
         qkv.c = f.q;  // rotated q only; k and v go straight to the cache
         qkv.epilogue = k::GemvEpilogue::kRopeKv;
         qkv.rope = {.positions = f.positions,
@@ -220,7 +216,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
         TS_RETURN_IF_ERROR(gemv("qkv_gemm", qkv));
         TS_RETURN_IF_ERROR(rope_kv(layer));
       }
-      if (!skipped("attention")) TS_RETURN_IF_ERROR(attention(layer));
+      TS_RETURN_IF_ERROR(attention(layer));
       TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
                                          .w = layer.o,
                                          .c = f.h,
@@ -249,7 +245,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   // and the next rmsnorm adds it into the residual (x), as transformers rounds: bf16(h +
   // bf16(o)). down_proj's output is added by the next layer's attn_norm.
   auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
-    return TimedOp(timer, name, stream, [&] {
+    return RunOp(observer, name, stream, [&] {
       return k::LaunchRmsNorm({.x = pending,
                                .residual = f.h,
                                .weight = weight,
@@ -263,20 +259,20 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   const bf16* pending = nullptr;  // xn once a down_proj output waits to be added
   for (const LayerBuffers& layer : dev_.layers) {
     TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
-    TS_RETURN_IF_ERROR(TimedOp(timer, "qkv_gemm", stream, [&] {
+    TS_RETURN_IF_ERROR(RunOp(observer, "qkv_gemm", stream, [&] {
       return LaunchLinear(
           gemm, {.a = f.xn, .w = layer.qkv, .c = f.qkv, .m = rows, .n = d.qkv_dim(), .k = d.hidden},
           stream);
     }));
     TS_RETURN_IF_ERROR(rope_kv(layer));
     TS_RETURN_IF_ERROR(attention(layer));
-    TS_RETURN_IF_ERROR(TimedOp(timer, "o_gemm", stream, [&] {
+    TS_RETURN_IF_ERROR(RunOp(observer, "o_gemm", stream, [&] {
       return LaunchLinear(
           gemm, {.a = f.attn, .w = layer.o, .c = f.xn, .m = rows, .n = d.hidden, .k = d.q_dim()},
           stream);
     }));
     TS_RETURN_IF_ERROR(norm("mlp_norm", f.xn, layer.mlp_norm));
-    TS_RETURN_IF_ERROR(TimedOp(timer, "gate_up_gemm", stream, [&] {
+    TS_RETURN_IF_ERROR(RunOp(observer, "gate_up_gemm", stream, [&] {
       return LaunchLinear(gemm,
                           {.a = f.xn,
                            .w = layer.gate_up,
@@ -286,12 +282,12 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                            .k = d.hidden},
                           stream);
     }));
-    TS_RETURN_IF_ERROR(TimedOp(timer, "silu_mul", stream, [&] {
+    TS_RETURN_IF_ERROR(RunOp(observer, "silu_mul", stream, [&] {
       return k::LaunchSiluMul(
           {.in = f.gate_up, .out = f.act, .rows = rows, .intermediate = d.intermediate_padded},
           stream);
     }));
-    TS_RETURN_IF_ERROR(TimedOp(timer, "down_gemm", stream, [&] {
+    TS_RETURN_IF_ERROR(RunOp(observer, "down_gemm", stream, [&] {
       return LaunchLinear(gemm,
                           {.a = f.act,
                            .w = layer.down,
@@ -311,9 +307,9 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
 
 absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
                                       const k::LogitsGemm& gemm, cudaStream_t stream,
-                                      OpTimer* timer) const {
+                                      OpObserver* observer) const {
   const ModelDims& d = dims();
-  TS_RETURN_IF_ERROR(TimedOp(timer, "final_norm", stream, [&] {
+  TS_RETURN_IF_ERROR(RunOp(observer, "final_norm", stream, [&] {
     return k::LaunchRmsNorm({.x = nullptr,
                              .residual = hidden_in,
                              .weight = dev_.final_norm,
@@ -323,7 +319,7 @@ absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, 
                              .eps = config_.rms_norm_eps},
                             stream);
   }));
-  return TimedOp(timer, "lm_head_gemm", stream, [&] {
+  return RunOp(observer, "lm_head_gemm", stream, [&] {
     return gemm.Launch(head.normed, dev_.lm_head, head.logits_f32, padded_rows, d.vocab, d.hidden,
                        stream);
   });
@@ -332,10 +328,10 @@ absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, 
 absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows,
                                              int32_t from_state, int32_t to_state,
                                              k::StepStamps* stamps, cudaStream_t stream,
-                                             OpTimer* timer) const {
+                                             OpObserver* observer) const {
   const ModelDims& d = dims();
   const ArenaShape& s = plan_.shape;
-  TS_RETURN_IF_ERROR(TimedOp(timer, "sampling", stream, [&] {
+  TS_RETURN_IF_ERROR(RunOp(observer, "sampling", stream, [&] {
     k::SamplingKernelParams p;
     p.logits = head.logits_f32;
     p.params = head.params;
@@ -351,14 +347,13 @@ absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t ro
     p.update_counts = false;        // postprocess counts only tokens it emits
     p.round_logits_to_bf16 = true;  // the model's dtype: greedy agrees with transformers' argmax
     // Enough CTAs per row to spread a small batch's argmax over the GPU.
-    p.split =
-        split_sampling_ ? std::clamp(num_sms_ / std::max(rows, 1), 1, k::kSamplingMaxSplit) : 1;
+    p.split = std::clamp(num_sms_ / std::max(rows, 1), 1, k::kSamplingMaxSplit);
     p.split_best = head.split_best;
     p.split_best_id = head.split_best_id;
     p.split_done = head.split_done;
     return k::LaunchSampling(p, stream);
   }));
-  return TimedOp(timer, "postprocess", stream, [&] {
+  return RunOp(observer, "postprocess", stream, [&] {
     k::PostprocessParams p;
     p.row_slots = head.row_slots;
     p.tokens = head.sampled;
@@ -381,7 +376,7 @@ absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t ro
 }
 
 absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
-                                          OpTimer* timer) const {
+                                          OpObserver* observer) const {
   const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), bucket);
   if (it == buckets_.end() || *it != bucket) {
     return absl::InvalidArgumentError(
@@ -390,7 +385,7 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
   const ArenaShape& s = plan_.shape;
   const ForwardBuffers& f = dev_.decode;
   const HeadBuffers& head = dev_.decode_head;
-  TS_RETURN_IF_ERROR(TimedOp(timer, "prepare", stream, [&] {
+  TS_RETURN_IF_ERROR(RunOp(observer, "prepare", stream, [&] {
     k::PrepareDecodeParams p;
     p.row_slots = head.row_slots;
     p.slots = dev_.slots;
@@ -409,7 +404,7 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
     p.stamps = step_stamps_;
     return k::LaunchPrepareDecode(p, stream);
   }));
-  TS_RETURN_IF_ERROR(TimedOp(timer, "embedding", stream, [&] {
+  TS_RETURN_IF_ERROR(RunOp(observer, "embedding", stream, [&] {
     return k::LaunchEmbedding({.tokens = f.tokens,
                                .table = dev_.embed,
                                .out = f.h,
@@ -425,10 +420,10 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
   at.max_splits = max_splits_[it - buckets_.begin()];
   at.context_lens = dev_.decode_context_lens;
   at.decode_block_tables = dev_.decode_block_tables;
-  TS_RETURN_IF_ERROR(EnqueueLayers(f, bucket, at, *decode_gemm_, stream, timer));
-  TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, timer));
+  TS_RETURN_IF_ERROR(EnqueueLayers(f, bucket, at, *decode_gemm_, stream, observer));
+  TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, observer));
   return EnqueueSampleAndPost(head, bucket, k::kSlotActive, k::kSlotActive, step_stamps_, stream,
-                              timer);
+                              observer);
 }
 
 }  // namespace ts
