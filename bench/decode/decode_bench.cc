@@ -17,7 +17,8 @@
 // loaded serving host has (gRPC streams, tokenization).
 //
 // --probe_tokens N: the time from Prefill of one more N-token prompt to its first token, with
-// nothing decoding and beside each smaller batch: in the loop, prefill runs beside the decode.
+// nothing decoding and beside each smaller batch: in the loop, the prompt rides in mixed steps
+// with the batch's decode rows; host-driven, it is prefilled while the decode waits.
 //
 // --profile: for --profile_shape / --profile_batch, also runs --profile_reps steps host-launched
 // op by op, each op between two events, and prints where a step's time goes.
