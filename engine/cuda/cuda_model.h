@@ -252,6 +252,13 @@ class CudaModel {
   absl::Status EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows, int32_t from_state,
                                     int32_t to_state, kernels::StepStamps* stamps,
                                     cudaStream_t stream, OpObserver* observer) const;
+  // The decode rows' inputs from the slot table (prepare kernel; the row list in
+  // dev().decode_head.row_slots) into rows [0, rows) of f, and the rows' embeddings.
+  absl::Status EnqueuePrepare(const ForwardBuffers& f, int32_t rows, kernels::StepStamps* stamps,
+                              cudaStream_t stream) const;
+  absl::Status EnqueueEmbedding(const ForwardBuffers& f, int32_t rows, cudaStream_t stream) const;
+  // The prompt-ending rows of dev().prefill.h to dev().prefill_head.hidden (the staged gathers).
+  absl::Status GatherPromptEnds(int32_t gathers, cudaStream_t stream) const;
   // The planned prefill GEMM row count for `tokens` rows (>= tokens).
   int32_t PrefillRowsFor(int32_t tokens) const;
   // Checks the pieces and stages their rows as rows [row_offset, ...) of dev().prefill (tokens,

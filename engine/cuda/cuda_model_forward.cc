@@ -11,6 +11,7 @@
 #include "kernels/cuda_check.h"
 #include "kernels/decode_attention.cuh"
 #include "kernels/embedding.cuh"
+#include "kernels/gather_rows.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/postprocess.cuh"
 #include "kernels/prefill_attention.cuh"
@@ -375,6 +376,51 @@ absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t ro
   });
 }
 
+absl::Status CudaModel::EnqueuePrepare(const ForwardBuffers& f, int32_t rows, k::StepStamps* stamps,
+                                       cudaStream_t stream) const {
+  const ArenaShape& s = plan_.shape;
+  const HeadBuffers& head = dev_.decode_head;
+  k::PrepareDecodeParams p;
+  p.row_slots = head.row_slots;
+  p.slots = dev_.slots;
+  p.slot_block_tables = dev_.slot_block_tables;
+  p.tokens = f.tokens;
+  p.positions = f.positions;
+  p.slot_mapping = f.slot_mapping;
+  p.context_lens = dev_.decode_context_lens;
+  p.block_tables = dev_.decode_block_tables;
+  p.sampling = head.params;
+  p.sample_slots = head.sample_slots;
+  p.rows = rows;
+  p.num_slots = s.max_slots;
+  p.max_blocks = s.max_blocks_per_seq;
+  p.block_size = s.kv_block_size;
+  p.stamps = stamps;
+  return k::LaunchPrepareDecode(p, stream);
+}
+
+absl::Status CudaModel::EnqueueEmbedding(const ForwardBuffers& f, int32_t rows,
+                                         cudaStream_t stream) const {
+  return k::LaunchEmbedding({.tokens = f.tokens,
+                             .table = dev_.embed,
+                             .out = f.h,
+                             .error_flag = host_dev_.error_flag,
+                             .rows = rows,
+                             .hidden = dims().hidden,
+                             .vocab = dims().vocab},
+                            stream);
+}
+
+absl::Status CudaModel::GatherPromptEnds(int32_t gathers, cudaStream_t stream) const {
+  return k::LaunchGatherRows({.src = dev_.prefill.h,
+                              .src_rows = dev_.gather_src,
+                              .dst = dev_.prefill_head.hidden,
+                              .dst_rows = dev_.gather_dst,
+                              .n = gathers,
+                              .width = dims().hidden},
+                             stream);
+}
+
 absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
                                           OpObserver* observer) const {
   const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), bucket);
@@ -382,38 +428,12 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
     return absl::InvalidArgumentError(
         absl::StrCat("decode step: bucket ", bucket, " is not one of the planned buckets"));
   }
-  const ArenaShape& s = plan_.shape;
   const ForwardBuffers& f = dev_.decode;
   const HeadBuffers& head = dev_.decode_head;
-  TS_RETURN_IF_ERROR(RunOp(observer, "prepare", stream, [&] {
-    k::PrepareDecodeParams p;
-    p.row_slots = head.row_slots;
-    p.slots = dev_.slots;
-    p.slot_block_tables = dev_.slot_block_tables;
-    p.tokens = f.tokens;
-    p.positions = f.positions;
-    p.slot_mapping = f.slot_mapping;
-    p.context_lens = dev_.decode_context_lens;
-    p.block_tables = dev_.decode_block_tables;
-    p.sampling = head.params;
-    p.sample_slots = head.sample_slots;
-    p.rows = bucket;
-    p.num_slots = s.max_slots;
-    p.max_blocks = s.max_blocks_per_seq;
-    p.block_size = s.kv_block_size;
-    p.stamps = step_stamps_;
-    return k::LaunchPrepareDecode(p, stream);
-  }));
-  TS_RETURN_IF_ERROR(RunOp(observer, "embedding", stream, [&] {
-    return k::LaunchEmbedding({.tokens = f.tokens,
-                               .table = dev_.embed,
-                               .out = f.h,
-                               .error_flag = host_dev_.error_flag,
-                               .rows = bucket,
-                               .hidden = dims().hidden,
-                               .vocab = dims().vocab},
-                              stream);
-  }));
+  TS_RETURN_IF_ERROR(RunOp(observer, "prepare", stream,
+                           [&] { return EnqueuePrepare(f, bucket, step_stamps_, stream); }));
+  TS_RETURN_IF_ERROR(
+      RunOp(observer, "embedding", stream, [&] { return EnqueueEmbedding(f, bucket, stream); }));
   Attention at;
   at.decode = true;
   at.num_splits = num_splits;

@@ -10,11 +10,9 @@
 #include "engine/backend.h"
 #include "engine/cuda/cuda_model.h"
 #include "kernels/cuda_check.h"
-#include "kernels/embedding.cuh"
 #include "kernels/gather_rows.cuh"
 #include "kernels/kv_layout.cuh"
 #include "kernels/postprocess.cuh"
-#include "kernels/prepare_decode.cuh"
 
 namespace ts {
 
@@ -173,22 +171,9 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
   TS_RETURN_IF_ERROR(StageFirstTokens(first, stream));
   const DeviceLayout& dv = dev_;
   const ForwardBuffers& f = dv.prefill;
-  TS_RETURN_IF_ERROR(k::LaunchEmbedding({.tokens = f.tokens,
-                                         .table = dv.embed,
-                                         .out = f.h,
-                                         .error_flag = host_dev_.error_flag,
-                                         .rows = padded,
-                                         .hidden = dims().hidden,
-                                         .vocab = dims().vocab},
-                                        stream));
+  TS_RETURN_IF_ERROR(EnqueueEmbedding(f, padded, stream));
   TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
-  TS_RETURN_IF_ERROR(k::LaunchGatherRows({.src = f.h,
-                                          .src_rows = dv.gather_src,
-                                          .dst = dv.prefill_head.hidden,
-                                          .dst_rows = dv.gather_dst,
-                                          .n = gathers,
-                                          .width = dims().hidden},
-                                         stream));
+  TS_RETURN_IF_ERROR(GatherPromptEnds(gathers, stream));
   return LaunchFirstTokens(first, stream);
 }
 
@@ -201,7 +186,6 @@ absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
         absl::StrCat("mixed step: bucket ", bucket, " is not one of the planned buckets"));
   }
   if (pieces.empty()) return absl::InvalidArgumentError("mixed step: no prefill piece");
-  const ArenaShape& s = plan_.shape;
   const DeviceLayout& dv = dev_;
   const ForwardBuffers& f = dv.prefill;
   const HeadBuffers& head = dv.decode_head;
@@ -212,43 +196,15 @@ absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
                                           cudaMemcpyHostToDevice, stream));
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
   // The decode rows' inputs, from the slot table, into rows [0, bucket) of the prefill buffers.
-  k::PrepareDecodeParams prep;
-  prep.row_slots = head.row_slots;
-  prep.slots = dv.slots;
-  prep.slot_block_tables = dv.slot_block_tables;
-  prep.tokens = f.tokens;
-  prep.positions = f.positions;
-  prep.slot_mapping = f.slot_mapping;
-  prep.context_lens = dv.decode_context_lens;
-  prep.block_tables = dv.decode_block_tables;
-  prep.sampling = head.params;
-  prep.sample_slots = head.sample_slots;
-  prep.rows = bucket;
-  prep.num_slots = s.max_slots;
-  prep.max_blocks = s.max_blocks_per_seq;
-  prep.block_size = s.kv_block_size;
-  TS_RETURN_IF_ERROR(k::LaunchPrepareDecode(prep, stream));
-  TS_RETURN_IF_ERROR(k::LaunchEmbedding({.tokens = f.tokens,
-                                         .table = dv.embed,
-                                         .out = f.h,
-                                         .error_flag = host_dev_.error_flag,
-                                         .rows = padded,
-                                         .hidden = dims().hidden,
-                                         .vocab = dims().vocab},
-                                        stream));
+  TS_RETURN_IF_ERROR(EnqueuePrepare(f, bucket, nullptr, stream));
+  TS_RETURN_IF_ERROR(EnqueueEmbedding(f, padded, stream));
   at.decode_rows = bucket;
   at.num_splits = num_splits;
   at.max_splits = max_splits_[it - buckets_.begin()];
   at.context_lens = dv.decode_context_lens;
   at.decode_block_tables = dv.decode_block_tables;
   TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
-  TS_RETURN_IF_ERROR(k::LaunchGatherRows({.src = f.h,
-                                          .src_rows = dv.gather_src,
-                                          .dst = dv.prefill_head.hidden,
-                                          .dst_rows = dv.gather_dst,
-                                          .n = gathers,
-                                          .width = dims().hidden},
-                                         stream));
+  TS_RETURN_IF_ERROR(GatherPromptEnds(gathers, stream));
   // The decode rows' hidden states are rows [0, bucket) of f.h: the head reads them in place.
   TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, nullptr));
   TS_RETURN_IF_ERROR(
