@@ -22,6 +22,8 @@
 namespace ts::kernels {
 namespace {
 
+using testing::ExpectGemmCloseBf16;
+using testing::ExpectGemmCloseF32;
 using testing::GuardedBuffer;
 
 // (n, k): tiny and odd (k % 32 != 0 exercises the partial k-steps), Llama-3.2-1B qkv, o,
@@ -60,40 +62,6 @@ std::vector<double> Reference(const std::vector<float>& a, const std::vector<flo
     }
   }
   return c;
-}
-
-// `product`: when C is accumulated, the A W^T part of ref (its magnitude joins the bound, as in
-// gemm_test.cc, though this kernel rounds only once, after the fp32 add).
-void ExpectCloseBf16(const std::vector<float>& got, const std::vector<double>& ref,
-                     const std::vector<double>* product = nullptr) {
-  ASSERT_EQ(got.size(), ref.size());
-  double ss = 0;
-  for (double r : ref) ss += r * r;
-  const double rms = std::sqrt(ss / ref.size());
-  double worst = 0;
-  size_t worst_i = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i << " not written";
-    const double scale = std::fabs(ref[i]) + (product ? std::fabs((*product)[i]) : 0.0);
-    const double e = std::fabs(got[i] - ref[i]) / (scale / 256 + 1e-3 * rms);
-    if (e > worst) worst = e, worst_i = i;
-  }
-  EXPECT_LE(worst, 1.0) << "at " << worst_i << ": got " << got[worst_i] << " want " << ref[worst_i];
-  EXPECT_LE(testing::RelL2Error(got, ref), 5e-3);
-}
-
-void ExpectCloseF32(const std::vector<float>& got, const std::vector<double>& ref,
-                    const std::vector<double>& abs_sum) {
-  ASSERT_EQ(got.size(), ref.size());
-  double worst = 0;
-  size_t worst_i = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i << " not written";
-    const double e = std::fabs(got[i] - ref[i]) / (1e-5 * abs_sum[i] + 1e-30);
-    if (e > worst) worst = e, worst_i = i;
-  }
-  EXPECT_LE(worst, 1.0) << "at " << worst_i << ": got " << got[worst_i] << " want " << ref[worst_i];
-  EXPECT_LE(testing::RelL2Error(got, ref), 1e-4);
 }
 
 struct Weights {
@@ -167,7 +135,7 @@ TEST(GemvTest, Bf16OutputMatchesReferenceOverShapeGrid) {
         pr.dc.Poison();
         TS_ASSERT_OK(LaunchGemv(pr.Params(split), nullptr));
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-        ExpectCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
+        ExpectGemmCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
         EXPECT_TRUE(pr.dc.GuardsIntact());
         EXPECT_TRUE(pr.ws.GuardsIntact());
       }
@@ -189,7 +157,7 @@ TEST(GemvTest, Fp32OutputIsTighter) {
         pr.dc32.Poison();
         TS_ASSERT_OK(LaunchGemv(pr.Params(split, /*fp32=*/true), nullptr));
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-        ExpectCloseF32(pr.dc32.Download(), ref, abs_sum);
+        ExpectGemmCloseF32(pr.dc32.Download(), ref, abs_sum);
         EXPECT_TRUE(pr.dc32.GuardsIntact());
       }
     }
@@ -209,7 +177,7 @@ TEST(GemvTest, AccumulateAddsIntoC) {
       TS_ASSERT_OK(LaunchGemv(pr.Params(split, false, /*accumulate=*/true), nullptr));
       TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
       const std::vector<float> got = testing::FromBf16(pr.dc.Download());
-      ExpectCloseBf16(got, ref, &product);
+      ExpectGemmCloseBf16(got, ref, &product);
       // Rounded as transformers' bf16 Linear then residual add: bf16(c0 + bf16(A W^T)).
       std::vector<float> hf(got.size());
       for (size_t i = 0; i < hf.size(); ++i) {
@@ -224,7 +192,7 @@ TEST(GemvTest, AccumulateAddsIntoC) {
       TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
       std::vector<double> bound = abs_sum;
       for (size_t i = 0; i < bound.size(); ++i) bound[i] += 0.1 * std::fabs(pr.c0[i]);
-      ExpectCloseF32(pr.dc32.Download(), ref, bound);
+      ExpectGemmCloseF32(pr.dc32.Download(), ref, bound);
       EXPECT_TRUE(pr.dc32.GuardsIntact());
     }
   }
@@ -268,7 +236,7 @@ TEST(GemvTest, CapturesInGraphAndIsDeterministic) {
       TS_ASSERT_OK(LaunchGemv(p, stream));
       TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
       const auto first = pr.dc.Download();
-      ExpectCloseBf16(testing::FromBf16(first), ref);
+      ExpectGemmCloseBf16(testing::FromBf16(first), ref);
       ExpectReplaysEqual(stream, pr.dc, first, 3, [&](cudaStream_t s) { return LaunchGemv(p, s); });
       EXPECT_TRUE(pr.dc.GuardsIntact());
     }
@@ -314,9 +282,9 @@ TEST(GemvTest, PdlChainReadsTheProducersOutput) {
       TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
       TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
       const std::vector<float> mid = testing::FromBf16(p1.dc.Download());
-      ExpectCloseBf16(mid, Reference(p1.a, w1.w, nullptr, 4, 2048, 4096));
-      ExpectCloseBf16(testing::FromBf16(c2.Download()),
-                      Reference(mid, w2.w, nullptr, 4, 3072, 2048));
+      ExpectGemmCloseBf16(mid, Reference(p1.a, w1.w, nullptr, 4, 2048, 4096));
+      ExpectGemmCloseBf16(testing::FromBf16(c2.Download()),
+                          Reference(mid, w2.w, nullptr, 4, 3072, 2048));
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
@@ -418,7 +386,7 @@ TEST(GemvTest, NormPrologueMatchesRmsNormThenGemv) {
         pr.dc.Poison();
         TS_ASSERT_OK(LaunchGemv(p, nullptr));
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-        ExpectCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
+        ExpectGemmCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
         EXPECT_TRUE(pr.dc.GuardsIntact());
       }
     }

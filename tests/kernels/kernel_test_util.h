@@ -240,6 +240,43 @@ inline double MaxScaledError(const std::vector<float>& got, const std::vector<do
   return worst;
 }
 
+// A GEMM's output against an fp64 reference (gemv and skinny GEMM tests): every element within
+// |ref| / 256 (plus the A W^T part's magnitude, `product`, when C is accumulated) + 1e-3 rms of
+// the output, and a relative L2 error under 5e-3. Unwritten (poisoned) elements fail.
+inline void ExpectGemmCloseBf16(const std::vector<float>& got, const std::vector<double>& ref,
+                                const std::vector<double>* product = nullptr) {
+  ASSERT_EQ(got.size(), ref.size());
+  double ss = 0;
+  for (double r : ref) ss += r * r;
+  const double rms = std::sqrt(ss / ref.size());
+  double worst = 0;
+  size_t worst_i = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i << " not written";
+    const double scale = std::fabs(ref[i]) + (product ? std::fabs((*product)[i]) : 0.0);
+    const double e = std::fabs(got[i] - ref[i]) / (scale / 256 + 1e-3 * rms);
+    if (e > worst) worst = e, worst_i = i;
+  }
+  EXPECT_LE(worst, 1.0) << "at " << worst_i << ": got " << got[worst_i] << " want " << ref[worst_i];
+  EXPECT_LE(RelL2Error(got, ref), 5e-3);
+}
+
+// An fp32-output GEMM: every element within 1e-5 of the sum of its products' magnitudes
+// (`abs_sum`, fp32 accumulation's own bound), and a relative L2 error under 1e-4.
+inline void ExpectGemmCloseF32(const std::vector<float>& got, const std::vector<double>& ref,
+                               const std::vector<double>& abs_sum) {
+  ASSERT_EQ(got.size(), ref.size());
+  double worst = 0;
+  size_t worst_i = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i << " not written";
+    const double e = std::fabs(got[i] - ref[i]) / (1e-5 * abs_sum[i] + 1e-30);
+    if (e > worst) worst = e, worst_i = i;
+  }
+  EXPECT_LE(worst, 1.0) << "at " << worst_i << ": got " << got[worst_i] << " want " << ref[worst_i];
+  EXPECT_LE(RelL2Error(got, ref), 1e-4);
+}
+
 // Against a CPU emulation that rounds to bf16 at the same points as the kernel (the ops that
 // mirror transformers' bf16 rounding): the fraction of elements that are bit-identical, and
 // whether every element is within `max_ulps` bf16 ulps. Only fp32 rounding inside the kernel

@@ -124,6 +124,8 @@ TEST(SkinnyGemmParamsTest, SplitHeuristicAndGeometry) {
 
 #ifndef TS_SKINNY_GEMM_HOST_ONLY
 
+using testing::ExpectGemmCloseBf16;
+using testing::ExpectGemmCloseF32;
 using testing::GuardedBuffer;
 
 int NumSms() {
@@ -212,39 +214,6 @@ struct Buffers {
   }
 };
 
-// `product`: when C is accumulated, the A W^T part of ref (its magnitude joins the bound).
-void ExpectCloseBf16(const std::vector<float>& got, const std::vector<double>& ref,
-                     const std::vector<double>* product = nullptr) {
-  ASSERT_EQ(got.size(), ref.size());
-  double ss = 0;
-  for (double r : ref) ss += r * r;
-  const double rms = std::sqrt(ss / ref.size());
-  double worst = 0;
-  size_t worst_i = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i << " not written";
-    const double scale = std::fabs(ref[i]) + (product ? std::fabs((*product)[i]) : 0.0);
-    const double e = std::fabs(got[i] - ref[i]) / (scale / 256 + 1e-3 * rms);
-    if (e > worst) worst = e, worst_i = i;
-  }
-  EXPECT_LE(worst, 1.0) << "at " << worst_i << ": got " << got[worst_i] << " want " << ref[worst_i];
-  EXPECT_LE(testing::RelL2Error(got, ref), 5e-3);
-}
-
-void ExpectCloseF32(const std::vector<float>& got, const std::vector<double>& ref,
-                    const std::vector<double>& bound) {
-  ASSERT_EQ(got.size(), ref.size());
-  double worst = 0;
-  size_t worst_i = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    ASSERT_TRUE(std::isfinite(got[i])) << "element " << i << " not written";
-    const double e = std::fabs(got[i] - ref[i]) / (1e-5 * bound[i] + 1e-30);
-    if (e > worst) worst = e, worst_i = i;
-  }
-  EXPECT_LE(worst, 1.0) << "at " << worst_i << ": got " << got[worst_i] << " want " << ref[worst_i];
-  EXPECT_LE(testing::RelL2Error(got, ref), 1e-4);
-}
-
 // Forced off, the heuristic's choice, forced on.
 std::vector<int> Splits(int m, int n, int k, SkinnyGemmEpilogue e) {
   std::vector<int> s = {1, ChooseSkinnyGemmSplitK(m, n, k, e, NumSms()), 3};
@@ -273,7 +242,7 @@ TEST(SkinnyGemmTest, Bf16OutputMatchesReferenceOverShapeGrid) {
         run.dc.Poison();
         TS_ASSERT_OK(LaunchSkinnyGemm(run.Params(pr, split), nullptr));
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-        ExpectCloseBf16(testing::FromBf16(run.dc.Download()), ref);
+        ExpectGemmCloseBf16(testing::FromBf16(run.dc.Download()), ref);
         EXPECT_TRUE(run.dc.GuardsIntact());
       }
     }
@@ -294,7 +263,7 @@ TEST(SkinnyGemmTest, EverySplitCount) {
         run.dc.Poison();
         TS_ASSERT_OK(LaunchSkinnyGemm(run.Params(pr, split), nullptr));
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-        ExpectCloseBf16(testing::FromBf16(run.dc.Download()), ref);
+        ExpectGemmCloseBf16(testing::FromBf16(run.dc.Download()), ref);
         EXPECT_TRUE(run.dc.GuardsIntact());
       }
     }
@@ -314,7 +283,7 @@ TEST(SkinnyGemmTest, Fp32OutputIsTighter) {
         run.dc32.Poison();
         TS_ASSERT_OK(LaunchSkinnyGemm(run.Params(pr, split, /*fp32=*/true), nullptr));
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-        ExpectCloseF32(run.dc32.Download(), ref, bound);
+        ExpectGemmCloseF32(run.dc32.Download(), ref, bound);
         EXPECT_TRUE(run.dc32.GuardsIntact());
       }
     }
@@ -340,7 +309,7 @@ TEST(SkinnyGemmTest, AccumulateAddsIntoC) {
                                       nullptr));
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
         const std::vector<float> got = testing::FromBf16(run.dc.Download());
-        ExpectCloseBf16(got, ref, &product);
+        ExpectGemmCloseBf16(got, ref, &product);
         // Rounded as transformers' bf16 Linear then residual add: bf16(c0 + bf16(A W^T)).
         std::vector<float> hf(got.size());
         for (size_t e = 0; e < hf.size(); ++e) {
@@ -353,7 +322,7 @@ TEST(SkinnyGemmTest, AccumulateAddsIntoC) {
         TS_ASSERT_OK(LaunchSkinnyGemm(run.Params(pr, split, true, SkinnyGemmEpilogue::kAccumulate),
                                       nullptr));
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-        ExpectCloseF32(run.dc32.Download(), ref, bound);
+        ExpectGemmCloseF32(run.dc32.Download(), ref, bound);
         EXPECT_TRUE(run.dc32.GuardsIntact());
       }
     }
@@ -442,7 +411,7 @@ TEST(SkinnyGemmTest, CapturesInGraphAndIsDeterministic) {
         TS_ASSERT_OK(LaunchSkinnyGemm(p, stream));
         TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
         const auto first = run.dc.Download();
-        ExpectCloseBf16(testing::FromBf16(first), pr.Rows(pr.ref, m));
+        ExpectGemmCloseBf16(testing::FromBf16(first), pr.Rows(pr.ref, m));
         run.dc.Poison();
         TS_ASSERT_OK(LaunchSkinnyGemm(p, stream));
         TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
@@ -492,7 +461,7 @@ TEST(SkinnyGemmTest, PdlChainReadsTheProducersOutput) {
       TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
       TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
       const std::vector<float> mid = testing::FromBf16(r1.dc.Download());
-      ExpectCloseBf16(mid, p1.Rows(p1.ref, kM));
+      ExpectGemmCloseBf16(mid, p1.Rows(p1.ref, kM));
       // The second product, in fp64 from the first's bf16 output.
       std::vector<double> ref2(size_t(kM) * 3072);
       ParallelFor(3072, [&](int j) {
@@ -503,7 +472,7 @@ TEST(SkinnyGemmTest, PdlChainReadsTheProducersOutput) {
           ref2[size_t(i) * 3072 + j] = s;
         }
       });
-      ExpectCloseBf16(testing::FromBf16(c2.Download()), ref2);
+      ExpectGemmCloseBf16(testing::FromBf16(c2.Download()), ref2);
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
