@@ -72,11 +72,18 @@ absl::StatusOr<std::vector<std::pair<std::string, float>>> OpTimer::Read() const
 
 namespace {
 
-// Prefill GEMMs run on row counts padded to 16, 32, 64, ... up to the chunk size, so a handful
-// of cuBLASLt plans covers every prompt batch.
+// Prefill GEMMs (chunks and mixed steps) run on row counts padded to one of a few planned
+// sizes: 16, 32 and 64, then steps of 64 up to 512 and of 256 beyond, up to the chunk size. So
+// 16 cuBLASLt plans cover every row count of a 2048-row chunk, and a mixed step of, say, 32 decode
+// rows and 140 prompt rows computes 192 rows, not the 256 the next power of two would. From about
+// 150 rows an 8B layer GEMM is compute-bound (16 GFLOP a row against 16 GB of weights a step),
+// so its cost follows its padded rows.
 std::vector<int32_t> PrefillSizes(int32_t chunk) {
   std::vector<int32_t> sizes;
-  for (int32_t m = 16; m < chunk; m *= 2) sizes.push_back(m);
+  for (int32_t m = 16; m < chunk;) {
+    sizes.push_back(m);
+    m = m < 64 ? 2 * m : m < 512 ? m + 64 : m + 256;
+  }
   sizes.push_back(chunk);
   return sizes;
 }
