@@ -21,7 +21,8 @@
 // with the batch's decode rows; host-driven, it is prefilled while the decode waits.
 //
 // --profile: for --profile_shape / --profile_batch, also runs --profile_reps steps host-launched
-// op by op, each op between two events, and prints where a step's time goes.
+// op by op, each op between two events, and prints where a step's time goes: each op's time, the
+// bytes it must move (OpBytes) and its time against their copy-bandwidth roof.
 //
 // Output: a table on stdout; one JSON object per line in --out (when given).
 // Exit codes: 0 done; 1 a CUDA/backend error or a stream that did not finish as asked; 2 flags.
@@ -185,6 +186,31 @@ struct Settings {
   int32_t prompt_len = 0, new_tokens = 0;
   double copy_gbps = 0;
 };
+
+// The bytes one op of a decode step must move, summed over the layers (the op names of
+// cuda_model_forward.cc): weights read once, the KV read and written, and the activations in and
+// out. Its time against bytes / copy bandwidth says how far the op is from its own roof. 0 for
+// an op this model does not know (it is then printed without a roof).
+double OpBytes(const std::string& op, const ModelDims& d, int32_t batch, double context) {
+  const double L = d.num_layers, b = batch, h = d.hidden, e = 2;  // bf16 bytes
+  const double qkv = d.qkv_dim(), q = d.q_dim(), kv = d.kv_dim(), in = d.intermediate_padded;
+  const double act = b * e;  // bytes per element of an activation row set
+  if (op == "qkv_gemm" || op == "qkv_rope_gemm") {
+    // W, A in, qkv (or q + the K/V cache write) out.
+    return L * (qkv * h * e + act * (h + qkv));
+  }
+  if (op == "o_gemm") return L * (h * q * e + act * (q + 2 * h));
+  if (op == "gate_up_gemm") return L * (2 * in * h * e + act * (h + 2 * in));
+  if (op == "down_gemm") return L * (h * in * e + act * (in + 2 * h));
+  if (op == "attention") return L * (b * context * 2 * kv * e + act * 2 * q);  // K and V read
+  if (op == "rope_kv") return L * act * (qkv + q + 2 * kv);
+  if (op == "attn_norm" || op == "mlp_norm" || op == "residual_add") return L * act * 3 * h;
+  if (op == "silu_mul") return L * act * 3 * in;
+  if (op == "lm_head_gemm") return static_cast<double>(d.vocab) * h * e + b * d.vocab * 4.0;
+  if (op == "sampling") return b * d.vocab * 4.0;
+  if (op == "final_norm") return act * 2 * h;
+  return 0;
+}
 
 // Busy threads, one spinning loop each, for as long as it lives.
 class HostLoad {
@@ -478,15 +504,26 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
     TS_RETURN_IF_ERROR(CheckAndRelease(*b, batch, static_cast<uint32_t>(reps + 1)));
     double total = 0;
     for (const auto& name : order) total += Quantile(per_op[name], 0.5);
+    // The profiled steps' mean context: the prompt, then one token per step.
+    const double context = s.prompt_len + 1 + reps / 2.0;
     std::printf(
         "\nprofile %s batch %d (ops launched one by one, each between two events; "
-        "median of %d steps)\n%-14s %10s %7s\n",
-        shape.c_str(), batch, reps, "op", "us/step", "share");
+        "median of %d steps; roof = bytes / %.0f GB/s copy)\n%-14s %10s %7s %10s %9s %8s\n",
+        shape.c_str(), batch, reps, s.copy_gbps, "op", "us/step", "share", "MB/step", "roof us",
+        "x roof");
     json prof = {{"profile", shape}, {"batch", batch}, {"ops", json::array()}};
     for (const auto& name : order) {
       const double us = Quantile(per_op[name], 0.5);
-      std::printf("%-14s %10.1f %6.1f%%\n", name.c_str(), us, 100 * us / total);
-      prof["ops"].push_back({{"op", name}, {"us_per_step", us}});
+      const double bytes = OpBytes(name, d, batch, context);
+      const double roof_us = bytes / (s.copy_gbps * 1e3);
+      if (bytes > 0) {
+        std::printf("%-14s %10.1f %6.1f%% %10.2f %9.1f %8.2f\n", name.c_str(), us, 100 * us / total,
+                    bytes / 1e6, roof_us, us / roof_us);
+      } else {
+        std::printf("%-14s %10.1f %6.1f%%\n", name.c_str(), us, 100 * us / total);
+      }
+      prof["ops"].push_back(
+          {{"op", name}, {"us_per_step", us}, {"bytes_per_step", bytes}, {"roof_us", roof_us}});
     }
     std::printf("%-14s %10.1f\n", "sum", total);
     prof["sum_us"] = total;
