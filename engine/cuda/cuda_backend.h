@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
 #include "engine/cuda/cuda_model.h"
+#include "engine/cuda/loop_policy.h"
 #include "engine/prefill_queue.h"
 #include "graphs/graph_cache.h"
 
@@ -170,7 +171,12 @@ class CudaBackend : public Backend {
   absl::Status LoopError();
   // Host slot states (decoded counts, FINISHED) from the rings and the GPU's done flags.
   void RefreshSlots();
+  // Run(kLoop): carries out NextLoopAction (loop_policy.h) on what LoopView sees.
   absl::Status RunLoop();
+  LoopState LoopView(bool staging_free) const;
+  // Relaunches the loop on stream_ behind whatever it still runs, after a regime update if the
+  // longest context left the current window.
+  absl::Status LaunchLoop();
   // Active slots in ascending order; fills the row-list staging and returns the bucket index.
   absl::StatusOr<int32_t> StageRows();
   absl::Status MaybeUpdateRegime();

@@ -32,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/loop_policy.h"
 #include "engine/cuda/sampling_row.h"
 #include "graphs/device_guard.h"
 #include "graphs/device_loop.cuh"
@@ -217,41 +218,48 @@ void CudaBackend::RefreshSlots() {
   }
 }
 
+LoopState CudaBackend::LoopView(bool staging_free) const {
+  return LoopState{.loop_running = loop_->Running(),
+                   .stepped_since_launch = loop_->steps() > launch_steps_,
+                   .pause_requested = pause_requested_,
+                   .prompts_queued = !prefill_queue_.empty(),
+                   .staging_free = staging_free,
+                   .decoding = num_active() > 0,
+                   .ready_unadmitted = ready_unadmitted_};
+}
+
 absl::Status CudaBackend::RunLoop() {
   TS_RETURN_IF_ERROR(LoopError());
   DropCancelledPrefills();
   RefreshSlots();
-  if (loop_->Running()) {
-    // A prompt is waiting: the loop ends at the boundary after the step it is in, and mixed
-    // steps take over until every prompt is prefilled. Only once a step of this launch has run:
-    // before, the launch's own clear of the pause word may still be queued behind a chunk or
-    // mixed step, and would undo the request.
-    if (!prefill_queue_.empty() && !pause_requested_ && loop_->steps() > launch_steps_) {
-      TS_RETURN_IF_ERROR(loop_->RequestPause(control_stream_));
-      pause_requested_ = true;
-    }
-    return absl::OkStatus();
-  }
-  if (pause_requested_) {
+  if (pause_requested_ && !loop_->Running()) {
     // The pause word must have landed before the next Launch clears it, or it could land after.
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream_));
     pause_requested_ = false;
   }
-  if (!prefill_queue_.empty()) {
-    // The next chunk or mixed step is staged only once the last one's copies have run, so the
-    // host never blocks here; it keeps about one step queued ahead of the GPU.
+  // At most a plain chunk, then the launch behind it.
+  for (int32_t round = 0; round < 2; ++round) {
     TS_ASSIGN_OR_RETURN(const bool staging_free, model_->StagingFree());
-    if (!staging_free) return absl::OkStatus();
-    // Slots a plain chunk made READY decode only once a loop step admits them (a mixed step
-    // would leave them out): then the loop runs first, and is paused again behind that step.
-    if (num_active() > 0 && !ready_unadmitted_) return EnqueueMixedStep();
-    if (num_active() == 0) {
-      // With nothing decoding there is no step to keep short: the largest chunk.
-      TS_RETURN_IF_ERROR(EnqueueChunk(options_.prefill_chunk_tokens));
-      if (num_active() == 0) return absl::OkStatus();  // every first token ended its stream
+    switch (NextLoopAction(LoopView(staging_free))) {
+      case LoopAction::kNone:
+        return absl::OkStatus();
+      case LoopAction::kRequestPause:
+        TS_RETURN_IF_ERROR(loop_->RequestPause(control_stream_));
+        pause_requested_ = true;
+        return absl::OkStatus();
+      case LoopAction::kMixedStep:
+        return EnqueueMixedStep();
+      case LoopAction::kPlainChunk:
+        TS_RETURN_IF_ERROR(EnqueueChunk(options_.prefill_chunk_tokens));
+        continue;
+      case LoopAction::kLaunch:
+        return LaunchLoop();
     }
   }
-  if (num_active() == 0) return absl::OkStatus();
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LaunchLoop() {
   if (chunk_pending_) {
     const cudaError_t q = cudaEventQuery(chunk_end_);
     if (q != cudaErrorNotReady) {
@@ -263,7 +271,7 @@ absl::Status CudaBackend::RunLoop() {
   // enqueued behind it.
   if (!chunk_pending_) TS_RETURN_IF_ERROR(MaybeCalibrateClock());
   // With nothing in flight the loop has exited, so every write of its steps (done flags, rings)
-  // is visible: read them again (the loop may have ended after the refresh above), and the
+  // is visible: read them again (the loop may have ended after the caller's refresh), and the
   // host's contexts are exact. The regime is then what the host-driven mode would choose before
   // this step, and the loop exits by itself at the step where that choice changes. Behind a
   // chunk or mixed steps still in flight, the host's counts run ahead of the GPU's by those

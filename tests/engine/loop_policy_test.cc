@@ -1,0 +1,86 @@
+// NextLoopAction (engine/cuda/loop_policy.h): what the CUDA device loop's Run(kLoop) does next.
+// Every combination of the host's view is checked against the rules written out once more here,
+// and the cases that carry a past bug or a design decision are named on their own.
+#include "engine/cuda/loop_policy.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace ts {
+namespace {
+
+std::string Describe(const LoopState& s) {
+  return std::string("running=") + (s.loop_running ? "1" : "0") +
+         " stepped=" + (s.stepped_since_launch ? "1" : "0") +
+         " pause=" + (s.pause_requested ? "1" : "0") + " queued=" + (s.prompts_queued ? "1" : "0") +
+         " staging_free=" + (s.staging_free ? "1" : "0") + " decoding=" + (s.decoding ? "1" : "0") +
+         " ready=" + (s.ready_unadmitted ? "1" : "0");
+}
+
+TEST(LoopPolicyTest, EveryViewGetsTheActionItsRulesGive) {
+  for (int bits = 0; bits < 128; ++bits) {
+    const LoopState s{.loop_running = (bits & 1) != 0,
+                      .stepped_since_launch = (bits & 2) != 0,
+                      .pause_requested = (bits & 4) != 0,
+                      .prompts_queued = (bits & 8) != 0,
+                      .staging_free = (bits & 16) != 0,
+                      .decoding = (bits & 32) != 0,
+                      .ready_unadmitted = (bits & 64) != 0};
+    LoopAction want = LoopAction::kNone;
+    if (s.loop_running) {
+      if (s.prompts_queued && !s.pause_requested && s.stepped_since_launch) {
+        want = LoopAction::kRequestPause;
+      }
+    } else if (s.prompts_queued && s.decoding && s.ready_unadmitted) {
+      want = LoopAction::kLaunch;
+    } else if (s.prompts_queued) {
+      if (s.staging_free) want = s.decoding ? LoopAction::kMixedStep : LoopAction::kPlainChunk;
+    } else if (s.decoding) {
+      want = LoopAction::kLaunch;
+    }
+    EXPECT_EQ(NextLoopAction(s), want) << Describe(s);
+  }
+}
+
+// The pause word is cleared by the launch itself, on the loop's stream, possibly behind mixed
+// steps still running: a request before the launch's first step could land first and be undone.
+TEST(LoopPolicyTest, APauseWaitsForTheLaunchsFirstStep) {
+  LoopState s{.loop_running = true, .prompts_queued = true, .decoding = true};
+  EXPECT_EQ(NextLoopAction(s), LoopAction::kNone);
+  s.stepped_since_launch = true;
+  EXPECT_EQ(NextLoopAction(s), LoopAction::kRequestPause);
+  s.pause_requested = true;  // asked once
+  EXPECT_EQ(NextLoopAction(s), LoopAction::kNone);
+}
+
+// Prompts waiting beside decoding streams go in mixed steps, never a chunk between steps, and
+// only once the last step's staging is free: the host does not block.
+TEST(LoopPolicyTest, PromptsBesideDecodingStreamsGoInMixedSteps) {
+  LoopState s{.prompts_queued = true, .staging_free = true, .decoding = true};
+  EXPECT_EQ(NextLoopAction(s), LoopAction::kMixedStep);
+  s.staging_free = false;
+  EXPECT_EQ(NextLoopAction(s), LoopAction::kNone);
+  s.prompts_queued = false;  // the last mixed step is in flight: the loop goes behind it
+  EXPECT_EQ(NextLoopAction(s), LoopAction::kLaunch);
+}
+
+// READY slots are admitted only by a loop step: after a plain chunk the loop runs first, even
+// with more prompts waiting, and with nothing decoding a plain chunk takes the whole buffer.
+TEST(LoopPolicyTest, ReadySlotsAreAdmittedByTheLoopBeforeAnyMixedStep) {
+  LoopState s{.prompts_queued = true, .staging_free = true};
+  EXPECT_EQ(NextLoopAction(s), LoopAction::kPlainChunk);
+  s.decoding = true;
+  s.ready_unadmitted = true;
+  s.staging_free = false;  // the chunk's copies are still queued: the loop goes behind it anyway
+  EXPECT_EQ(NextLoopAction(s), LoopAction::kLaunch);
+}
+
+TEST(LoopPolicyTest, NothingToDoWithNothingQueuedOrDecoding) {
+  EXPECT_EQ(NextLoopAction(LoopState{}), LoopAction::kNone);
+  EXPECT_EQ(NextLoopAction(LoopState{.loop_running = true, .stepped_since_launch = true}),
+            LoopAction::kNone);
+}
+
+}  // namespace
+}  // namespace ts
