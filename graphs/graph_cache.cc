@@ -153,6 +153,7 @@ GraphCache::~GraphCache() {
     }
   }
   if (flip_event_ != nullptr) (void)cudaEventDestroy(flip_event_);
+  if (prepared_event_ != nullptr) (void)cudaEventDestroy(prepared_event_);
   if (device_table_ != nullptr) (void)cudaFree(device_table_);
   if (host_table_ != nullptr) (void)cudaFreeHost(host_table_);
   if (capture_stream_ != nullptr) (void)cudaStreamDestroy(capture_stream_);
@@ -352,6 +353,7 @@ absl::Status GraphCache::Build(cudaStream_t stream) {
   buckets_.assign(n, Bucket{});
   TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
   TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&flip_event_, cudaEventDisableTiming));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&prepared_event_, cudaEventDisableTiming));
   TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&device_table_, sizeof(cudaGraphExec_t) * n));
   TS_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host_table_, sizeof(cudaGraphExec_t) * n));
 
@@ -408,8 +410,7 @@ absl::Status GraphCache::UpdateIdleExec(int32_t bucket_index, cudaGraph_t graph)
       NodeDescription(info.errorNode), static_cast<int64_t>(new_nodes), b.nodes));
 }
 
-absl::Status GraphCache::UpdateRegime(const Regime& regime, cudaStream_t stream) {
-  TS_RETURN_IF_ERROR(EnsureBuilt("UpdateRegime"));
+absl::Status GraphCache::ValidateRegime(const Regime& regime) const {
   if (regime.attention_num_splits < 1) {
     return absl::InvalidArgumentError(absl::StrCat("regime.attention_num_splits must be >= 1, got ",
                                                    regime.attention_num_splits));
@@ -418,17 +419,19 @@ absl::Status GraphCache::UpdateRegime(const Regime& regime, cudaStream_t stream)
     return absl::InvalidArgumentError(
         absl::StrCat("regime.max_context_len must be >= 0, got ", regime.max_context_len));
   }
-  TS_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Set(options_.device));
-  UpdateStats st;
-  const auto t0 = Clock::now();
+  return absl::OkStatus();
+}
+
+absl::Status GraphCache::UpdateIdleExecs(const Regime& regime, UpdateStats* st) {
   // Waits on the previous flip (Build's or the last update's table write on its stream): every
   // launch of a now-idle exec was enqueued before it, so once it completed no idle exec runs,
   // and a device graph must not be updated while it runs. Also frees host_table_ for reuse.
+  auto t = Clock::now();
   TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(flip_event_));
-  st.wait_us = UsSince(t0);
+  st->wait_us = UsSince(t);
 
   // Capture every bucket first: a capture error then leaves every exec untouched.
-  auto t = Clock::now();
+  t = Clock::now();
   const int32_t n = num_buckets();
   std::vector<GraphPtr> graphs;
   graphs.reserve(n);
@@ -436,25 +439,62 @@ absl::Status GraphCache::UpdateRegime(const Regime& regime, cudaStream_t stream)
     TS_ASSIGN_OR_RETURN(cudaGraph_t g, Capture(i, regime));
     graphs.emplace_back(g);
   }
-  st.capture_us = UsSince(t);
+  st->capture_us = UsSince(t);
 
+  // From here on the idle execs hold neither the old prepared regime nor, on failure, the new.
+  prepared_.reset();
   t = Clock::now();
   for (int32_t i = 0; i < n; ++i) TS_RETURN_IF_ERROR(UpdateIdleExec(i, graphs[i].get()));
-  st.exec_update_us = UsSince(t);
+  st->exec_update_us = UsSince(t);
+  return absl::OkStatus();
+}
 
-  // An updated device graph takes effect only after it is uploaded again.
-  t = Clock::now();
-  for (int32_t i = 0; i < n; ++i) {
-    TS_CUDA_RETURN_IF_ERROR(cudaGraphUpload(buckets_[i].execs[buckets_[i].current ^ 1], stream));
+absl::Status GraphCache::PrepareRegime(const Regime& regime) {
+  TS_RETURN_IF_ERROR(EnsureBuilt("PrepareRegime"));
+  TS_RETURN_IF_ERROR(ValidateRegime(regime));
+  if (prepared_ == regime) return absl::OkStatus();
+  TS_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Set(options_.device));
+  UpdateStats st;
+  TS_RETURN_IF_ERROR(UpdateIdleExecs(regime, &st));
+  // On the private stream, beside whatever runs the current execs; UpdateRegime orders its flip
+  // after these uploads through prepared_event_.
+  for (int32_t i = 0; i < num_buckets(); ++i) {
+    TS_CUDA_RETURN_IF_ERROR(
+        cudaGraphUpload(buckets_[i].execs[buckets_[i].current ^ 1], capture_stream_));
   }
-  st.upload_us = UsSince(t);
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(prepared_event_, capture_stream_));
+  prepared_ = regime;
+  return absl::OkStatus();
+}
 
-  t = Clock::now();
+absl::Status GraphCache::UpdateRegime(const Regime& regime, cudaStream_t stream) {
+  TS_RETURN_IF_ERROR(EnsureBuilt("UpdateRegime"));
+  TS_RETURN_IF_ERROR(ValidateRegime(regime));
+  TS_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Set(options_.device));
+  UpdateStats st;
+  const auto t0 = Clock::now();
+  if (prepared_ == regime) {
+    // PrepareRegime did the capture, the exec updates and the uploads: only the flip is left,
+    // after those uploads.
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, prepared_event_, 0));
+    st.prepared = true;
+  } else {
+    TS_RETURN_IF_ERROR(UpdateIdleExecs(regime, &st));
+    // An updated device graph takes effect only after it is uploaded again.
+    const auto t = Clock::now();
+    for (int32_t i = 0; i < num_buckets(); ++i) {
+      TS_CUDA_RETURN_IF_ERROR(cudaGraphUpload(buckets_[i].execs[buckets_[i].current ^ 1], stream));
+    }
+    st.upload_us = UsSince(t);
+  }
+
+  const auto t = Clock::now();
   for (Bucket& b : buckets_) b.current ^= 1;
   if (absl::Status s = PublishTable(stream); !s.ok()) {
     for (Bucket& b : buckets_) b.current ^= 1;  // nothing was published: keep serving the old
     return s;
   }
+  prepared_.reset();  // the prepared execs are current now
   st.flip_us = UsSince(t);
   st.total_us = UsSince(t0);
   regime_ = regime;

@@ -10,6 +10,7 @@
 //   TS_RETURN_IF_ERROR(cache.Launch(bucket_index, stream));  // host-driven mode: one per step
 //   TS_RETURN_IF_ERROR(cache.UpdateRegime(new_regime, stream));  // exec update, never
 //   re-instantiate
+//   TS_RETURN_IF_ERROR(cache.PrepareRegime(next));  // the same minus the flip, ahead of time
 //
 // Capture contract (checked where the runtime lets us): the capture callback only ENQUEUES work
 // on the stream it is given (and on streams forked from it with events) over buffers that were
@@ -35,6 +36,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,6 +87,7 @@ struct UpdateStats {
   double upload_us = 0;       // enqueueing cudaGraphUpload of every idle exec (asynchronous)
   double flip_us = 0;         // enqueueing the device-table write and the flip event
   double total_us = 0;        // all of the above
+  bool prepared = false;      // PrepareRegime had done all but the flip (the rest are then 0)
 };
 
 class GraphCache {
@@ -116,6 +119,18 @@ class GraphCache {
   // On any failure no bucket flips and regime() is unchanged: FailedPrecondition for a topology
   // change (the capture contract), InvalidArgument for a node a device graph cannot hold.
   absl::Status UpdateRegime(const Regime& regime, cudaStream_t stream);
+
+  // Does all of UpdateRegime(regime) but the flip, ahead of time: re-captures every bucket,
+  // updates each idle exec in place and uploads it on a private stream. The current execs, and a
+  // device loop running them on any stream, are untouched (the idle execs were last launched
+  // before the previous flip, which this waits for). A later UpdateRegime with the same regime
+  // then only waits for those uploads on its stream and flips, so a device loop that exits for a
+  // regime change can be relaunched at once. Another UpdateRegime, or a PrepareRegime with
+  // another regime, replaces what was prepared. The graphs in the execs are the same as
+  // UpdateRegime's would be, so results do not depend on whether a regime was prepared.
+  absl::Status PrepareRegime(const Regime& regime);
+  // The regime PrepareRegime left in the idle execs, if it has not been flipped to since.
+  const std::optional<Regime>& prepared() const { return prepared_; }
 
   // Smallest bucket index whose batch size holds `batch_size`; OutOfRange above the last bucket.
   absl::StatusOr<int32_t> BucketIndexFor(int32_t batch_size) const;
@@ -150,6 +165,10 @@ class GraphCache {
 
   absl::Status ValidateOptions() const;
   absl::Status EnsureBuilt(const char* what) const;
+  absl::Status ValidateRegime(const Regime& regime) const;
+  // Waits for the previous flip, re-captures every bucket with `regime` and updates each idle
+  // exec in place (UpdateRegime's and PrepareRegime's common part; no upload, no flip).
+  absl::Status UpdateIdleExecs(const Regime& regime, UpdateStats* st);
   absl::Status CheckBucketIndex(int32_t bucket_index) const;
   // Captures options_.capture for one bucket into a new graph the caller owns.
   absl::StatusOr<cudaGraph_t> Capture(int32_t bucket_index, const Regime& regime);
@@ -168,6 +187,8 @@ class GraphCache {
   cudaGraphExec_t* device_table_ = nullptr;  // [num_buckets], device memory
   cudaGraphExec_t* host_table_ = nullptr;    // [num_buckets], pinned staging for the table copy
   cudaEvent_t flip_event_ = nullptr;         // recorded on the update stream after each table write
+  cudaEvent_t prepared_event_ = nullptr;     // recorded on capture_stream_ after PrepareRegime
+  std::optional<Regime> prepared_;           // what the idle execs hold, see prepared()
   BuildStats build_stats_;
   UpdateStats last_update_;
   int64_t instantiation_count_ = 0;

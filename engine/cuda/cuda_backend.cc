@@ -391,10 +391,12 @@ absl::Status CudaBackend::MaybeUpdateRegime() {
   // Grow at once (too few splits starve the GPU on long contexts); shrink only by two levels,
   // so a batch hovering at a boundary does not update every step.
   if (bound <= current && bound * 4 > current) return absl::OkStatus();
-  const graphs::Regime regime{
-      .attention_num_splits = model_->NumSplits(options_.buckets.front(), bound),
-      .max_context_len = bound};
-  return graphs_->UpdateRegime(regime, stream_);
+  return graphs_->UpdateRegime(RegimeFor(bound), stream_);
+}
+
+graphs::Regime CudaBackend::RegimeFor(int32_t bound) const {
+  return graphs::Regime{.attention_num_splits = model_->NumSplits(options_.buckets.front(), bound),
+                        .max_context_len = bound};
 }
 
 absl::Status CudaBackend::Run(RunMode mode) {

@@ -180,6 +180,11 @@ class CudaBackend : public Backend {
   // Active slots in ascending order; fills the row-list staging and returns the bucket index.
   absl::StatusOr<int32_t> StageRows();
   absl::Status MaybeUpdateRegime();
+  // The graphs' regime for contexts up to `bound` (a RegimeBound).
+  graphs::Regime RegimeFor(int32_t bound) const;
+  // Device loop: while it runs with the longest context near the window's top, prepares the next
+  // regime up in the idle execs (GraphCache::PrepareRegime), so that the exit for it only flips.
+  absl::Status MaybePrepareRegime();
   absl::Status CheckErrorFlag(const char* where) const;
   void AfterStep(const std::vector<SlotId>& rows);
   // The regime upper bound for a context: 128 * 2^k, capped at max_context.

@@ -233,6 +233,62 @@ TEST_F(GraphCacheTest, UpdateRegimeTakesEffectOnTheNextLaunchWithoutReinstantiat
             absl::StatusCode::kInvalidArgument);
 }
 
+// PrepareRegime does everything but the flip while the current execs keep serving; the update
+// to the same regime then only flips (no capture), and an update to another regime discards what
+// was prepared and does the whole update.
+TEST_F(GraphCacheTest, PreparedRegimeLeavesTheCurrentExecsServingAndTheUpdateOnlyFlips) {
+  cache_ = std::make_unique<GraphCache>(Options());
+  TS_ASSERT_OK(cache_->Build(stream_));
+  const int64_t instantiations = cache_->instantiation_count();
+  const Regime r1{.attention_num_splits = 4, .max_context_len = 512};
+  const Regime r2{.attention_num_splits = 2, .max_context_len = 8192};
+  const Regime r3{.attention_num_splits = 3, .max_context_len = 2048};
+
+  TS_ASSERT_OK(cache_->PrepareRegime(r1));
+  ASSERT_TRUE(cache_->prepared().has_value());
+  EXPECT_EQ(*cache_->prepared(), r1);
+  EXPECT_EQ(cache_->regime(), Regime{});
+  EXPECT_EQ(cache_->update_count(), 0);
+  for (int32_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(cache_->current_slot(k), 0);
+    Poison();
+    TS_ASSERT_OK(cache_->Launch(k, stream_));
+    ExpectOnlyBucket(k, Regime{});  // still Build's regime
+  }
+  ExpectDeviceTableMatches();
+
+  TS_ASSERT_OK(cache_->UpdateRegime(r1, stream_));
+  EXPECT_TRUE(cache_->last_update().prepared);
+  EXPECT_EQ(cache_->last_update().capture_us, 0);
+  EXPECT_FALSE(cache_->prepared().has_value());
+  EXPECT_EQ(cache_->regime(), r1);
+  EXPECT_EQ(cache_->instantiation_count(), instantiations);
+  ExpectDeviceTableMatches();
+  for (int32_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(cache_->current_slot(k), 1);
+    Poison();
+    TS_ASSERT_OK(cache_->Launch(k, stream_));
+    ExpectOnlyBucket(k, r1);
+  }
+
+  // Prepared, then not the regime asked for: the whole update, into the same idle execs.
+  TS_ASSERT_OK(cache_->PrepareRegime(r2));
+  TS_ASSERT_OK(cache_->UpdateRegime(r3, stream_));
+  EXPECT_FALSE(cache_->last_update().prepared);
+  EXPECT_GT(cache_->last_update().capture_us, 0);
+  EXPECT_FALSE(cache_->prepared().has_value());
+  EXPECT_EQ(cache_->regime(), r3);
+  for (int32_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(cache_->current_slot(k), 0);
+    Poison();
+    TS_ASSERT_OK(cache_->Launch(k, stream_));
+    ExpectOnlyBucket(k, r3);
+  }
+  EXPECT_EQ(cache_->instantiation_count(), instantiations) << "an update re-instantiated";
+  EXPECT_EQ(cache_->PrepareRegime(Regime{.attention_num_splits = 0}).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(GraphCacheTest, DeviceTailLaunchRunsTheCurrentExecFromTheTable) {
   cache_ = std::make_unique<GraphCache>(Options());
   TS_ASSERT_OK(cache_->Build(stream_));
