@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/ring.h"
 #include "models/config.h"
 #include "models/sampling.h"
 
@@ -32,15 +33,6 @@ struct StopParams {
   std::chrono::steady_clock::time_point deadline{};
 };
 
-enum class FinishReason : uint8_t {
-  kNone = 0,
-  kEos = 1,        // a model EOS id
-  kStopToken = 2,  // one of StopParams::stop_token_ids
-  kLength = 3,     // max_new_tokens reached
-  kCancelled = 4,  // Cancel() took effect
-  kError = 5,
-  kDeadline = 6,  // StopParams::deadline passed
-};
 const char* FinishReasonName(FinishReason r);
 
 // The stop rule every backend applies after sampling a token, exactly as the GPU postprocess kernel
@@ -51,24 +43,7 @@ const char* FinishReasonName(FinishReason r);
 FinishReason CheckStop(const StopParams& stop, std::span<const int32_t> eos_token_ids,
                        int32_t token, int32_t index);
 
-// One token-ring entry. The writer fills token and flags, then release-stores seq; the reader
-// accepts an entry only when seq equals the one it expects, so it never reads a torn entry.
-// Same layout in host-mapped pinned memory for the GPU writer.
-struct RingEntry {
-  uint32_t seq;    // 1-based sequence number of this token within the slot's current request
-  int32_t token;   // -1 for a finish-only entry (e.g. cancelled with no new token)
-  uint32_t flags;  // bit 0: FINISHED; bits 8..15: FinishReason
-  uint32_t reserved;
-};
-static_assert(sizeof(RingEntry) == 16);
-
-constexpr uint32_t kRingFinished = 1u;
-inline uint32_t RingFlags(FinishReason r) {
-  return r == FinishReason::kNone ? 0u : (kRingFinished | (static_cast<uint32_t>(r) << 8));
-}
-inline FinishReason RingReason(uint32_t flags) {
-  return static_cast<FinishReason>((flags >> 8) & 0xff);
-}
+// RingEntry, FinishReason and the flag layout: common/ring.h, shared with the GPU's writer.
 
 // Single-producer single-consumer ring over caller-owned storage of `capacity` entries.
 class TokenRing {

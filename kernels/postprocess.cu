@@ -10,21 +10,21 @@ namespace {
 constexpr int kThreads = 128;
 
 // The stop rule of ts::CheckStop (engine/backend.cc), token by token the same decisions.
-__device__ uint32_t StopReason(const SlotRow& s, const PostprocessParams& p, int32_t token,
-                               int32_t index) {
+__device__ FinishReason StopReason(const SlotRow& s, const PostprocessParams& p, int32_t token,
+                                   int32_t index) {
   if (index >= s.min_new_tokens) {
     if (s.ignore_eos == 0) {
       for (int i = 0; i < p.num_eos; ++i) {
-        if (p.eos_ids[i] == token) return kFinishEos;
+        if (p.eos_ids[i] == token) return FinishReason::kEos;
       }
     }
     const int n = s.num_stop_ids < kMaxStopIds ? s.num_stop_ids : kMaxStopIds;
     for (int i = 0; i < n; ++i) {
-      if (s.stop_ids[i] == token) return kFinishStopToken;
+      if (s.stop_ids[i] == token) return FinishReason::kStopToken;
     }
   }
-  if (index + 1 >= s.max_new_tokens) return kFinishLength;
-  return 0;
+  if (index + 1 >= s.max_new_tokens) return FinishReason::kLength;
+  return FinishReason::kNone;
 }
 
 __device__ void PostprocessRow(const PostprocessParams& p, int32_t row) {
@@ -38,12 +38,12 @@ __device__ void PostprocessRow(const PostprocessParams& p, int32_t row) {
   const uint64_t deadline = static_cast<uint64_t>(s.deadline_hi) << 32 | s.deadline_lo;
   const bool expired = !cancelled && deadline != 0 && GlobalTimerNs() >= deadline;
   int32_t token = p.tokens[row];
-  uint32_t reason;
+  FinishReason reason;
   if (cancelled || expired) {
     // The token sampled this step is dropped: a finish-only record, as the CPU backend writes
     // when it sees the flag (or the deadline) before decoding.
     token = -1;
-    reason = cancelled ? kFinishCancelled : kFinishDeadline;
+    reason = cancelled ? FinishReason::kCancelled : FinishReason::kDeadline;
   } else {
     reason = StopReason(s, p, token, s.generated);
     if (token >= 0 && token < p.vocab) {
@@ -56,15 +56,15 @@ __device__ void PostprocessRow(const PostprocessParams& p, int32_t row) {
   const uint32_t seq = s.seq + 1;
   s.seq = seq;
 
-  volatile RingRecord* e =
+  volatile RingEntry* e =
       p.rings + static_cast<int64_t>(slot) * p.ring_capacity + (seq - 1) % p.ring_capacity;
   e->seq = 0;
   __threadfence_system();
   e->token = token;
-  e->flags = RingFlagsFor(reason);
+  e->flags = RingFlags(reason);
   __threadfence_system();
   e->seq = seq;
-  if (reason == 0) {
+  if (reason == FinishReason::kNone) {
     if (p.to_state != p.from_state) {
       __threadfence();
       *static_cast<volatile int32_t*>(&s.state) = p.to_state;

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "common/ring.h"
 #include "kernels/sampling.cuh"
 #include "kernels/step_stamps.cuh"
 
@@ -34,17 +35,6 @@ inline constexpr int32_t kSlotFinished = 2;
 inline constexpr int32_t kSlotPrefill = 3;
 inline constexpr int32_t kSlotReady = 4;
 
-// Finish reasons as ts::FinishReason numbers them (engine/backend.h; the backend static_asserts
-// that they agree) and the ring flag layout: bit 0 FINISHED, bits 8..15 the reason.
-inline constexpr uint32_t kFinishEos = 1;
-inline constexpr uint32_t kFinishStopToken = 2;
-inline constexpr uint32_t kFinishLength = 3;
-inline constexpr uint32_t kFinishCancelled = 4;
-inline constexpr uint32_t kFinishDeadline = 6;
-__host__ __device__ inline uint32_t RingFlagsFor(uint32_t reason) {
-  return reason == 0 ? 0u : (1u | (reason << 8));
-}
-
 // One row of the device slot table. Written whole by the host when it publishes a slot (after
 // the slot's prefill); afterwards only the GPU writes generated, last_token, seq and state.
 struct SlotRow {
@@ -58,7 +48,7 @@ struct SlotRow {
   int32_t ignore_eos = 0;
   int32_t num_stop_ids = 0;
   int32_t stop_ids[kMaxStopIds] = {};
-  // %globaltimer nanoseconds (low, high word) at which the stream ends with kFinishDeadline;
+  // %globaltimer nanoseconds (low, high word) at which the stream ends with kDeadline;
   // 0 = none. Two words: the row's layout keeps 4-byte fields only.
   uint32_t deadline_lo = 0;
   uint32_t deadline_hi = 0;
@@ -66,15 +56,6 @@ struct SlotRow {
   SamplingRow sampling;  // position is filled per step by whoever builds the sampling rows
 };
 static_assert(sizeof(SlotRow) % 16 == 0);
-
-// Same layout as ts::RingEntry (engine/backend.h).
-struct RingRecord {
-  uint32_t seq;
-  int32_t token;
-  uint32_t flags;
-  uint32_t reserved;
-};
-static_assert(sizeof(RingRecord) == 16);
 
 struct PostprocessParams {
   const int32_t* row_slots = nullptr;  // [rows] slot of each row; -1 = padding row (skipped)
@@ -85,7 +66,7 @@ struct PostprocessParams {
   // [num_slots] host-mapped; set to 1 after the finishing record is in the ring, so the host
   // learns which slots are done without scanning rings. Optional.
   int32_t* done = nullptr;
-  RingRecord* rings = nullptr;  // [num_slots][ring_capacity] host-mapped
+  RingEntry* rings = nullptr;  // [num_slots][ring_capacity] host-mapped (common/ring.h)
   // [count_slots, vocab] occurrences of each token in the slot's output, read by the sampling
   // penalties. The emitted token's count is incremented here, saturating at UINT32_MAX: uint32,
   // like the CPU reference's int counts, so a long generation's penalties never diverge.

@@ -22,18 +22,6 @@
 namespace ts {
 namespace k = ::ts::kernels;
 
-// The GPU writes ts::RingEntry through kernels::RingRecord and ts::FinishReason through its own
-// constants: both sides must agree bit for bit.
-static_assert(sizeof(RingEntry) == sizeof(k::RingRecord));
-static_assert(offsetof(RingEntry, seq) == offsetof(k::RingRecord, seq));
-static_assert(offsetof(RingEntry, token) == offsetof(k::RingRecord, token));
-static_assert(offsetof(RingEntry, flags) == offsetof(k::RingRecord, flags));
-static_assert(static_cast<uint32_t>(FinishReason::kEos) == k::kFinishEos);
-static_assert(static_cast<uint32_t>(FinishReason::kStopToken) == k::kFinishStopToken);
-static_assert(static_cast<uint32_t>(FinishReason::kLength) == k::kFinishLength);
-static_assert(static_cast<uint32_t>(FinishReason::kCancelled) == k::kFinishCancelled);
-static_assert(static_cast<uint32_t>(FinishReason::kDeadline) == k::kFinishDeadline);
-
 namespace {
 
 CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& config) {
@@ -192,7 +180,7 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
   info_.name = "cuda";
   slots_.resize(options_.max_slots);
   rows_.reserve(options_.max_slots);
-  auto* rings = reinterpret_cast<RingEntry*>(model_->host().rings);
+  RingEntry* rings = model_->host().rings;
   for (int32_t i = 0; i < options_.max_slots; ++i) {
     slots_[i].ring =
         TokenRing(rings + static_cast<size_t>(i) * info_.ring_capacity, info_.ring_capacity);

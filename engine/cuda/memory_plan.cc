@@ -139,7 +139,7 @@ HostLayout CarveHostImpl(const ArenaShape& s, void* base, size_t* total) {
   const size_t slots = static_cast<size_t>(s.max_slots);
   const size_t blocks = static_cast<size_t>(s.max_blocks_per_seq);
   const size_t rows = static_cast<size_t>(s.prefill_rows);
-  h.rings = c.Take<kernels::RingRecord>(slots * s.ring_capacity, nullptr);
+  h.rings = c.Take<RingEntry>(slots * s.ring_capacity, nullptr);
   h.cancel = c.Take<int32_t>(slots, nullptr);
   h.done = c.Take<int32_t>(slots, nullptr);
   h.error_flag = c.Take<int32_t>(4, nullptr);

@@ -185,11 +185,11 @@ struct DeviceLayout {
 // Pinned host memory, allocated cudaHostAllocMapped | cudaHostAllocPortable: the GPU writes the
 // rings and done flags and reads the cancel flags through their device aliases.
 struct HostLayout {
-  kernels::RingRecord* rings = nullptr;  // [max_slots][ring_capacity]
-  int32_t* cancel = nullptr;             // [max_slots]
-  int32_t* done = nullptr;               // [max_slots]
-  int32_t* error_flag = nullptr;         // [4]; kernels store 1 on an upstream bug
-  int32_t* row_slots = nullptr;          // [max_bucket] decode row list staging
+  RingEntry* rings = nullptr;     // [max_slots][ring_capacity] (common/ring.h)
+  int32_t* cancel = nullptr;      // [max_slots]
+  int32_t* done = nullptr;        // [max_slots]
+  int32_t* error_flag = nullptr;  // [4]; kernels store 1 on an upstream bug
+  int32_t* row_slots = nullptr;   // [max_bucket] decode row list staging
   // Prefill staging, copied to the device per chunk.
   int32_t* tokens = nullptr;                      // [prefill_rows]
   int32_t* positions = nullptr;                   // [prefill_rows]

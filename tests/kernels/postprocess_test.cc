@@ -40,15 +40,22 @@ using testing::HostMappedBuffer;
 
 constexpr int32_t kPoison32 = -1;  // the buffers' 0xFF poison, as a word
 
+// A finish reason as the ring's flags carry it (common/ring.h), and an index into the coverage.
+constexpr uint32_t Code(FinishReason r) {
+  return static_cast<uint32_t>(r);
+}
+
 // ts::CheckStop (engine/backend.cc), transcribed.
 uint32_t CheckStopRule(const SlotRow& s, std::span<const int32_t> eos, int32_t token) {
   const int32_t index = s.generated;
   const std::span<const int32_t> stop(s.stop_ids, static_cast<size_t>(s.num_stop_ids));
   if (index >= s.min_new_tokens) {
-    if (!s.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end()) return kFinishEos;
-    if (std::find(stop.begin(), stop.end(), token) != stop.end()) return kFinishStopToken;
+    if (!s.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end())
+      return Code(FinishReason::kEos);
+    if (std::find(stop.begin(), stop.end(), token) != stop.end())
+      return Code(FinishReason::kStopToken);
   }
-  if (index + 1 >= s.max_new_tokens) return kFinishLength;
+  if (index + 1 >= s.max_new_tokens) return Code(FinishReason::kLength);
   return 0;
 }
 
@@ -98,8 +105,8 @@ constexpr int kHot = 6;
 // The expected contents of every buffer the kernel can reach.
 struct State {
   std::vector<SlotRow> slots;
-  std::vector<uint32_t> counts;   // [num_slots, vocab]
-  std::vector<RingRecord> rings;  // [num_slots, capacity]
+  std::vector<uint32_t> counts;  // [num_slots, vocab]
+  std::vector<RingEntry> rings;  // [num_slots, capacity]
   std::vector<int32_t> cancel, done;
   std::vector<int32_t> hot;  // [num_slots, kHot]
 };
@@ -158,7 +165,7 @@ class Sim {
       st_.hot[i] = Pick(c_.vocab);
       st_.counts[i / kHot * c_.vocab + st_.hot[i]] = kHotCounts[i % kHot];
     }
-    RingRecord poison;
+    RingEntry poison;
     std::memset(&poison, 0xFF, sizeof(poison));
     st_.rings.assign(n * c_.capacity, poison);
     st_.cancel.resize(n);
@@ -234,7 +241,8 @@ class Sim {
     const bool expired = s.deadline_hi == 0 && s.deadline_lo == 1;  // RandomSlot's passed one
     if (st_.cancel[slot] != 0 || expired) {
       token = -1;
-      reason = st_.cancel[slot] != 0 ? kFinishCancelled : kFinishDeadline;
+      reason =
+          st_.cancel[slot] != 0 ? Code(FinishReason::kCancelled) : Code(FinishReason::kDeadline);
     } else {
       const std::span<const int32_t> eos(eos_.data(), static_cast<size_t>(c_.num_eos));
       reason = CheckStopRule(s, eos, token);
@@ -252,7 +260,7 @@ class Sim {
     }
     s.seq += 1;
     cov_->wrapped += s.seq > c_.capacity;
-    RingRecord& r = st_.rings[static_cast<size_t>(slot) * c_.capacity + (s.seq - 1) % c_.capacity];
+    RingEntry& r = st_.rings[static_cast<size_t>(slot) * c_.capacity + (s.seq - 1) % c_.capacity];
     r.seq = s.seq;
     r.token = token;
     r.flags = Flags(reason);
@@ -273,7 +281,7 @@ class Sim {
     if (eos && s.ignore_eos && s.generated >= s.min_new_tokens) ++cov_->eos_ignored;
     const bool decoy = in(eos_.data() + c_.num_eos, kMaxEosIds - c_.num_eos) ||
                        in(s.stop_ids + s.num_stop_ids, kMaxStopIds - s.num_stop_ids);
-    if (decoy && !eos && !stop && reason != kFinishLength) ++cov_->decoys;
+    if (decoy && !eos && !stop && reason != Code(FinishReason::kLength)) ++cov_->decoys;
   }
 
   const State& state() const { return st_; }
@@ -298,7 +306,7 @@ std::string Describe(const SlotRow& s) {
 
 // Compares what the GPU left with the model; the first few differences, and how many.
 ::testing::AssertionResult SameState(const State& want, const std::vector<SlotRow>& slots,
-                                     const std::vector<uint32_t>& counts, const RingRecord* rings,
+                                     const std::vector<uint32_t>& counts, const RingEntry* rings,
                                      const int32_t* cancel, const int32_t* done, int vocab,
                                      uint32_t capacity) {
   std::string first;
@@ -317,9 +325,9 @@ std::string Describe(const SlotRow& s) {
              std::to_string(want.done[i]));
     }
     for (uint32_t k = 0; k < capacity; ++k) {
-      const RingRecord& g = rings[i * capacity + k];
-      const RingRecord& w = want.rings[i * capacity + k];
-      if (std::memcmp(&g, &w, sizeof(RingRecord)) != 0) {
+      const RingEntry& g = rings[i * capacity + k];
+      const RingEntry& w = want.rings[i * capacity + k];
+      if (std::memcmp(&g, &w, sizeof(RingEntry)) != 0) {
         char buf[160];
         std::snprintf(buf, sizeof(buf),
                       "ring %zu entry %u: got {seq %u token %d flags 0x%x reserved 0x%x}, want "
@@ -349,7 +357,7 @@ void RunSteps(const Config& c, Coverage* cov) {
   GuardedBuffer<SlotRow> d_slots(n);
   GuardedBuffer<uint32_t> d_counts(n * c.vocab);
   GuardedBuffer<int32_t> d_rows(max_rows), d_tokens(max_rows);
-  HostMappedBuffer<RingRecord> rings(n * c.capacity);
+  HostMappedBuffer<RingEntry> rings(n * c.capacity);
   HostMappedBuffer<int32_t> cancel(n), done(n);
   d_slots.Upload(sim.state().slots);
   d_counts.Upload(sim.state().counts);
@@ -428,12 +436,13 @@ TEST(PostprocessTest, MatchesTheHostStopRuleStepByStep) {
       "ignored %d, "
       "decoys %d, 65535->65536 %d, saturated %d, out of vocab %d, wrapped %d, padding %d, "
       "inactive %d, republished %d\n",
-      cov.reasons[0], cov.reasons[kFinishEos], cov.reasons[kFinishStopToken],
-      cov.reasons[kFinishLength], cov.reasons[kFinishCancelled], cov.reasons[kFinishDeadline],
+      cov.reasons[0], cov.reasons[Code(FinishReason::kEos)],
+      cov.reasons[Code(FinishReason::kStopToken)], cov.reasons[Code(FinishReason::kLength)],
+      cov.reasons[Code(FinishReason::kCancelled)], cov.reasons[Code(FinishReason::kDeadline)],
       cov.held_by_min, cov.eos_ignored, cov.decoys, cov.crossed_16_bits, cov.saturated,
       cov.out_of_vocab, cov.wrapped, cov.padding, cov.inactive, cov.republished);
   for (int r = 0; r < 5; ++r) EXPECT_GT(cov.reasons[r], 0) << "finish reason " << r;
-  EXPECT_GT(cov.reasons[kFinishDeadline], 0);
+  EXPECT_GT(cov.reasons[Code(FinishReason::kDeadline)], 0);
   EXPECT_GT(cov.held_by_min, 0);
   EXPECT_GT(cov.eos_ignored, 0);
   EXPECT_GT(cov.decoys, 0);
@@ -456,7 +465,7 @@ TEST(PostprocessTest, RejectsBadParams) {
   GuardedBuffer<SlotRow> slots(2);
   GuardedBuffer<uint32_t> counts(2 * 64);
   GuardedBuffer<int32_t> rows(1), tokens(1), cancel(2), done(2);
-  GuardedBuffer<RingRecord> rings(2 * 4);
+  GuardedBuffer<RingEntry> rings(2 * 4);
   PostprocessParams good;
   good.row_slots = rows.get();
   good.tokens = tokens.get();
