@@ -95,17 +95,13 @@ CpuBackend::CpuBackend(std::unique_ptr<CpuForward> forward, const CpuBackendOpti
     : forward_(std::move(forward)),
       buckets_(options.buckets),
       slots_(options.max_slots),
-      storage_(static_cast<size_t>(options.max_slots) * options.ring_capacity) {
+      table_(options.max_slots, options.ring_capacity) {
   info_.model = forward_->config();
   info_.max_slots = options.max_slots;
   info_.kv_block_size = options.kv_block_size;
   info_.num_kv_blocks = num_kv_blocks;
   info_.ring_capacity = options.ring_capacity;
   info_.name = "cpu";
-  for (int32_t i = 0; i < options.max_slots; ++i) {
-    slots_[i].ring = TokenRing(storage_.data() + static_cast<size_t>(i) * options.ring_capacity,
-                               options.ring_capacity);
-  }
   if (options.loop_thread) loop_ = std::thread([this] { LoopMain(); });
 }
 
@@ -124,7 +120,7 @@ absl::Status CpuBackend::ValidateInits(std::span<const SlotInit> inits) const {
   for (size_t i = 0; i < inits.size(); ++i) {
     const SlotInit& in = inits[i];
     TS_RETURN_IF_ERROR(ValidateSlotInit(in, info_));
-    if (slots_[in.slot].state.load(std::memory_order_acquire) != SlotState::kFree) {
+    if (table_.state(in.slot) != SlotState::kFree) {
       return absl::FailedPreconditionError(absl::StrCat("prefill slot ", in.slot, ": not FREE"));
     }
     for (size_t j = 0; j < i; ++j) {
@@ -143,9 +139,7 @@ absl::Status CpuBackend::Prefill(std::span<const SlotInit> inits) {
   jobs.reserve(inits.size());
   for (const SlotInit& in : inits) {
     // The slot is FREE, so no thread writes its ring: the engine may read it from seq 1 at once.
-    Slot& s = slots_[in.slot];
-    s.ring.Reset();
-    s.cancel.store(false, std::memory_order_relaxed);
+    table_.ResetForRequest(in.slot);
     jobs.push_back(PrefillJob{.slot = in.slot,
                               .prompt = {in.prompt.begin(), in.prompt.end()},
                               .block_table = {in.block_table.begin(), in.block_table.end()},
@@ -157,7 +151,7 @@ absl::Status CpuBackend::Prefill(std::span<const SlotInit> inits) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!loop_error_.ok()) return loop_error_;
     for (PrefillJob& job : jobs) {
-      slots_[job.slot].state.store(SlotState::kPending, std::memory_order_release);
+      table_.set_state(job.slot, SlotState::kQueued);
       pending_.push_back(std::move(job));
     }
   }
@@ -186,20 +180,21 @@ absl::Status CpuBackend::StartSlots(std::span<PrefillJob> jobs) {
     s.sampling = job.sampling;
     s.stop = std::move(job.stop);
     s.seq = 0;
-    s.state.store(SlotState::kActive, std::memory_order_release);
-    SampleAndPush(s, std::span<float>(logits_.data() + i * vocab, vocab));
+    table_.set_state(job.slot, SlotState::kActive);
+    SampleAndPush(job.slot, std::span<float>(logits_.data() + i * vocab, vocab));
   }
   return absl::OkStatus();
 }
 
-void CpuBackend::SampleAndPush(Slot& s, std::span<float> logits) {
+void CpuBackend::SampleAndPush(SlotId slot, std::span<float> logits) {
+  Slot& s = slots_[slot];
   // SampleToken samples at position prompt_len + generated, the token's absolute position.
   const int32_t token = SampleToken(logits, s.sampling, s.prompt, s.output);
   const int32_t index = static_cast<int32_t>(s.output.size());
   s.output.push_back(token);
   const FinishReason reason = CheckStop(s.stop, info_.model.eos_token_ids, token, index);
-  if (reason != FinishReason::kNone) s.state.store(SlotState::kFinished, std::memory_order_release);
-  s.ring.Push(++s.seq, token, RingFlags(reason));
+  if (reason != FinishReason::kNone) table_.set_state(slot, SlotState::kFinished);
+  table_.ring(slot).Push(++s.seq, token, RingFlags(reason));
 }
 
 absl::StatusOr<int32_t> CpuBackend::OneStep() {
@@ -207,16 +202,16 @@ absl::StatusOr<int32_t> CpuBackend::OneStep() {
   std::vector<SlotId> decode;
   for (SlotId i = 0; i < info_.max_slots; ++i) {
     Slot& s = slots_[i];
-    if (s.state.load(std::memory_order_acquire) != SlotState::kActive) continue;
-    if (s.cancel.load(std::memory_order_relaxed)) {
-      s.state.store(SlotState::kFinished, std::memory_order_release);
-      s.ring.Push(++s.seq, -1, RingFlags(FinishReason::kCancelled));
+    if (table_.state(i) != SlotState::kActive) continue;
+    if (table_.cancelled(i)) {
+      table_.set_state(i, SlotState::kFinished);
+      table_.ring(i).Push(++s.seq, -1, RingFlags(FinishReason::kCancelled));
       continue;
     }
     if (s.stop.deadline != std::chrono::steady_clock::time_point{} &&
         std::chrono::steady_clock::now() >= s.stop.deadline) {
-      s.state.store(SlotState::kFinished, std::memory_order_release);
-      s.ring.Push(++s.seq, -1, RingFlags(FinishReason::kDeadline));
+      table_.set_state(i, SlotState::kFinished);
+      table_.ring(i).Push(++s.seq, -1, RingFlags(FinishReason::kDeadline));
       continue;
     }
     decode.push_back(i);
@@ -242,15 +237,13 @@ absl::StatusOr<int32_t> CpuBackend::OneStep() {
   steps_.fetch_add(1, std::memory_order_relaxed);
   const size_t vocab = static_cast<size_t>(info_.model.vocab_size);
   for (int32_t r = 0; r < n; ++r) {
-    SampleAndPush(slots_[decode[r]], std::span<float>(logits_.data() + r * vocab, vocab));
+    SampleAndPush(decode[r], std::span<float>(logits_.data() + r * vocab, vocab));
   }
   return n;
 }
 
 bool CpuBackend::AnyActive() const {
-  return std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) {
-    return s.state.load(std::memory_order_acquire) == SlotState::kActive;
-  });
+  return table_.Any(SlotState::kActive);
 }
 
 bool CpuBackend::LoopHasWorkLocked() const {
@@ -328,30 +321,27 @@ void CpuBackend::Cancel(SlotId slot) {
   TS_CHECK_GE(slot, 0);
   TS_CHECK_LT(slot, info_.max_slots);
   // A FREE or FINISHED slot has nothing to stop; Prefill clears the flag for the next request.
-  slots_[slot].cancel.store(true, std::memory_order_relaxed);
+  table_.set_cancelled(slot, true);
 }
 
 const TokenRing& CpuBackend::Ring(SlotId slot) const {
   TS_CHECK_GE(slot, 0);
   TS_CHECK_LT(slot, info_.max_slots);
-  return slots_[slot].ring;
+  return table_.ring(slot);
 }
 
 void CpuBackend::Release(SlotId slot) {
   TS_CHECK_GE(slot, 0);
   TS_CHECK_LT(slot, info_.max_slots);
-  Slot& s = slots_[slot];
   // A loop thread may still be decoding a slot that is not FINISHED: releasing it would race.
-  const SlotState state = s.state.load(std::memory_order_acquire);
+  const SlotState state = table_.state(slot);
   TS_CHECK(!loop_.joinable() || state == SlotState::kFinished || state == SlotState::kFree);
-  s.cancel.store(false, std::memory_order_relaxed);
-  s.state.store(SlotState::kFree, std::memory_order_release);
+  table_.set_cancelled(slot, false);
+  table_.set_state(slot, SlotState::kFree);
 }
 
 int32_t CpuBackend::num_free_slots() const {
-  return static_cast<int32_t>(std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) {
-    return s.state.load(std::memory_order_acquire) == SlotState::kFree;
-  }));
+  return table_.Count(SlotState::kFree);
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const CpuBackendOptions& options) {

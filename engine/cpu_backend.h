@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/backend.h"
+#include "engine/slot_table.h"
 #include "models/cpu_model.h"
 
 namespace ts {
@@ -94,15 +95,10 @@ class CpuBackend : public Backend {
   void set_step_hook(std::function<void(uint64_t steps)> hook) { step_hook_ = std::move(hook); }
 
  private:
-  // FREE -> (Prefill) PENDING -> (prefill run) ACTIVE -> (stop rule, cancel) FINISHED -> (Release)
-  // FREE. PENDING lasts until the loop thread takes the prefill; host-driven it is never seen.
-  enum class SlotState : uint8_t { kFree, kPending, kActive, kFinished };
+  // A slot's request, beside its state, ring and cancel flag in table_ (engine/slot_table.h).
+  // States are written by the decoding thread except FREE -> QUEUED (Prefill, with a loop thread;
+  // host-driven the slot goes FREE -> ACTIVE) and FINISHED -> FREE (Release).
   struct Slot {
-    // Written by the decoding thread except FREE -> PENDING (Prefill) and FINISHED -> FREE
-    // (Release). FINISHED is stored before the finishing ring entry, so an engine that saw the
-    // entry never races the store with its Release.
-    std::atomic<SlotState> state{SlotState::kFree};
-    std::atomic<bool> cancel{false};
     // The decoding thread's own (the engine thread's when host-driven).
     std::vector<int32_t> prompt;       // [prompt_len]
     std::vector<int32_t> output;       // [generated]
@@ -110,7 +106,6 @@ class CpuBackend : public Backend {
     SamplingParams sampling;
     StopParams stop;
     uint32_t seq = 0;  // last seq pushed to the ring
-    TokenRing ring;
   };
   // A prefill with its own copy of the request (SlotInit's spans point into the caller's memory).
   struct PrefillJob {
@@ -128,7 +123,7 @@ class CpuBackend : public Backend {
   // One Forward over the new prompts, then each slot ACTIVE with its first token in the ring.
   absl::Status StartSlots(std::span<PrefillJob> jobs);
   // Samples the next token from `logits` ([vocab]), pushes it and applies the stop rule.
-  void SampleAndPush(Slot& s, std::span<float> logits);
+  void SampleAndPush(SlotId slot, std::span<float> logits);
   // One decode step over the ACTIVE slots; cancelled ones get their finish-only entry instead.
   absl::StatusOr<int32_t> OneStep();  // rows decoded
   void LoopMain();
@@ -138,9 +133,9 @@ class CpuBackend : public Backend {
   std::unique_ptr<CpuForward> forward_;
   std::vector<int32_t> buckets_;
   BackendInfo info_;
-  std::vector<Slot> slots_;         // [max_slots]
-  std::vector<RingEntry> storage_;  // [max_slots][ring_capacity]
-  std::vector<float> logits_;       // [rows][vocab], reused by the decoding thread
+  std::vector<Slot> slots_;  // [max_slots]
+  SlotTable table_;
+  std::vector<float> logits_;  // [rows][vocab], reused by the decoding thread
   std::function<void(uint64_t)> step_hook_;
   std::atomic<uint64_t> steps_{0};  // decode steps with at least one row
 

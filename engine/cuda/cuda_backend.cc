@@ -180,11 +180,8 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
   info_.name = "cuda";
   slots_.resize(options_.max_slots);
   rows_.reserve(options_.max_slots);
-  RingEntry* rings = model_->host().rings;
-  for (int32_t i = 0; i < options_.max_slots; ++i) {
-    slots_[i].ring =
-        TokenRing(rings + static_cast<size_t>(i) * info_.ring_capacity, info_.ring_capacity);
-  }
+  table_ = std::make_unique<SlotTable>(options_.max_slots, info_.ring_capacity,
+                                       model_->host().rings, model_->host().cancel);
   TS_ASSIGN_OR_RETURN(timer_, OpTimer::Create(16 * model_->dims().num_layers + 64));
   TS_RETURN_IF_ERROR(CalibrateClock());
 
@@ -226,7 +223,7 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
 absl::Status CudaBackend::ValidateInit(const SlotInit& in) const {
   TS_RETURN_IF_ERROR(ValidateSlotInit(in, info_));
   const std::string where = absl::StrCat("prefill slot ", in.slot, ": ");
-  if (slots_[in.slot].state != SlotState::kFree) {
+  if (table_->state(in.slot) != SlotState::kFree) {
     return absl::FailedPreconditionError(absl::StrCat(where, "not FREE"));
   }
   const int64_t tokens = static_cast<int64_t>(in.prompt.size()) + in.stop.max_new_tokens;
@@ -246,9 +243,8 @@ absl::Status CudaBackend::ValidateInit(const SlotInit& in) const {
 void CudaBackend::ResetSlotHost(SlotId slot) {
   // No kernel touches these for a slot that is not ACTIVE on the device, and the slot's staging
   // (which makes it so) is enqueued only after this returns.
-  std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(0, std::memory_order_relaxed);
+  table_->ResetForRequest(slot);
   std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
-  slots_[slot].ring.Reset();
 }
 
 // Writes the slot's table row, block table and prompt mask into staging row `index` and
@@ -323,7 +319,7 @@ absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
   TS_RETURN_IF_ERROR(PrefillNow(inits));
   for (const SlotInit& in : inits) {
     Slot& s = slots_[in.slot];
-    s.state = SlotState::kActive;
+    table_->set_state(in.slot, SlotState::kActive);
     s.prompt_len = static_cast<int32_t>(in.prompt.size());
     s.generated = 1;
   }
@@ -359,10 +355,7 @@ absl::Status CudaBackend::PrefillNow(std::span<const SlotInit> inits) {
 // Decode
 
 absl::StatusOr<int32_t> CudaBackend::StageRows() {
-  rows_.clear();
-  for (SlotId i = 0; i < info_.max_slots; ++i) {
-    if (slots_[i].state == SlotState::kActive) rows_.push_back(i);
-  }
+  table_->Rows(SlotState::kActive, &rows_);
   const int32_t n = static_cast<int32_t>(rows_.size());
   if (n == 0) return -1;
   TS_ASSIGN_OR_RETURN(const int32_t index, graphs_->BucketIndexFor(n));
@@ -427,10 +420,9 @@ void CudaBackend::AfterStep(const std::vector<SlotId>& rows) {
   for (SlotId id : rows) ++slots_[id].generated;
   int32_t* done = model_->host().done;  // [max_slots] host-mapped, written by postprocess
   for (SlotId i = 0; i < info_.max_slots; ++i) {
-    Slot& s = slots_[i];
-    if (s.state != SlotState::kActive) continue;
+    if (table_->state(i) != SlotState::kActive) continue;
     if (std::atomic_ref<int32_t>(done[i]).load(std::memory_order_acquire) != 0) {
-      s.state = SlotState::kFinished;
+      table_->set_state(i, SlotState::kFinished);
     }
   }
 }
@@ -553,7 +545,7 @@ absl::StatusOr<std::vector<std::vector<float>>> CudaBackend::DecodeLogits(
     }
   }
   for (size_t i = 0; i < prompts.size(); ++i) {
-    if (slots_[i].state != SlotState::kFinished) {
+    if (table_->state(static_cast<SlotId>(i)) != SlotState::kFinished) {
       return absl::InternalError(absl::StrCat("DecodeLogits: slot ", i, " did not finish"));
     }
     Release(static_cast<SlotId>(i));
@@ -575,13 +567,13 @@ void CudaBackend::Cancel(SlotId slot) {
   TS_CHECK_LT(slot, info_.max_slots);
   // Read by the postprocess kernel of the next step through the mapped alias. A FREE or
   // FINISHED slot ignores it; Prefill clears it for the next request.
-  std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(1, std::memory_order_release);
+  table_->set_cancelled(slot, true);
 }
 
 const TokenRing& CudaBackend::Ring(SlotId slot) const {
   TS_CHECK_GE(slot, 0);
   TS_CHECK_LT(slot, info_.max_slots);
-  return slots_[slot].ring;
+  return table_->ring(slot);
 }
 
 void CudaBackend::Release(SlotId slot) {
@@ -589,24 +581,21 @@ void CudaBackend::Release(SlotId slot) {
   TS_CHECK_LT(slot, info_.max_slots);
   // The device row is left as the GPU last wrote it: a slot that is not ACTIVE on the host is
   // never put in a row list, so the GPU does not touch it until the next Prefill rewrites it.
-  Slot& s = slots_[slot];
-  s.state = SlotState::kFree;
-  s.prompt_len = 0;
-  s.generated = 0;
-  std::atomic_ref<int32_t>(model_->host().cancel[slot]).store(0, std::memory_order_relaxed);
+  slots_[slot] = Slot{};
+  table_->ResetForRequest(slot);
   std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
-  s.ring.Reset();
+  table_->set_state(slot, SlotState::kFree);
 }
 
 int32_t CudaBackend::num_active() const {
-  return static_cast<int32_t>(std::count_if(
-      slots_.begin(), slots_.end(), [](const Slot& s) { return s.state == SlotState::kActive; }));
+  return table_->Count(SlotState::kActive);
 }
 
 int32_t CudaBackend::max_active_context() const {
   int32_t best = 0;
-  for (const Slot& s : slots_) {
-    if (s.state == SlotState::kActive) best = std::max(best, s.prompt_len + s.generated);
+  for (SlotId i = 0; i < info_.max_slots; ++i) {
+    const Slot& s = slots_[i];
+    if (table_->state(i) == SlotState::kActive) best = std::max(best, s.prompt_len + s.generated);
   }
   return best;
 }

@@ -36,6 +36,7 @@
 #include "engine/cuda/cuda_model.h"
 #include "engine/cuda/loop_policy.h"
 #include "engine/prefill_queue.h"
+#include "engine/slot_table.h"
 #include "graphs/graph_cache.h"
 
 namespace ts {
@@ -122,15 +123,14 @@ class CudaBackend : public Backend {
       std::span<const std::vector<int32_t>> prompts, int32_t prefill_len);
 
  private:
-  // kPrefilling: queued for its prefill chunks (device loop only). kActive: prefilled or its last
-  // chunk enqueued, decoding (on the device READY or ACTIVE). kFinished: the GPU's done flag (or
-  // the host's record for a prompt cancelled before its last chunk) was seen.
-  enum class SlotState : uint8_t { kFree, kPrefilling, kActive, kFinished };
+  // A slot's host-side state, ring and cancel flag are in table_ (engine/slot_table.h; the rings
+  // and cancel flags in the pinned host-mapped block the GPU writes and reads): QUEUED while its
+  // prompt waits for chunks (device loop only), ACTIVE once prefilled or its last chunk enqueued
+  // (on the device READY or ACTIVE), FINISHED once the GPU's done flag (or the host's record for a
+  // prompt cancelled before its last chunk) was seen.
   struct Slot {
-    SlotState state = SlotState::kFree;
     int32_t prompt_len = 0;
     int32_t generated = 0;  // host mirror of the device count, for the regime choice
-    TokenRing ring;
   };
 
   explicit CudaBackend(const CudaBackendOptions& options);
@@ -199,7 +199,8 @@ class CudaBackend : public Backend {
   uint64_t* clock_sample_ = nullptr;     // [1] device
   int64_t gpu_clock_offset_ns_ = 0;      // %globaltimer minus steady_clock, in ns
   std::chrono::steady_clock::time_point calibrated_at_{};
-  std::vector<Slot> slots_;   // [max_slots]
+  std::vector<Slot> slots_;  // [max_slots]
+  std::unique_ptr<SlotTable> table_;
   std::vector<SlotId> rows_;  // [active] this step's row list, reused (no per-step allocation)
   std::unique_ptr<OpTimer> timer_;
   StepReport last_;

@@ -95,7 +95,7 @@ void CudaBackend::QueuePrefills(std::span<const SlotInit> inits) {
   for (const SlotInit& in : inits) {
     prefill_queue_.Push(in);
     Slot& s = slots_[in.slot];
-    s.state = SlotState::kPrefilling;
+    table_->set_state(in.slot, SlotState::kQueued);
     s.prompt_len = static_cast<int32_t>(in.prompt.size());
     s.generated = 0;
   }
@@ -142,7 +142,7 @@ absl::Status CudaBackend::EnqueueChunk(int32_t max_rows, int32_t mixed_bucket,
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(chunk_end_, stream_));
   // From here on the host counts these slots as decoding (a first token that finishes one shows
   // in its done flag).
-  for (int32_t slot : sample_slots) slots_[slot].state = SlotState::kActive;
+  for (int32_t slot : sample_slots) table_->set_state(slot, SlotState::kActive);
   if (mixed_bucket == 0 && !sample_slots.empty()) ready_unadmitted_ = true;
   prefill_queue_.PopFinished();
   chunk_pending_ = true;
@@ -170,17 +170,15 @@ absl::Status CudaBackend::EnqueueMixedStep() {
 
 void CudaBackend::DropCancelledPrefills() {
   if (prefill_queue_.empty()) return;
-  int32_t* cancel = model_->host().cancel;  // [max_slots] host-mapped, written by Cancel
   for (SlotId i = 0; i < info_.max_slots; ++i) {
-    if (slots_[i].state != SlotState::kPrefilling) continue;
-    if (std::atomic_ref<int32_t>(cancel[i]).load(std::memory_order_acquire) == 0) continue;
+    if (table_->state(i) != SlotState::kQueued || !table_->cancelled(i)) continue;
     // A prompt whose last piece is already enqueued is cancelled by its first-token postprocess.
     if (prefill_queue_.Drop(i) == PrefillQueue::DropResult::kNotQueued) continue;
     // No kernel writes this slot's ring: its device row is PREFILL or not staged at all, which
     // the loop never admits. A chunk still in flight may write the slot's KV, but on the loop's
     // stream, before anything a later owner of those blocks enqueues.
-    slots_[i].ring.Push(1, -1, RingFlags(FinishReason::kCancelled));
-    slots_[i].state = SlotState::kFinished;
+    table_->set_state(i, SlotState::kFinished);  // before the entry, as every producer does
+    table_->ring(i).Push(1, -1, RingFlags(FinishReason::kCancelled));
   }
 }
 
@@ -205,10 +203,10 @@ void CudaBackend::RefreshSlots() {
   int32_t* done = model_->host().done;
   for (SlotId i = 0; i < info_.max_slots; ++i) {
     Slot& s = slots_[i];
-    if (s.state != SlotState::kActive) continue;
+    if (table_->state(i) != SlotState::kActive) continue;
     // Records so far (one read per new one): the context the attention regime follows.
-    RingEntry* e = s.ring.entries();
-    const uint32_t cap = s.ring.capacity();
+    RingEntry* e = table_->ring(i).entries();
+    const uint32_t cap = table_->ring(i).capacity();
     for (uint32_t g = static_cast<uint32_t>(s.generated);; ++g) {
       const uint32_t seq =
           std::atomic_ref<uint32_t>(e[g % cap].seq).load(std::memory_order_relaxed);
@@ -218,7 +216,7 @@ void CudaBackend::RefreshSlots() {
       }
     }
     if (std::atomic_ref<int32_t>(done[i]).load(std::memory_order_acquire) != 0) {
-      s.state = SlotState::kFinished;
+      table_->set_state(i, SlotState::kFinished);
     }
   }
 }

@@ -1,17 +1,20 @@
-// A scripted Backend for the engine tests. It keeps the same slot and ring semantics as the real
-// backends (FREE -> ACTIVE -> FINISHED, seq-numbered ring entries, CheckStop after every token,
-// cancel checked before sampling), emits deterministic tokens from a script, and records every
-// call so a test can assert, step by step, which slots ran and with which bucket.
+// A scripted Backend for the engine tests. It keeps the same slot table and ring semantics as the
+// real backends (engine/slot_table.h: FREE -> ACTIVE -> FINISHED, seq-numbered ring entries,
+// CheckStop after every token, cancel checked before sampling), emits deterministic tokens from a
+// script, and records every call so a test can assert, step by step, which slots ran and with which
+// bucket.
 #pragma once
 
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "engine/backend.h"
+#include "engine/slot_table.h"
 
 namespace ts::testing {
 
@@ -56,11 +59,7 @@ class MockBackend : public Backend {
     info_.ring_capacity = o_.ring_capacity;
     info_.name = "mock";
     slots_.resize(o_.max_slots);
-    storage_.resize(static_cast<size_t>(o_.max_slots) * o_.ring_capacity, RingEntry{});
-    for (int32_t s = 0; s < o_.max_slots; ++s) {
-      slots_[s].ring =
-          TokenRing(storage_.data() + static_cast<size_t>(s) * o_.ring_capacity, o_.ring_capacity);
-    }
+    table_ = std::make_unique<SlotTable>(o_.max_slots, o_.ring_capacity);
   }
 
   void set_script(Script script) { script_ = std::move(script); }
@@ -80,19 +79,19 @@ class MockBackend : public Backend {
     if (on_prefill_) on_prefill_();
     std::vector<SlotRecord> record;
     for (const SlotInit& in : inits) {
-      if (in.slot < 0 || in.slot >= o_.max_slots || slots_[in.slot].state != kFree) {
+      if (in.slot < 0 || in.slot >= o_.max_slots || table_->state(in.slot) != SlotState::kFree) {
         return absl::InternalError(absl::StrCat("mock: prefill into busy slot ", in.slot));
       }
       Slot& s = slots_[in.slot];
-      s.state = kActive;
+      table_->ResetForRequest(in.slot);
+      table_->set_state(in.slot, SlotState::kActive);
       s.prompt.assign(in.prompt.begin(), in.prompt.end());
       s.stop = in.stop;
       s.generated = 0;
-      s.cancel = false;
       record.push_back(
           SlotRecord{in.slot, s.prompt,
                      std::vector<int32_t>(in.block_table.begin(), in.block_table.end()), in.stop});
-      Emit(s);
+      Emit(in.slot);
     }
     prefills.push_back(std::move(record));
     return absl::OkStatus();
@@ -112,20 +111,19 @@ class MockBackend : public Backend {
 
   void Cancel(SlotId slot) override {
     cancels.push_back(slot);
-    if (slots_[slot].state == kActive) slots_[slot].cancel = true;
+    if (table_->state(slot) == SlotState::kActive) table_->set_cancelled(slot, true);
   }
-  const TokenRing& Ring(SlotId slot) const override { return slots_[slot].ring; }
+  const TokenRing& Ring(SlotId slot) const override { return table_->ring(slot); }
   void Release(SlotId slot) override {
     releases.push_back(slot);
-    Slot& s = slots_[slot];
-    s.state = kFree;
-    s.seq = 0;
-    s.ring.Reset();
+    slots_[slot].seq = 0;
+    table_->ResetForRequest(slot);
+    table_->set_state(slot, SlotState::kFree);
   }
   StepReport last_step() const override { return last_; }
   absl::StatusOr<LoopStatus> Poll() override { return LoopStatus{.steps = steps_}; }
 
-  bool slot_free(SlotId slot) const { return slots_[slot].state == kFree; }
+  bool slot_free(SlotId slot) const { return table_->state(slot) == SlotState::kFree; }
 
   // Everything the engine asked for, in order.
   std::vector<std::vector<SlotRecord>> prefills;
@@ -134,31 +132,27 @@ class MockBackend : public Backend {
   std::vector<SlotId> releases;
 
  private:
-  enum State { kFree, kActive, kFinished };
+  // A slot's request; its state, ring and cancel flag are in table_ (engine/slot_table.h).
   struct Slot {
-    State state = kFree;
     std::vector<int32_t> prompt;
     StopParams stop;
     int32_t generated = 0;
     uint32_t seq = 0;
-    bool cancel = false;
-    TokenRing ring;
   };
 
-  void Emit(Slot& s) {
+  void Emit(SlotId slot) {
+    Slot& s = slots_[slot];
     const int32_t token =
         script_ ? script_(s.prompt, s.generated) : DefaultMockToken(s.prompt, s.generated);
     const FinishReason r = CheckStop(s.stop, o_.eos_token_ids, token, s.generated);
     ++s.generated;
-    s.ring.Push(++s.seq, token, RingFlags(r));
-    if (r != FinishReason::kNone) s.state = kFinished;
+    if (r != FinishReason::kNone) table_->set_state(slot, SlotState::kFinished);
+    table_->ring(slot).Push(++s.seq, token, RingFlags(r));
   }
 
   void OneStep() {
     RunRecord rec;
-    for (SlotId i = 0; i < o_.max_slots; ++i) {
-      if (slots_[i].state == kActive) rec.active.push_back(i);
-    }
+    table_->Rows(SlotState::kActive, &rec.active);
     const int32_t n = static_cast<int32_t>(rec.active.size());
     rec.bucket = PickBucket(o_.buckets, n);
     last_ = StepReport{.active = n, .bucket = rec.bucket};
@@ -166,13 +160,13 @@ class MockBackend : public Backend {
     if (n == 0) return;
     for (SlotId i : rec.active) {
       Slot& s = slots_[i];
-      if (s.cancel) {
-        s.ring.Push(++s.seq, -1, RingFlags(FinishReason::kCancelled));
-        s.state = kFinished;
+      if (table_->cancelled(i)) {
+        table_->set_state(i, SlotState::kFinished);
+        table_->ring(i).Push(++s.seq, -1, RingFlags(FinishReason::kCancelled));
         continue;
       }
       const int32_t burst = burst_ ? burst_(s.prompt, s.generated) : o_.tokens_per_run;
-      for (int32_t k = 0; k < burst && s.state == kActive; ++k) Emit(s);
+      for (int32_t k = 0; k < burst && table_->state(i) == SlotState::kActive; ++k) Emit(i);
     }
     runs.push_back(std::move(rec));
   }
@@ -180,7 +174,7 @@ class MockBackend : public Backend {
   MockBackendOptions o_;
   BackendInfo info_;
   std::vector<Slot> slots_;
-  std::vector<RingEntry> storage_;  // [max_slots][ring_capacity]
+  std::unique_ptr<SlotTable> table_;
   Script script_;
   Script burst_;
   std::function<void()> on_prefill_;
