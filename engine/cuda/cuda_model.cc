@@ -72,22 +72,6 @@ absl::StatusOr<std::vector<std::pair<std::string, float>>> OpTimer::Read() const
 
 namespace {
 
-// Prefill GEMMs (chunks and mixed steps) run on row counts padded to one of a few planned
-// sizes: 16, 32 and 64, then steps of 64 up to 512 and of 256 beyond, up to the chunk size. So
-// 16 cuBLASLt plans cover every row count of a 2048-row chunk, and a mixed step of, say, 32 decode
-// rows and 140 prompt rows computes 192 rows, not the 256 the next power of two would. From about
-// 150 rows an 8B layer GEMM is compute-bound (16 GFLOP a row against 16 GB of weights a step),
-// so its cost follows its padded rows.
-std::vector<int32_t> PrefillSizes(int32_t chunk) {
-  std::vector<int32_t> sizes;
-  for (int32_t m = 16; m < chunk;) {
-    sizes.push_back(m);
-    m = m < 64 ? 2 * m : m < 512 ? m + 64 : m + 256;
-  }
-  sizes.push_back(chunk);
-  return sizes;
-}
-
 std::vector<uint16_t> ToBf16(const TensorView& t) {
   std::vector<uint16_t> out(static_cast<size_t>(t.numel()));
   switch (t.dtype) {
@@ -203,7 +187,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
                                              .attention_workspace_bytes = attention_ws,
                                              .graph_reserve_bytes = o.graph_reserve_bytes}));
   if (o.print_plan) std::fprintf(stderr, "%s", m->plan_.Summary().c_str());
-  m->prefill_sizes_ = PrefillSizes(o.prefill_chunk_tokens);
+  m->prefill_sizes_ = PrefillGemmRows(o.prefill_chunk_tokens);
 
   // The one device allocation of the arena; zeroed so no kernel ever reads uninitialised bytes.
   if (cudaError_t e = cudaMalloc(&m->arena_, m->plan_.arena_bytes); e != cudaSuccess) {

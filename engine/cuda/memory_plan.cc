@@ -229,6 +229,16 @@ HostLayout CarveHost(const ArenaShape& shape, void* host) {
   return CarveHostImpl(shape, host, &total);
 }
 
+std::vector<int32_t> PrefillGemmRows(int32_t chunk) {
+  std::vector<int32_t> sizes;
+  for (int32_t m = 16; m < chunk;) {
+    sizes.push_back(m);
+    m = m < 64 ? 2 * m : m < 512 ? m + 64 : m + 256;
+  }
+  sizes.push_back(chunk);
+  return sizes;
+}
+
 absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& o) {
   TS_ASSIGN_OR_RETURN(ModelDims dims, MakeModelDims(o.model));
   if (o.max_slots < 1) {

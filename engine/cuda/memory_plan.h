@@ -107,6 +107,14 @@ struct MemoryPlan {
 
 absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& options);
 
+// The row counts prefill GEMMs (chunks and mixed steps) are planned for and padded to, ascending,
+// the last one `chunk`: 16, 32 and 64, then steps of 64 up to 512 and of 256 beyond. So 16
+// cuBLASLt plans cover every row count of a 2048-row chunk, and a mixed step of, say, 32 decode
+// rows and 140 prompt rows computes 192 rows, not the 256 the next power of two would. From
+// about 150 rows an 8B layer GEMM is compute-bound (16 GFLOP a row against 16 GB of weights a
+// step), so its cost follows its padded rows.
+std::vector<int32_t> PrefillGemmRows(int32_t chunk);
+
 // ---- Pointers into the arena. Shapes in comments; M = rows of that buffer set. ----
 
 struct LayerBuffers {

@@ -50,6 +50,28 @@ TEST(CudaModelOptionsTest, RejectsBadDecodeOptionsBeforeTouchingTheGpu) {
   EXPECT_NE(m.status().message().find("attention_min_split_tokens"), std::string::npos);
 }
 
+// The planned prefill GEMM rows: ascending, ending at the chunk, and no row count pads by more
+// than 63 rows (a mixed step of 256 rows is planned exactly; 16 sizes for a 2048-row chunk).
+TEST(CudaMemoryPlanTest, PrefillGemmRowsPadLittleAndEndAtTheChunk) {
+  for (int32_t chunk : {16, 64, 100, 256, 2048, 3000}) {
+    const std::vector<int32_t> sizes = PrefillGemmRows(chunk);
+    ASSERT_FALSE(sizes.empty());
+    EXPECT_EQ(sizes.back(), chunk);
+    EXPECT_TRUE(std::is_sorted(sizes.begin(), sizes.end()));
+    EXPECT_EQ(std::adjacent_find(sizes.begin(), sizes.end()), sizes.end()) << "a size twice";
+    for (int32_t rows = 1; rows <= chunk; ++rows) {
+      const int32_t padded = *std::lower_bound(sizes.begin(), sizes.end(), rows);
+      EXPECT_GE(padded, rows);
+      if (rows > 16 && rows <= 512) EXPECT_LT(padded - rows, 64) << rows << " of " << chunk;
+      if (rows > 512) EXPECT_LT(padded - rows, 256) << rows << " of " << chunk;
+    }
+  }
+  EXPECT_EQ(PrefillGemmRows(2048).size(), 16u);
+  const std::vector<int32_t> s = PrefillGemmRows(2048);
+  EXPECT_NE(std::find(s.begin(), s.end(), 256), s.end());
+  EXPECT_NE(std::find(s.begin(), s.end(), 192), s.end());
+}
+
 TEST(CudaMemoryPlanTest, WeightsAndKvFollowTheShape) {
   const ModelConfig c = Llama1bShape();
   auto plan = PlanMemory(Options(c));
