@@ -110,46 +110,6 @@ __device__ __forceinline__ uint32_t TransposeBf16x8x8(uint32_t x) {
   return y;
 }
 
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Four 8x8 bf16 matrices from shared memory: lane l gives the address of row l % 8 of matrix l / 8
-// (16 B, 16-B aligned) and gets in r[i] matrix i's row l / 4 at columns 2(l % 4), 2(l % 4) + 1,
-// the B fragment of an mma whose columns are the matrix rows.
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t smem_addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr));
-}
-
-// As LdMatrixX4, transposed: r[i] holds matrix i's rows 2(l % 4), 2(l % 4) + 1 at column l / 4,
-// the B fragment of an mma whose k index runs along the matrix rows.
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t smem_addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr));
-}
-
-// 16 bytes global -> shared, bypassing L1; with fill false nothing is read and the 16 bytes are
-// zeroed (src-size 0), though `src` must still be a valid address.
-__device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* src, bool fill) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src),
-               "r"(fill ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most `kPending` of this thread's committed groups are still in flight. Other
-// threads' copies are visible only after a barrier that follows the wait.
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 // Entry `index` of a block-table row, or block 0 with *error_flag = 1 when the entry is not a block
 // of the pool (kInvalidKvBlock padding, a negative id, one >= num_blocks). A context that reaches
 // padding is a bug upstream: block 0 keeps the kernel in bounds while the flag fails the step.

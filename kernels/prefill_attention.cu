@@ -8,22 +8,23 @@
 #include "common/status.h"
 #include "kernels/attention_common.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/ptx.cuh"
 
 namespace ts::kernels {
 namespace {
 
 using attention_internal::CheckedBlockId;
-using attention_internal::CpAsync16;
-using attention_internal::CpAsyncCommit;
-using attention_internal::CpAsyncWait;
 using attention_internal::Exp2Approx;
 using attention_internal::kLog2e;
-using attention_internal::LdMatrixX4;
-using attention_internal::LdMatrixX4Trans;
 using attention_internal::MmaBf16;
 using attention_internal::PackBf16;
 using attention_internal::SafeShift;
-using attention_internal::SharedAddress;
+using ptx::CpAsync16;
+using ptx::CpAsyncCommit;
+using ptx::CpAsyncWait;
+using ptx::LdMatrixX4;
+using ptx::LdMatrixX4Trans;
+using ptx::SharedAddress;
 
 // 8 warps x 16 rows: one K/V tile in shared memory serves 128 (token, head) rows, so the L2 -> SM
 // traffic per flop is half that of 64-row CTAs (at 300 TFLOP/s, 64-row CTAs would need ~4.7 TB/s
@@ -222,8 +223,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<D>)
       const int64_t off = id * block_stride + kvh * head_stride +
                           static_cast<int64_t>(key & bs_mask) * D + piece * 8;
       const uint32_t dst = smem + stage * kStageBytes + j * kRowBytes + piece * 16;
-      CpAsync16(dst, a.k_cache + off, key < kv_end);
-      CpAsync16(dst + kTileBytes, a.v_cache + off, key < kv_end);
+      const uint32_t bytes = key < kv_end ? 16 : 0;
+      CpAsync16(dst, a.k_cache + off, bytes);
+      CpAsync16(dst + kTileBytes, a.v_cache + off, bytes);
     }
   };
   // Issued before the Q loads so the first tiles are in flight while Q arrives.

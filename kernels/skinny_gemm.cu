@@ -10,6 +10,7 @@
 #include "kernels/bf16_vec.cuh"
 #include "kernels/cuda_check.h"
 #include "kernels/pdl.cuh"
+#include "kernels/ptx.cuh"
 
 namespace ts::kernels {
 namespace {
@@ -37,47 +38,12 @@ static_assert(kMaxSmemBytes >= kRingBytes && kMaxSmemBytes <= 227 * 1024);
 
 // ---- PTX wrappers ----
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // L2 policy for W: evict first. W is read once; the policy keeps L2 for A, which every CTA
 // re-reads, and for whatever the next kernels of the step read.
 __device__ __forceinline__ uint64_t EvictFirstPolicy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   return policy;
-}
-
-// cp.async.cg: 16 bytes global -> shared, through L2 only (L1 bypassed), asynchronous; completion
-// is tracked per thread by commit/wait groups. src_bytes = 0 reads nothing and fills the 16 bytes
-// with zeros (rows past n or m, k past the end); src must still be a valid address.
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsync16Hint(uint32_t dst, const void* src, uint32_t src_bytes,
-                                              uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst),
-               "l"(src), "r"(src_bytes), "l"(policy)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-// Waits until at most `kPending` of this thread's most recent groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
-// ldmatrix.x4: four 8 x 8 b16 matrices from shared memory. Lane l supplies the address of row
-// (l % 8) of matrix (l / 8) (16 contiguous bytes); destination register j of lane l receives
-// elements (row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1) of matrix j.
-__device__ __forceinline__ void Ldmatrix4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
 }
 
 // d[16 x 8] += a[16 x 16] * b[16 x 8], bf16 in, fp32 accumulate (PTX ISA, mma.m16n8k16 .bf16).
@@ -226,7 +192,7 @@ __device__ __forceinline__ void ClusterReduce(const SkinnyGemmParams& p,
 // Every fragment row is = lane (mod 8), so the swizzle term is lane % 8 throughout.
 __global__ void __launch_bounds__(kThreads, 1) SkinnyGemmKernel(SkinnyGemmParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t smem_base = SmemAddr(smem);
+  const uint32_t smem_base = ptx::SharedAddress(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool swiglu = p.epilogue == SkinnyGemmEpilogue::kSiluMul;
   const int32_t tile = blockIdx.x;
@@ -265,8 +231,8 @@ __global__ void __launch_bounds__(kThreads, 1) SkinnyGemmKernel(SkinnyGemmParams
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const bool in = k_in && j < w_rows;
-      CpAsync16Hint(dst + j * 32 * kRowBytes, in ? w_src + j * w_src_step + kc : p.w, in ? 16 : 0,
-                    policy);
+      ptx::CpAsync16Hint(dst + j * 32 * kRowBytes, in ? w_src + j * w_src_step + kc : p.w,
+                         in ? 16 : 0, policy);
     }
   };
   auto load_a = [&](int32_t kt, int stage) {
@@ -278,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) SkinnyGemmKernel(SkinnyGemmParams
       const int row = lrow + 32 * j;
       if (row >= pairs * 16) break;  // never read
       const bool in = k_in && row < p.m;
-      CpAsync16(dst + j * 32 * kRowBytes, in ? a_src + j * 32 * k + kc : p.a, in ? 16 : 0);
+      ptx::CpAsync16(dst + j * 32 * kRowBytes, in ? a_src + j * 32 * k + kc : p.a, in ? 16 : 0);
     }
   };
 
@@ -290,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1) SkinnyGemmKernel(SkinnyGemmParams
   GridDepWait();  // A (and C, in the epilogue) may still be written by the preceding kernel
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < tiles_here) load_a(kt_begin + s, s);
-    CpAsyncCommit();
+    ptx::CpAsyncCommit();
   }
 
   float acc[2][kMaxNt][4];
@@ -311,14 +277,14 @@ __global__ void __launch_bounds__(kThreads, 1) SkinnyGemmKernel(SkinnyGemmParams
   for (int it = 0; it < tiles_here; ++it) {
     // Stage `it` has landed for this thread; the barrier makes every thread's copies visible and
     // proves every warp is done reading stage it - 1, whose slot the next copies reuse.
-    CpAsyncWait<kStages - 2>();
+    ptx::CpAsyncWait<kStages - 2>();
     __syncthreads();
     const int next = it + kStages - 1;
     if (next < tiles_here) {
       load_w(kt_begin + next, next % kStages);
       load_a(kt_begin + next, next % kStages);
     }
-    CpAsyncCommit();  // possibly empty: keeps one group per iteration for the wait above
+    ptx::CpAsyncCommit();  // possibly empty: keeps one group per iteration for the wait above
 
     const uint32_t stage = smem_base + (it % kStages) * kStageBytes;
 #pragma unroll
@@ -326,16 +292,16 @@ __global__ void __launch_bounds__(kThreads, 1) SkinnyGemmKernel(SkinnyGemmParams
       uint32_t wf[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        Ldmatrix4(wf[mt],
-                  stage + w_frag + mt * 16 * kRowBytes + (((2 * kk + w_chunk_hi) ^ sw) << 4));
+        ptx::LdMatrixX4(wf[mt],
+                        stage + w_frag + mt * 16 * kRowBytes + (((2 * kk + w_chunk_hi) ^ sw) << 4));
       }
       // All of this step's A fragments first, then the MMAs: the loads' latency overlaps.
       uint32_t af[kMaxPairs][4];
 #pragma unroll
       for (int pr = 0; pr < kMaxPairs; ++pr) {
         if (pr < pairs) {
-          Ldmatrix4(af[pr],
-                    stage + a_frag + pr * 16 * kRowBytes + (((2 * kk + a_chunk_hi) ^ sw) << 4));
+          ptx::LdMatrixX4(
+              af[pr], stage + a_frag + pr * 16 * kRowBytes + (((2 * kk + a_chunk_hi) ^ sw) << 4));
         }
       }
 #pragma unroll
@@ -350,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1) SkinnyGemmKernel(SkinnyGemmParams
       }
     }
   }
-  CpAsyncWait<0>();  // only empty groups can be left; the ring is reused below
+  ptx::CpAsyncWait<0>();  // only empty groups can be left; the ring is reused below
   // Our W reads are all issued: the next kernel may launch (it waits for our completion before it
   // reads anything we write).
   GridDepLaunchDependents();

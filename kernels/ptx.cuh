@@ -1,0 +1,57 @@
+// Thin wrappers over the PTX instructions that several kernels stage shared memory with
+// (cp.async) and load mma fragments with (ldmatrix): one definition each. The fragment layouts
+// are those of the PTX ISA; each kernel's comments say how it maps its tiles onto them.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ts::kernels::ptx {
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// cp.async.cg: 16 bytes global -> shared through L2 only (L1 bypassed), asynchronous; completion
+// is tracked per thread by commit and wait groups. src_bytes = 0 reads nothing and fills the 16
+// bytes with zeros (a row or key past the end); src must still be a valid address.
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+// The same with an L2 cache policy (createpolicy), e.g. evict-first for data read once.
+__device__ __forceinline__ void CpAsync16Hint(uint32_t dst, const void* src, uint32_t src_bytes,
+                                              uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+               "l"(src), "r"(src_bytes), "l"(policy)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most `kPending` of this thread's committed groups are still in flight. Other
+// threads' copies are visible only after a barrier that follows the wait.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// ldmatrix.x4: four 8x8 b16 matrices from shared memory. Lane l gives the address of row l % 8
+// of matrix l / 8 (16 contiguous bytes, 16-B aligned); register i of lane l receives matrix i's
+// row l / 4 at columns 2 (l % 4) and 2 (l % 4) + 1.
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+}
+// As LdMatrixX4, transposed: register i holds matrix i's rows 2 (l % 4) and 2 (l % 4) + 1 at
+// column l / 4 (the B fragment of an mma whose k index runs along the matrix rows).
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+}
+
+}  // namespace ts::kernels::ptx
