@@ -24,6 +24,7 @@ namespace {
 
 using testing::ExpectGemmCloseBf16;
 using testing::ExpectGemmCloseF32;
+using testing::ExpectReplaysEqual;
 using testing::GuardedBuffer;
 
 // (n, k): tiny and odd (k % 32 != 0 exercises the partial k-steps), Llama-3.2-1B qkv, o,
@@ -196,29 +197,6 @@ TEST(GemvTest, AccumulateAddsIntoC) {
       EXPECT_TRUE(pr.dc32.GuardsIntact());
     }
   }
-}
-
-// Captures `fn` once and replays it `replays` times, poisoning `out` before each; every replay's
-// bytes must equal `expect`.
-template <typename T, typename Fn>
-void ExpectReplaysEqual(cudaStream_t stream, GuardedBuffer<T>& out, const std::vector<T>& expect,
-                        int replays, Fn&& fn) {
-  cudaGraph_t graph = nullptr;
-  TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const absl::Status st = fn(stream);
-  TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  TS_ASSERT_OK(st);
-  cudaGraphExec_t exec = nullptr;
-  TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int r = 0; r < replays; ++r) {
-    out.Poison();
-    TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
-    TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
-    const std::vector<T> got = out.Download();
-    EXPECT_EQ(0, std::memcmp(got.data(), expect.data(), got.size() * sizeof(T))) << "replay " << r;
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 TEST(GemvTest, CapturesInGraphAndIsDeterministic) {

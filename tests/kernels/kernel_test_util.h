@@ -306,6 +306,29 @@ inline Bf16Match CompareBf16(const std::vector<float>& got, const std::vector<fl
 }
 
 // ---- CUDA graphs ----
+// Captures `fn` once and replays it `replays` times, poisoning `out` before each; every replay's
+// bytes must equal `expect`.
+template <typename T, typename Fn>
+void ExpectReplaysEqual(cudaStream_t stream, GuardedBuffer<T>& out, const std::vector<T>& expect,
+                        int replays, Fn&& fn) {
+  cudaGraph_t graph = nullptr;
+  TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const absl::Status st = fn(stream);
+  TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  TS_ASSERT_OK(st);
+  cudaGraphExec_t exec = nullptr;
+  TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int r = 0; r < replays; ++r) {
+    out.Poison();
+    TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
+    TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
+    const std::vector<T> got = out.Download();
+    EXPECT_EQ(0, std::memcmp(got.data(), expect.data(), got.size() * sizeof(T))) << "replay " << r;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 // Captures fn(stream) into a graph, instantiates and launches it once, and syncs the stream:
 // proves the launcher allocates, syncs and reads nothing on the host while captured.
 template <typename Fn>

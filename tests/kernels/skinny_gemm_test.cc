@@ -126,6 +126,7 @@ TEST(SkinnyGemmParamsTest, SplitHeuristicAndGeometry) {
 
 using testing::ExpectGemmCloseBf16;
 using testing::ExpectGemmCloseF32;
+using testing::ExpectReplaysEqual;
 using testing::GuardedBuffer;
 
 int NumSms() {
@@ -370,29 +371,6 @@ TEST(SkinnyGemmTest, SiluMulEpilogueMatchesGateUpThenSiluMul) {
       }
     }
   }
-}
-
-// Captures `fn` once and replays it `replays` times, poisoning `out` before each; every replay's
-// bytes must equal `expect`.
-template <typename T, typename Fn>
-void ExpectReplaysEqual(cudaStream_t stream, GuardedBuffer<T>& out, const std::vector<T>& expect,
-                        int replays, Fn&& fn) {
-  cudaGraph_t graph = nullptr;
-  TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const absl::Status st = fn(stream);
-  TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  TS_ASSERT_OK(st);
-  cudaGraphExec_t exec = nullptr;
-  TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int r = 0; r < replays; ++r) {
-    out.Poison();
-    TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
-    TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
-    const std::vector<T> got = out.Download();
-    EXPECT_EQ(0, std::memcmp(got.data(), expect.data(), got.size() * sizeof(T))) << "replay " << r;
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 // Two direct launches give the same bytes, and so do graph replays (with and without PDL).
