@@ -132,31 +132,67 @@ struct Device {
   size_t l2_bytes = 0;
 };
 
+// One shape's operands for up to max_m rows: `copies` copies of W that the timed launches rotate
+// through (enough that the rotation's footprint is >= 3x L2, at least 4, at most one per launch,
+// so every launch streams W from HBM), A, our output and cuBLASLt's. Freed on destruction.
+struct Operands {
+  Operands(const Options& o, const Device& dev, const Shape& s, int max_m)
+      : w_elems(size_t(s.n) * s.k),
+        bytes(2.0 * w_elems),
+        copies(static_cast<int>(std::clamp<double>(std::ceil(3.0 * dev.l2_bytes / bytes), 4.0,
+                                                   std::max(4, o.launches)))) {
+    BENCH_CUDA(cudaMalloc(&w, w_elems * copies * sizeof(__nv_bfloat16)));
+    BENCH_CUDA(cudaMalloc(&a, size_t(max_m) * s.k * sizeof(__nv_bfloat16)));
+    BENCH_CUDA(cudaMalloc(&c_ours, size_t(max_m) * s.n * sizeof(__nv_bfloat16)));
+    BENCH_CUDA(cudaMalloc(&c_blas, size_t(max_m) * s.n * sizeof(__nv_bfloat16)));
+    Fill(w, w_elems * copies, 1234 + s.n);
+    Fill(a, size_t(max_m) * s.k, 99 + s.k);
+    BENCH_CUDA(cudaDeviceSynchronize());
+  }
+  ~Operands() {
+    BENCH_CUDA(cudaFree(w));
+    BENCH_CUDA(cudaFree(a));
+    BENCH_CUDA(cudaFree(c_ours));
+    BENCH_CUDA(cudaFree(c_blas));
+  }
+  const __nv_bfloat16* W(int i) const { return w + w_elems * (i % copies); }
+
+  size_t w_elems;
+  double bytes;  // of W
+  int copies;
+  __nv_bfloat16 *w = nullptr, *a = nullptr, *c_ours = nullptr, *c_blas = nullptr;
+};
+
+// cuBLASLt's time per launch at m rows (planned here), over the rotating copies of W.
+double TimeCublas(const Options& o, cudaStream_t stream, kernels::Gemm& gemm, const Operands& x,
+                  const Shape& s, int m) {
+  CheckOk(gemm.Plan(kernels::GemmShape{m, s.n, s.k}), "gemm plan");
+  return TimePerLaunch(o, stream, [&](cudaStream_t st, int i) {
+    return gemm.Launch(kernels::GemmParams{x.a, x.W(i), x.c_blas, m, s.n, s.k, false}, st);
+  });
+}
+
+// After our kernel has written c_ours from W copy 0 on `stream`: cuBLASLt on the same inputs,
+// and the relative L2 difference of ours against it (the sanity check; ~1e-3 is bf16 rounding).
+double DiffAgainstCublas(kernels::Gemm& gemm, const Operands& x, const Shape& s, int m,
+                         cudaStream_t stream) {
+  CheckOk(gemm.Launch(kernels::GemmParams{x.a, x.w, x.c_blas, m, s.n, s.k, false}, stream), "gemm");
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  return RelL2(Download(x.c_ours, size_t(m) * s.n), Download(x.c_blas, size_t(m) * s.n));
+}
+
 void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm& gemm,
               cudaStream_t stream) {
-  const size_t w_elems = size_t(s.n) * s.k;
-  const double bytes = 2.0 * w_elems;
-  // Enough copies that the rotation's footprint is >= 3x L2, at least 4, at most one per launch.
-  const int copies = static_cast<int>(
-      std::clamp<double>(std::ceil(3.0 * dev.l2_bytes / bytes), 4.0, std::max(4, o.launches)));
-  __nv_bfloat16 *w = nullptr, *a = nullptr, *c_gemv = nullptr, *c_blas = nullptr;
+  const Operands x(o, dev, s, kernels::kGemvMaxM);
   float* ws = nullptr;
-  BENCH_CUDA(cudaMalloc(&w, w_elems * copies * sizeof(__nv_bfloat16)));
-  BENCH_CUDA(cudaMalloc(&a, size_t(kernels::kGemvMaxM) * s.k * sizeof(__nv_bfloat16)));
-  BENCH_CUDA(cudaMalloc(&c_gemv, size_t(kernels::kGemvMaxM) * s.n * sizeof(__nv_bfloat16)));
-  BENCH_CUDA(cudaMalloc(&c_blas, size_t(kernels::kGemvMaxM) * s.n * sizeof(__nv_bfloat16)));
   const size_t ws_bytes =
       kernels::GemvWorkspaceBytes(kernels::kGemvMaxM, s.n, kernels::kGemvMaxSplitK);
   BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
-  Fill(w, w_elems * copies, 1234 + s.n);
-  Fill(a, size_t(kernels::kGemvMaxM) * s.k, 99 + s.k);
-  BENCH_CUDA(cudaDeviceSynchronize());
 
   for (int m : {1, 4, 8}) {
-    CheckOk(gemm.Plan(kernels::GemmShape{m, s.n, s.k}), "gemm plan");
     kernels::GemvParams gp;
-    gp.a = a;
-    gp.c = c_gemv;
+    gp.a = x.a;
+    gp.c = x.c_ours;
     gp.m = m;
     gp.n = s.n;
     gp.k = s.k;
@@ -166,40 +202,31 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
     auto gemv = [&](bool pdl) {
       return [&, pdl](cudaStream_t st, int i) {
         kernels::GemvParams p = gp;
-        p.w = w + w_elems * (i % copies);
+        p.w = x.W(i);
         p.pdl = pdl;
         return kernels::LaunchGemv(p, st);
       };
     };
-    const double t_blas = TimePerLaunch(o, stream, [&](cudaStream_t st, int i) {
-      return gemm.Launch(
-          kernels::GemmParams{a, w + w_elems * (i % copies), c_blas, m, s.n, s.k, false}, st);
-    });
+    const double t_blas = TimeCublas(o, stream, gemm, x, s, m);
     const double t_gemv = TimePerLaunch(o, stream, gemv(false));
     const double t_pdl = TimePerLaunch(o, stream, gemv(true));
 
     // Same inputs once more, outside any graph, for the sanity check.
-    BENCH_CUDA(cudaMemset(c_gemv, 0xFF, size_t(m) * s.n * 2));
+    BENCH_CUDA(cudaMemset(x.c_ours, 0xFF, size_t(m) * s.n * 2));
     kernels::GemvParams p = gp;
-    p.w = w;
+    p.w = x.w;
     CheckOk(kernels::LaunchGemv(p, stream), "gemv");
-    CheckOk(gemm.Launch(kernels::GemmParams{a, w, c_blas, m, s.n, s.k, false}, stream), "gemm");
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-    const double diff = RelL2(Download(c_gemv, size_t(m) * s.n), Download(c_blas, size_t(m) * s.n));
+    const double diff = DiffAgainstCublas(gemm, x, s, m, stream);
 
-    const double roof = bytes / kRoofBytesPerUs;
+    const double roof = x.bytes / kRoofBytesPerUs;
     auto pct = [&](double us) { return 100.0 * roof / us; };
     std::printf(
         "%-3s %-8s %6d %6d %2d %8.1f %7.2f | %8.2f %4.0f%% | %8.2f %4.0f%% | %8.2f %4.0f%% |"
         " %5d %9.1e %3d\n",
-        s.model, s.layer, s.n, s.k, m, bytes / 1e6, roof, t_blas, pct(t_blas), t_gemv, pct(t_gemv),
-        t_pdl, pct(t_pdl), gp.split_k, diff, copies);
+        s.model, s.layer, s.n, s.k, m, x.bytes / 1e6, roof, t_blas, pct(t_blas), t_gemv,
+        pct(t_gemv), t_pdl, pct(t_pdl), gp.split_k, diff, x.copies);
     std::fflush(stdout);
   }
-  BENCH_CUDA(cudaFree(w));
-  BENCH_CUDA(cudaFree(a));
-  BENCH_CUDA(cudaFree(c_gemv));
-  BENCH_CUDA(cudaFree(c_blas));
   BENCH_CUDA(cudaFree(ws));
 }
 
@@ -209,25 +236,11 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
 // more tiles runs in waves).
 void RunSkinnyShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm& gemm,
                     cudaStream_t stream) {
-  constexpr int kMaxM = kernels::kSkinnyGemmMaxM;
-  const size_t w_elems = size_t(s.n) * s.k;
-  const double bytes = 2.0 * w_elems;
-  const int copies = static_cast<int>(
-      std::clamp<double>(std::ceil(3.0 * dev.l2_bytes / bytes), 4.0, std::max(4, o.launches)));
-  __nv_bfloat16 *w = nullptr, *a = nullptr, *c_ours = nullptr, *c_blas = nullptr;
-  BENCH_CUDA(cudaMalloc(&w, w_elems * copies * sizeof(__nv_bfloat16)));
-  BENCH_CUDA(cudaMalloc(&a, size_t(kMaxM) * s.k * sizeof(__nv_bfloat16)));
-  BENCH_CUDA(cudaMalloc(&c_ours, size_t(kMaxM) * s.n * sizeof(__nv_bfloat16)));
-  BENCH_CUDA(cudaMalloc(&c_blas, size_t(kMaxM) * s.n * sizeof(__nv_bfloat16)));
-  Fill(w, w_elems * copies, 1234 + s.n);
-  Fill(a, size_t(kMaxM) * s.k, 99 + s.k);
-  BENCH_CUDA(cudaDeviceSynchronize());
-
+  const Operands x(o, dev, s, kernels::kSkinnyGemmMaxM);
   for (int m : {16, 32, 64, 128}) {
-    CheckOk(gemm.Plan(kernels::GemmShape{m, s.n, s.k}), "gemm plan");
     kernels::SkinnyGemmParams sp;
-    sp.a = a;
-    sp.c = c_ours;
+    sp.a = x.a;
+    sp.c = x.c_ours;
     sp.m = m;
     sp.n = s.n;
     sp.k = s.k;
@@ -240,40 +253,31 @@ void RunSkinnyShape(const Options& o, const Device& dev, const Shape& s, kernels
     auto ours = [&](bool pdl) {
       return [&, pdl](cudaStream_t st, int i) {
         kernels::SkinnyGemmParams p = sp;
-        p.w = w + w_elems * (i % copies);
+        p.w = x.W(i);
         p.pdl = pdl;
         return kernels::LaunchSkinnyGemm(p, st);
       };
     };
-    const double t_blas = TimePerLaunch(o, stream, [&](cudaStream_t st, int i) {
-      return gemm.Launch(
-          kernels::GemmParams{a, w + w_elems * (i % copies), c_blas, m, s.n, s.k, false}, st);
-    });
+    const double t_blas = TimeCublas(o, stream, gemm, x, s, m);
     const double t_ours = TimePerLaunch(o, stream, ours(false));
     const double t_pdl = TimePerLaunch(o, stream, ours(true));
 
     // Same inputs once more, outside any graph, for the sanity check.
-    BENCH_CUDA(cudaMemset(c_ours, 0xFF, size_t(m) * s.n * 2));
+    BENCH_CUDA(cudaMemset(x.c_ours, 0xFF, size_t(m) * s.n * 2));
     kernels::SkinnyGemmParams p = sp;
-    p.w = w;
+    p.w = x.w;
     CheckOk(kernels::LaunchSkinnyGemm(p, stream), "skinny gemm");
-    CheckOk(gemm.Launch(kernels::GemmParams{a, w, c_blas, m, s.n, s.k, false}, stream), "gemm");
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-    const double diff = RelL2(Download(c_ours, size_t(m) * s.n), Download(c_blas, size_t(m) * s.n));
+    const double diff = DiffAgainstCublas(gemm, x, s, m, stream);
 
-    const double roof = bytes / kRoofBytesPerUs;
+    const double roof = x.bytes / kRoofBytesPerUs;
     auto pct = [&](double us) { return 100.0 * roof / us; };
     std::printf(
         "%-3s %-8s %6d %6d %3d %8.1f %7.2f | %8.2f %4.0f%% | %8.2f %4.0f%% | %8.2f %4.0f%% |"
         " %5d %4d %9.1e %3d\n",
-        s.model, s.layer, s.n, s.k, m, bytes / 1e6, roof, t_blas, pct(t_blas), t_ours, pct(t_ours),
-        t_pdl, pct(t_pdl), sp.split_k, clusters, diff, copies);
+        s.model, s.layer, s.n, s.k, m, x.bytes / 1e6, roof, t_blas, pct(t_blas), t_ours,
+        pct(t_ours), t_pdl, pct(t_pdl), sp.split_k, clusters, diff, x.copies);
     std::fflush(stdout);
   }
-  BENCH_CUDA(cudaFree(w));
-  BENCH_CUDA(cudaFree(a));
-  BENCH_CUDA(cudaFree(c_ours));
-  BENCH_CUDA(cudaFree(c_blas));
 }
 
 int Main(int argc, char** argv) {
