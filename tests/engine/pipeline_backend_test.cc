@@ -123,13 +123,7 @@ INSTANTIATE_TEST_SUITE_P(StagesAndModes, PipelineBackendTest,
                                            std::make_tuple("tiny-gqa-untied", 3, true),
                                            std::make_tuple("tiny-mha-tied", 2, false),
                                            std::make_tuple("tiny-mha-tied", 2, true)),
-                         [](const auto& info) {
-                           std::string name = std::get<0>(info.param) + "_" +
-                                              std::to_string(std::get<1>(info.param)) +
-                                              (std::get<2>(info.param) ? "_loop" : "_host");
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         FixtureStagesModeName);
 
 TEST(PipelineForwardTest, RefusesAPlanItCannotRun) {
   const auto dir = FixtureDir() / "tiny-gqa-untied";

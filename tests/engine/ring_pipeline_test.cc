@@ -157,13 +157,7 @@ INSTANTIATE_TEST_SUITE_P(RanksAndModes, RingPipelineTest,
                                            std::make_tuple("tiny-gqa-untied", 3, false),
                                            std::make_tuple("tiny-gqa-untied", 3, true),
                                            std::make_tuple("tiny-mha-tied", 2, true)),
-                         [](const auto& info) {
-                           std::string name = std::get<0>(info.param) + "_" +
-                                              std::to_string(std::get<1>(info.param)) +
-                                              (std::get<2>(info.param) ? "_loop" : "_host");
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         FixtureStagesModeName);
 
 // A rank's transport that dies (its sockets close, as when the process is killed) on its
 // `die_at`-th send.

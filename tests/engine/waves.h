@@ -7,12 +7,24 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "engine/engine.h"
 #include "tests/engine/stream_reader.h"
 
 namespace ts::testing {
+
+// The name of a (fixture, stages or ranks, loop) test parameter, e.g. tiny_gqa_untied_3_loop.
+inline std::string FixtureStagesModeName(
+    const ::testing::TestParamInfo<std::tuple<std::string, int32_t, bool>>& info) {
+  std::string name = std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) +
+                     (std::get<2>(info.param) ? "_loop" : "_host");
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name;
+}
 
 // An engine over `backend` as the pipeline tests run it: buckets 1, 2, 4, `slots` at once.
 inline std::unique_ptr<Engine> MakeWaveEngine(std::unique_ptr<Backend> backend, bool loop,
