@@ -182,10 +182,9 @@ class CudaModel {
   // riding in the same layer GEMMs, so the weights are read once for both. Rows [0, bucket) of
   // the prefill buffers decode, rows [bucket, bucket + prompt rows) prefill; bucket plus the
   // pieces' rows must fit prefill_chunk_tokens. The decode rows are sampled and postprocessed as
-  // in a decode step, then the prompts it completes get their first tokens (first). All staging
-  // is copied at the step's start, so the host can stage the next step while this one runs.
-  // Host-launched, not a graph; it shares the chunk staging with EnqueuePrefillChunk (see
-  // StagingFree).
+  // in a decode step, then the prompts it completes get their first tokens (first, through
+  // EnqueuePrefillSample). Host-launched, not a graph; it shares the chunk staging with
+  // EnqueuePrefillChunk (see StagingFree).
   absl::Status EnqueueMixedStep(int32_t bucket, int32_t num_splits,
                                 std::span<const PrefillPiece> pieces, const FirstTokens& first,
                                 cudaStream_t stream);
@@ -266,10 +265,6 @@ class CudaModel {
   // planned GEMM size, on `stream`. Returns the attention inputs; rows_out = padded rows.
   absl::StatusOr<Attention> StagePieces(std::span<const PrefillPiece> pieces, int32_t row_offset,
                                         cudaStream_t stream, int32_t* rows_out, int32_t* gathers);
-  // The first-token sample's staging (params, slots), copied on `stream`; then, once the head
-  // rows are in dev().prefill_head.hidden, its lm_head, sampling and postprocess.
-  absl::Status StageFirstTokens(const FirstTokens& first, cudaStream_t stream);
-  absl::Status LaunchFirstTokens(const FirstTokens& first, cudaStream_t stream);
 
   ModelConfig config_;
   int32_t attention_min_split_tokens_ = 64;

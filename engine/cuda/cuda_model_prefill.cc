@@ -168,13 +168,12 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
   int32_t padded = 0, gathers = 0;
   TS_ASSIGN_OR_RETURN(const Attention at, StagePieces(pieces, 0, stream, &padded, &gathers));
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
-  TS_RETURN_IF_ERROR(StageFirstTokens(first, stream));
   const DeviceLayout& dv = dev_;
   const ForwardBuffers& f = dv.prefill;
   TS_RETURN_IF_ERROR(EnqueueEmbedding(f, padded, stream));
   TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
   TS_RETURN_IF_ERROR(GatherPromptEnds(gathers, stream));
-  return LaunchFirstTokens(first, stream);
+  return EnqueuePrefillSample(first, stream);
 }
 
 absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
@@ -209,10 +208,10 @@ absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
   TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, nullptr));
   TS_RETURN_IF_ERROR(
       EnqueueSampleAndPost(head, bucket, k::kSlotActive, k::kSlotActive, nullptr, stream, nullptr));
-  return LaunchFirstTokens(first, stream);
+  return EnqueuePrefillSample(first, stream);
 }
 
-absl::Status CudaModel::StageFirstTokens(const FirstTokens& first, cudaStream_t stream) {
+absl::Status CudaModel::EnqueuePrefillSample(const FirstTokens& first, cudaStream_t stream) {
   const int32_t n = static_cast<int32_t>(first.slots.size());
   if (n == 0) return absl::OkStatus();
   TS_CHECK_EQ(first.slots.size(), first.params.size());
@@ -232,21 +231,9 @@ absl::Status CudaModel::StageFirstTokens(const FirstTokens& first, cudaStream_t 
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(head.row_slots, h.head_row_slots, n * sizeof(int32_t),
                                           cudaMemcpyHostToDevice, stream));
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(sample_staging_free_, stream));
-  return absl::OkStatus();
-}
-
-absl::Status CudaModel::LaunchFirstTokens(const FirstTokens& first, cudaStream_t stream) {
-  const int32_t n = static_cast<int32_t>(first.slots.size());
-  if (n == 0) return absl::OkStatus();
-  const HeadBuffers& head = dev_.prefill_head;
   const int32_t padded = PickBucket(buckets_, n);
   TS_RETURN_IF_ERROR(EnqueueLogits(head.hidden, head, padded, *prefill_logits_, stream, nullptr));
   return EnqueueSampleAndPost(head, n, first.from_state, first.to_state, nullptr, stream, nullptr);
-}
-
-absl::Status CudaModel::EnqueuePrefillSample(const FirstTokens& first, cudaStream_t stream) {
-  TS_RETURN_IF_ERROR(StageFirstTokens(first, stream));
-  return LaunchFirstTokens(first, stream);
 }
 
 absl::StatusOr<std::vector<float>> CudaModel::PromptLogits(std::span<const int32_t> tokens,
