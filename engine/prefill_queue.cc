@@ -27,22 +27,30 @@ bool PrefillQueue::Contains(SlotId slot) const {
                      [&](const std::unique_ptr<Job>& j) { return j->init.slot == slot; });
 }
 
-std::vector<PrefillQueue::Piece> PrefillQueue::NextChunk(int32_t max_rows) {
+std::vector<PrefillQueue::Piece> PrefillQueue::NextChunk(int32_t max_rows, int32_t keys_per_row) {
   TS_CHECK_GE(max_rows, 1);
+  TS_CHECK_GE(keys_per_row, 0);
   std::vector<Piece> pieces;
-  int32_t left = max_rows;
+  double left = max_rows;
   for (const auto& j : jobs_) {
-    if (left == 0) break;
+    if (left < 1) break;
     const int32_t len = static_cast<int32_t>(j->prompt.size());
     if (j->next == len) continue;  // handed out whole, waiting for PopFinished
-    const int32_t take = std::min(left, len - j->next);
+    int32_t take = 0;
+    for (int32_t pos = j->next; pos < len; ++pos) {
+      const double cost =
+          keys_per_row > 0 ? 1.0 + static_cast<double>(pos + 1) / keys_per_row : 1.0;
+      if (cost > left && !(pieces.empty() && take == 0)) break;
+      left -= cost;
+      ++take;
+    }
+    if (take == 0) break;
     pieces.push_back(Piece{.init = &j->init,
                            .start = j->next,
                            .len = take,
                            .first = j->next == 0,
                            .last = j->next + take == len});
     j->next += take;
-    left -= take;
   }
   return pieces;
 }

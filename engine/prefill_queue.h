@@ -35,7 +35,11 @@ class PrefillQueue {
 
   // The next chunk of at most max_rows (>= 1) rows, in arrival order: whole prompts while they
   // fit, then the front part of the next one. Pieces stay valid until PopFinished.
-  std::vector<Piece> NextChunk(int32_t max_rows);
+  // With keys_per_row > 0 the budget also pays for attention: a row at position p costs
+  // 1 + (p + 1) / keys_per_row of max_rows (its attention reads p + 1 keys), so a chunk deep into
+  // a long prompt holds fewer rows and costs about as much as one near its start. The first row
+  // is always taken, whatever it costs.
+  std::vector<Piece> NextChunk(int32_t max_rows, int32_t keys_per_row = 0);
   // Forgets every job whose last piece has been handed out (their init pointers die here).
   void PopFinished();
   enum class DropResult {

@@ -43,6 +43,15 @@ namespace {
 
 namespace k = ::ts::kernels;
 
+// A mixed step's prompt row at position p costs 1 + (p + 1) / kMixedStepKeysPerRow rows of the
+// step's budget (PrefillQueue::NextChunk). In FLOPs one row's GEMMs (2 x parameters) equal the
+// attention over 30k keys on the 8B shape and 19k on the 1B shape (4 x layers x q_dim per key);
+// the prefill attention kernel runs at a third to a half of the GEMMs' rate, so a row's GEMM
+// work is worth some 6k-15k keys, and 8192 sits there (docs/device-loop.md, mixed steps).
+// Without it a 32k prompt's last mixed steps cost several times its first ones: the streams
+// beside it saw their token interval grow 2.2x over its prefill (engine_cuda_long_prefill_test).
+constexpr int32_t kMixedStepKeysPerRow = 8192;
+
 // The next regime is prepared once the longest context is this close to the window's top: far
 // enough ahead for the capture to finish before the loop reaches it (one token a step), late
 // enough that a batch whose contexts stay below the top rarely pays for an unused capture.
@@ -94,7 +103,10 @@ void CudaBackend::QueuePrefills(std::span<const SlotInit> inits) {
 
 absl::Status CudaBackend::EnqueueChunk(int32_t max_rows, int32_t mixed_bucket,
                                        int32_t mixed_splits) {
-  const std::vector<PrefillQueue::Piece> pieces = prefill_queue_.NextChunk(max_rows);
+  // A mixed step's prompt rows also pay for their attention (kMixedStepKeysPerRow), so that a
+  // step deep into a long prompt costs about what one near its start does.
+  const std::vector<PrefillQueue::Piece> pieces =
+      prefill_queue_.NextChunk(max_rows, mixed_bucket > 0 ? kMixedStepKeysPerRow : 0);
   std::vector<PrefillPiece> model_pieces;
   std::vector<int32_t> sample_slots;
   std::vector<k::SamplingRow> params;

@@ -104,6 +104,51 @@ TEST(PrefillQueueTest, EveryRowIsHandedOutOnceWhateverTheChunkSizes) {
   for (int i = 0; i < 6; ++i) EXPECT_EQ(seen[i], prompts[i].tokens) << "prompt " << i;
 }
 
+// The attention-weighted budget: a row at position p costs 1 + (p + 1) / keys_per_row, so a
+// prompt's chunks shrink as its prefix grows, every row is still handed out once, and the first
+// row of a chunk is taken even when it alone exceeds the budget.
+TEST(PrefillQueueTest, AttentionWeightedChunksShrinkWithThePrefix) {
+  PrefillQueue q;
+  const Prompt a = MakePrompt(1000, 0), b = MakePrompt(5, 5000);
+  Push(q, 0, a);
+  Push(q, 1, b);
+  std::vector<int32_t> lens;
+  std::vector<int32_t> seen;
+  for (int round = 0; round < 1000; ++round) {
+    const std::vector<PrefillQueue::Piece> chunk = q.NextChunk(64, 100);
+    if (chunk.empty()) break;
+    const PrefillQueue::Piece& p = chunk.front();
+    if (p.init->slot != 0) break;  // a is done; b follows in the same or the next chunk
+    // The chunk's cost: its rows' 1 + (pos + 1) / 100 add up to at most 64, and one more row
+    // would not have fit (unless the prompt ended).
+    double cost = 0;
+    for (int32_t pos = p.start; pos < p.start + p.len; ++pos) cost += 1.0 + (pos + 1) / 100.0;
+    EXPECT_LE(cost, 64.0 + 1e-9) << "chunk at " << p.start;
+    if (!p.last) EXPECT_GT(cost + 1.0 + (p.start + p.len + 1) / 100.0, 64.0);
+    for (int32_t t = 0; t < p.len; ++t) seen.push_back(p.init->prompt[p.start + t]);
+    lens.push_back(p.len);
+    q.PopFinished();
+  }
+  ASSERT_GE(lens.size(), 3u);
+  EXPECT_EQ(lens.front(), 50);  // positions 0..49 cost 50 + 12.75; the 51st row would pass 64
+  EXPECT_GT(lens.front(), 4 * lens.back());
+  EXPECT_EQ(seen, a.tokens);
+  // Past position 6300 one row costs more than 64 units: it is still taken, alone.
+  PrefillQueue big;
+  const Prompt c = MakePrompt(7000, 0);
+  Push(big, 2, c);
+  int32_t handed = 0;
+  for (int round = 0; handed < 7000; ++round) {
+    ASSERT_LT(round, 7000);
+    const std::vector<PrefillQueue::Piece> chunk = big.NextChunk(64, 100);
+    ASSERT_EQ(chunk.size(), 1u);
+    if (chunk[0].start > 6300) EXPECT_EQ(chunk[0].len, 1);
+    handed += chunk[0].len;
+    big.PopFinished();
+  }
+  EXPECT_TRUE(big.empty());
+}
+
 TEST(PrefillQueueTest, DropSaysWhetherThePromptWasStartedAndKeepsTheOthers) {
   PrefillQueue q;
   const Prompt a = MakePrompt(10, 0), b = MakePrompt(4, 50), c = MakePrompt(4, 90);
