@@ -96,6 +96,17 @@ bool TryConnect(const addrinfo* a, Clock::time_point by, Fd* out) {
     }
   }
   if (rc != 0) return false;
+  // Connecting to a local port that nobody listens on yet can connect the socket to itself: its
+  // ephemeral port may be the very port asked for (TCP simultaneous open). That socket would then
+  // hold the leader's port, and the leader could not bind it. Treat it as refused and retry.
+  sockaddr_storage self{}, peer{};
+  socklen_t self_len = sizeof(self), peer_len = sizeof(peer);
+  if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&self), &self_len) == 0 &&
+      getpeername(fd.get(), reinterpret_cast<sockaddr*>(&peer), &peer_len) == 0 &&
+      self_len == peer_len && std::memcmp(&self, &peer, self_len) == 0) {
+    errno = ECONNREFUSED;
+    return false;
+  }
   *out = std::move(fd);
   return true;
 }
