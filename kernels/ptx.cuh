@@ -21,13 +21,6 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, uint32_
                "r"(src_bytes)
                : "memory");
 }
-// The same with an L2 cache policy (createpolicy), e.g. evict-first for data read once.
-__device__ __forceinline__ void CpAsync16Hint(uint32_t dst, const void* src, uint32_t src_bytes,
-                                              uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
-               "l"(src), "r"(src_bytes), "l"(policy)
-               : "memory");
-}
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

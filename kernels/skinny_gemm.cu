@@ -38,13 +38,10 @@ static_assert(kMaxSmemBytes >= kRingBytes && kMaxSmemBytes <= 227 * 1024);
 
 // ---- PTX wrappers ----
 
-// L2 policy for W: evict first. W is read once; the policy keeps L2 for A, which every CTA
-// re-reads, and for whatever the next kernels of the step read.
-__device__ __forceinline__ uint64_t EvictFirstPolicy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
+// No L2 eviction hint on W's copies: with one (createpolicy evict_first + cp.async
+// .L2::cache_hint), ptxas 13.0 emitted no CREATEPOLICY and gave the copies a descriptor register
+// nothing wrote; the H200 raised "illegal instruction" at the first W copy (compute-sanitizer,
+// SASS LDGSTS ... desc[UR1]). A, which every CTA re-reads, is small enough to stay in L2 anyway.
 
 // d[16 x 8] += a[16 x 16] * b[16 x 8], bf16 in, fp32 accumulate (PTX ISA, mma.m16n8k16 .bf16).
 // With g = lane / 4, t = lane % 4, each lane holds
@@ -222,7 +219,6 @@ __global__ void __launch_bounds__(kThreads, 1) SkinnyGemmKernel(SkinnyGemmParams
   const int64_t w_src_step = w_row_step * k;
   const __nv_bfloat16* a_src = p.a + lrow * k + c * 8;
   const uint32_t ld_off = Swizzle(lrow, c);  // rows lrow + 32 j share lrow's swizzle
-  const uint64_t policy = EvictFirstPolicy();
 
   auto load_w = [&](int32_t kt, int stage) {
     const int64_t kc = static_cast<int64_t>(kt) * kBk;
@@ -231,8 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) SkinnyGemmKernel(SkinnyGemmParams
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const bool in = k_in && j < w_rows;
-      ptx::CpAsync16Hint(dst + j * 32 * kRowBytes, in ? w_src + j * w_src_step + kc : p.w,
-                         in ? 16 : 0, policy);
+      ptx::CpAsync16(dst + j * 32 * kRowBytes, in ? w_src + j * w_src_step + kc : p.w, in ? 16 : 0);
     }
   };
   auto load_a = [&](int32_t kt, int stage) {
