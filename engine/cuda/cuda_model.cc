@@ -249,15 +249,12 @@ absl::Status CudaModel::PlanGemms() {
     TS_RETURN_IF_ERROR(g.Plan({m, d.hidden, d.intermediate_padded}));
     return absl::OkStatus();
   };
-  // Layers of 9..128 rows run on the skinny GEMM, which needs no plan.
   for (int32_t b : buckets_) {
-    if (!SkinnyLayers(b)) TS_RETURN_IF_ERROR(plan_layers(*decode_gemm_, b));
+    TS_RETURN_IF_ERROR(plan_layers(*decode_gemm_, b));
     TS_RETURN_IF_ERROR(decode_logits_->Plan(b, d.vocab, d.hidden));
     TS_RETURN_IF_ERROR(prefill_logits_->Plan(b, d.vocab, d.hidden));
   }
-  for (int32_t m : prefill_sizes_) {
-    if (!SkinnyLayers(m)) TS_RETURN_IF_ERROR(plan_layers(*prefill_gemm_, m));
-  }
+  for (int32_t m : prefill_sizes_) TS_RETURN_IF_ERROR(plan_layers(*prefill_gemm_, m));
   return absl::OkStatus();
 }
 

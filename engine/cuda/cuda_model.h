@@ -38,7 +38,6 @@
 #include "engine/cuda/memory_plan.h"
 #include "kernels/gemm.cuh"
 #include "kernels/logits_gemm.cuh"
-#include "kernels/skinny_gemm.cuh"
 #include "models/checkpoint.h"
 #include "models/config.h"
 
@@ -225,16 +224,9 @@ class CudaModel {
     int32_t max_kv_len = 0;  // the longest sequence's keys: start + its rows
   };
   // The layers of one forward over `f` (decode or prefill buffers).
-  // C = A W^T (+ C): kernels/gemv for m <= 8 and small W, kernels/skinny_gemm for 9..128 rows
-  // (accumulate rounds as transformers: bf16(C + bf16(A W^T))), else the planned cuBLASLt GEMM.
+  // C = A W^T (+ C): kernels/gemv for decode-sized m and small W, else the planned cuBLASLt GEMM.
   absl::Status LaunchLinear(const kernels::Gemm& gemm, const kernels::GemmParams& p,
                             cudaStream_t stream) const;
-  // The skinny GEMM with this device's split-K and PDL.
-  absl::Status LaunchSkinny(kernels::SkinnyGemmParams p, cudaStream_t stream) const;
-  static bool SkinnyRows(int32_t rows);
-  // Layers of `rows` rows run their projections on the skinny GEMM, with the residual adds and
-  // SwiGLU in its epilogues (no silu_mul node, no residual add in the norms).
-  bool SkinnyLayers(int32_t rows) const;
   absl::Status EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& attn,
                              const kernels::Gemm& gemm, cudaStream_t stream,
                              OpObserver* observer) const;

@@ -20,7 +20,6 @@
 #include "kernels/rope_kv.cuh"
 #include "kernels/sampling.cuh"
 #include "kernels/silu_mul.cuh"
-#include "kernels/skinny_gemm.cuh"
 
 namespace ts {
 
@@ -64,29 +63,7 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
          .warp_tiles = k::GemvWarpTiles::kAuto},
         stream);
   }
-  if (SkinnyRows(p.m) && p.k % 8 == 0) {
-    const auto epilogue =
-        p.accumulate ? k::SkinnyGemmEpilogue::kAccumulate : k::SkinnyGemmEpilogue::kStore;
-    return LaunchSkinny(
-        {.a = p.a, .w = p.w, .c = p.c, .m = p.m, .n = p.n, .k = p.k, .epilogue = epilogue}, stream);
-  }
   return gemm.Launch(p, stream);
-}
-
-absl::Status CudaModel::LaunchSkinny(k::SkinnyGemmParams p, cudaStream_t stream) const {
-  p.split_k = k::ChooseSkinnyGemmSplitK(p.m, p.n, p.k, p.epilogue, num_sms_);
-  p.pdl = true;  // W streams while the kernel before drains; nothing in a step writes weights
-  return k::LaunchSkinnyGemm(p, stream);
-}
-
-bool CudaModel::SkinnyRows(int32_t rows) {
-  return rows > k::kGemvMaxM && rows <= k::kSkinnyGemmMaxM;
-}
-
-bool CudaModel::SkinnyLayers(int32_t rows) const {
-  const ModelDims& d = dims();
-  return SkinnyRows(rows) && d.hidden % 8 == 0 && d.q_dim() % 8 == 0 &&
-         d.intermediate_padded % 8 == 0;
 }
 
 bool CudaModel::FusedDecodeLayers(int32_t rows) const {
@@ -265,13 +242,10 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     return absl::OkStatus();
   }
 
-  // The other batches and prefill's chunks. At 9..128 rows the skinny GEMM streams each W once
-  // (kernels/skinny_gemm.cuh) and carries the residual adds and SwiGLU as epilogues; beyond,
-  // cuBLASLt, whose o_proj and down_proj write xn and the next rmsnorm adds it into the residual,
-  // as transformers rounds: bf16(h + bf16(o)). Both round alike.
-  const bool skinny = SkinnyLayers(rows);
-  const bf16* pending = nullptr;  // xn once a cuBLASLt o/down output waits to be added
-  auto norm = [&](const char* name, const bf16* weight) {
+  // cuBLASLt path (prefill, larger batches). o_proj and down_proj write their bf16 output to xn
+  // and the next rmsnorm adds it into the residual (x), as transformers rounds: bf16(h +
+  // bf16(o)). down_proj's output is added by the next layer's attn_norm.
+  auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
     return RunOp(observer, name, stream, [&] {
       return k::LaunchRmsNorm({.x = pending,
                                .residual = f.h,
@@ -283,54 +257,53 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                               stream);
     });
   };
-  auto linear = [&](const char* name, k::GemmParams p) {
-    p.m = rows;
-    return RunOp(observer, name, stream, [&] { return LaunchLinear(gemm, p, stream); });
-  };
-  // residual h += a W^T (o_proj, down_proj); k: a's width.
-  auto residual_linear = [&](const char* name, const bf16* a, const bf16* w, int32_t kdim) {
-    pending = skinny ? nullptr : f.xn;
-    return linear(
-        name,
-        {.a = a, .w = w, .c = skinny ? f.h : f.xn, .n = d.hidden, .k = kdim, .accumulate = skinny});
-  };
-  // act = silu(xn Wg^T) * (xn Wu^T), from the fused gate_up weight.
-  auto gate_up_silu = [&](const bf16* w) -> absl::Status {
-    const int32_t inter = d.intermediate_padded;
-    if (skinny) {
-      return RunOp(observer, "gate_up_gemm", stream, [&] {
-        return LaunchSkinny({.a = f.xn,
-                             .w = w,
-                             .c = f.act,
-                             .m = rows,
-                             .n = inter,
-                             .k = d.hidden,
-                             .epilogue = k::SkinnyGemmEpilogue::kSiluMul},
-                            stream);
-      });
-    }
-    TS_RETURN_IF_ERROR(
-        linear("gate_up_gemm", {.a = f.xn, .w = w, .c = f.gate_up, .n = 2 * inter, .k = d.hidden}));
-    return RunOp(observer, "silu_mul", stream, [&] {
-      return k::LaunchSiluMul({.in = f.gate_up, .out = f.act, .rows = rows, .intermediate = inter},
-                              stream);
-    });
-  };
+  const bf16* pending = nullptr;  // xn once a down_proj output waits to be added
   for (const LayerBuffers& layer : dev_.layers) {
-    TS_RETURN_IF_ERROR(norm("attn_norm", layer.attn_norm));
-    TS_RETURN_IF_ERROR(linear(
-        "qkv_gemm", {.a = f.xn, .w = layer.qkv, .c = f.qkv, .n = d.qkv_dim(), .k = d.hidden}));
+    TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
+    TS_RETURN_IF_ERROR(RunOp(observer, "qkv_gemm", stream, [&] {
+      return LaunchLinear(
+          gemm, {.a = f.xn, .w = layer.qkv, .c = f.qkv, .m = rows, .n = d.qkv_dim(), .k = d.hidden},
+          stream);
+    }));
     TS_RETURN_IF_ERROR(rope_kv(layer));
     TS_RETURN_IF_ERROR(attention(layer));
-    TS_RETURN_IF_ERROR(residual_linear("o_gemm", f.attn, layer.o, d.q_dim()));
-    TS_RETURN_IF_ERROR(norm("mlp_norm", layer.mlp_norm));
-    TS_RETURN_IF_ERROR(gate_up_silu(layer.gate_up));
-    TS_RETURN_IF_ERROR(residual_linear("down_gemm", f.act, layer.down, d.intermediate_padded));
+    TS_RETURN_IF_ERROR(RunOp(observer, "o_gemm", stream, [&] {
+      return LaunchLinear(
+          gemm, {.a = f.attn, .w = layer.o, .c = f.xn, .m = rows, .n = d.hidden, .k = d.q_dim()},
+          stream);
+    }));
+    TS_RETURN_IF_ERROR(norm("mlp_norm", f.xn, layer.mlp_norm));
+    TS_RETURN_IF_ERROR(RunOp(observer, "gate_up_gemm", stream, [&] {
+      return LaunchLinear(gemm,
+                          {.a = f.xn,
+                           .w = layer.gate_up,
+                           .c = f.gate_up,
+                           .m = rows,
+                           .n = 2 * d.intermediate_padded,
+                           .k = d.hidden},
+                          stream);
+    }));
+    TS_RETURN_IF_ERROR(RunOp(observer, "silu_mul", stream, [&] {
+      return k::LaunchSiluMul(
+          {.in = f.gate_up, .out = f.act, .rows = rows, .intermediate = d.intermediate_padded},
+          stream);
+    }));
+    TS_RETURN_IF_ERROR(RunOp(observer, "down_gemm", stream, [&] {
+      return LaunchLinear(gemm,
+                          {.a = f.act,
+                           .w = layer.down,
+                           .c = f.xn,
+                           .m = rows,
+                           .n = d.hidden,
+                           .k = d.intermediate_padded},
+                          stream);
+    }));
+    pending = f.xn;
   }
   // The last down_proj output joins the residual here, so callers (the prefill's row gather, the
   // final norm) see the finished hidden state in h; the norm output itself is discarded.
   if (pending == nullptr) return absl::OkStatus();
-  return norm("residual_add", dev_.final_norm);
+  return norm("residual_add", pending, dev_.final_norm);
 }
 
 absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
