@@ -1,14 +1,12 @@
 // tailserve-gemv-bench: the decode-shaped GEMMs of Llama-3.2-1B and Llama-3.1-8B (qkv, o, gate_up,
 // down, lm_head) at M = 1, 4, 8: kernels/gemv.cuh (plain and with programmatic dependent launch)
-// against kernels/gemm.cuh's cuBLASLt Gemm; then the four projections at M = 16, 32, 64, 128:
-// kernels/skinny_gemm.cuh (plain and PDL) against cuBLASLt. Each variant is captured as a graph
+// against kernels/gemm.cuh's cuBLASLt Gemm. Each variant is captured as a graph
 // of `launches` back-to-back launches whose W rotates over enough copies that L2 (read off the
 // device) never holds it; a replay is timed with CUDA events after warm-up and the table shows the
 // median per launch in us and as a fraction of the 4.3 TB/s read roof (W bytes only), plus the
 // rel. L2 difference of our output against cuBLASLt's (a sanity check, ~1e-3 is bf16 rounding).
 //
-//   tailserve-gemv-bench [--model=all|1b|8b] [--part=all|gemv|skinny] [--iters=30] [--warmup=3]
-//                        [--launches=20] [--skinny_split=0 (heuristic) | 1..8]
+//   tailserve-gemv-bench [--model=all|1b|8b] [--iters=30] [--warmup=3] [--launches=20]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -28,7 +26,6 @@
 #include "bench/common/graph_timing.h"
 #include "kernels/gemm.cuh"
 #include "kernels/gemv.cuh"
-#include "kernels/skinny_gemm.cuh"
 
 namespace ts::bench {
 namespace {
@@ -37,11 +34,9 @@ constexpr double kRoofBytesPerUs = 4.3e6;  // 4.3 TB/s (docs/gpu-facts.md, Bandw
 
 struct Options {
   std::string model = "all";
-  std::string part = "all";  // gemv (M = 1, 4, 8), skinny (M = 16..128) or both
   int iters = 30;
   int warmup = 3;
   int launches = 20;
-  int skinny_split = 0;  // 0: ChooseSkinnyGemmSplitK; 1..8 forces split_k (tuning, diagnosis)
 };
 
 bool ParseInt(const char* arg, const char* name, int* out) {
@@ -56,19 +51,14 @@ bool Parse(int argc, char** argv, Options* o) {
     const char* a = argv[i];
     if (std::strncmp(a, "--model=", 8) == 0) {
       o->model = a + 8;
-    } else if (std::strncmp(a, "--part=", 7) == 0) {
-      o->part = a + 7;
     } else if (!(ParseInt(a, "iters", &o->iters) || ParseInt(a, "warmup", &o->warmup) ||
-                 ParseInt(a, "launches", &o->launches) ||
-                 ParseInt(a, "skinny_split", &o->skinny_split))) {
+                 ParseInt(a, "launches", &o->launches))) {
       std::fprintf(stderr, "unknown flag %s\n", a);
       return false;
     }
   }
-  return (o->model == "all" || o->model == "1b" || o->model == "8b") &&
-         (o->part == "all" || o->part == "gemv" || o->part == "skinny") && o->iters > 0 &&
-         o->launches > 0 && o->skinny_split >= 0 &&
-         o->skinny_split <= kernels::kSkinnyGemmMaxSplitK;
+  return (o->model == "all" || o->model == "1b" || o->model == "8b") && o->iters > 0 &&
+         o->launches > 0;
 }
 
 // Uniform in (-1, 1), |x| >= 1/64: random data (zeros can run faster than real data), made on the
@@ -230,56 +220,6 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
   BENCH_CUDA(cudaFree(ws));
 }
 
-// The skinny GEMM at M = 16..128 against cuBLASLt: plain, and with PDL (the W copies of each CTA's
-// first three K tiles start before the wait). `split` is ChooseSkinnyGemmSplitK's (or
-// --skinny_split), `clus` how many clusters of that size the device keeps resident (a shape with
-// more tiles runs in waves).
-void RunSkinnyShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm& gemm,
-                    cudaStream_t stream) {
-  const Operands x(o, dev, s, kernels::kSkinnyGemmMaxM);
-  for (int m : {16, 32, 64, 128}) {
-    kernels::SkinnyGemmParams sp;
-    sp.a = x.a;
-    sp.c = x.c_ours;
-    sp.m = m;
-    sp.n = s.n;
-    sp.k = s.k;
-    sp.split_k = o.skinny_split > 0
-                     ? o.skinny_split
-                     : kernels::ChooseSkinnyGemmSplitK(
-                           m, s.n, s.k, kernels::SkinnyGemmEpilogue::kStore, dev.num_sms);
-    int32_t clusters = 0;
-    CheckOk(kernels::SkinnyGemmResidentClusters(m, sp.split_k, &clusters), "resident clusters");
-    auto ours = [&](bool pdl) {
-      return [&, pdl](cudaStream_t st, int i) {
-        kernels::SkinnyGemmParams p = sp;
-        p.w = x.W(i);
-        p.pdl = pdl;
-        return kernels::LaunchSkinnyGemm(p, st);
-      };
-    };
-    const double t_blas = TimeCublas(o, stream, gemm, x, s, m);
-    const double t_ours = TimePerLaunch(o, stream, ours(false));
-    const double t_pdl = TimePerLaunch(o, stream, ours(true));
-
-    // Same inputs once more, outside any graph, for the sanity check.
-    BENCH_CUDA(cudaMemset(x.c_ours, 0xFF, size_t(m) * s.n * 2));
-    kernels::SkinnyGemmParams p = sp;
-    p.w = x.w;
-    CheckOk(kernels::LaunchSkinnyGemm(p, stream), "skinny gemm");
-    const double diff = DiffAgainstCublas(gemm, x, s, m, stream);
-
-    const double roof = x.bytes / kRoofBytesPerUs;
-    auto pct = [&](double us) { return 100.0 * roof / us; };
-    std::printf(
-        "%-3s %-8s %6d %6d %3d %8.1f %7.2f | %8.2f %4.0f%% | %8.2f %4.0f%% | %8.2f %4.0f%% |"
-        " %5d %4d %9.1e %3d\n",
-        s.model, s.layer, s.n, s.k, m, x.bytes / 1e6, roof, t_blas, pct(t_blas), t_ours,
-        pct(t_ours), t_pdl, pct(t_pdl), sp.split_k, clusters, diff, x.copies);
-    std::fflush(stdout);
-  }
-}
-
 int Main(int argc, char** argv) {
   Options o;
   if (!Parse(argc, argv, &o)) {
@@ -304,22 +244,11 @@ int Main(int argc, char** argv) {
   CheckOk(gemm.status(), "gemm create");
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  if (o.part != "skinny") {
-    std::printf("%-3s %-8s %6s %6s %2s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %9s %3s\n",
-                "mdl", "layer", "n", "k", "M", "W MB", "roof us", "cublas", "roof", "gemv", "roof",
-                "gemv+pdl", "roof", "split", "relL2", "cps");
-    for (const Shape& s : shapes) {
-      if (o.model == "all" || o.model == s.model) RunShape(o, dev, s, **gemm, stream);
-    }
-  }
-  if (o.part != "gemv") {
-    std::printf("%-3s %-8s %6s %6s %3s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %4s %9s %3s\n",
-                "mdl", "layer", "n", "k", "M", "W MB", "roof us", "cublas", "roof", "skinny",
-                "roof", "skin+pdl", "roof", "split", "clus", "relL2", "cps");
-    for (const Shape& s : shapes) {
-      if (std::strcmp(s.layer, "lm_head") == 0) continue;  // the fp32 logits GEMM's job
-      if (o.model == "all" || o.model == s.model) RunSkinnyShape(o, dev, s, **gemm, stream);
-    }
+  std::printf("%-3s %-8s %6s %6s %2s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %9s %3s\n",
+              "mdl", "layer", "n", "k", "M", "W MB", "roof us", "cublas", "roof", "gemv", "roof",
+              "gemv+pdl", "roof", "split", "relL2", "cps");
+  for (const Shape& s : shapes) {
+    if (o.model == "all" || o.model == s.model) RunShape(o, dev, s, **gemm, stream);
   }
   BENCH_CUDA(cudaStreamDestroy(stream));
   return 0;
