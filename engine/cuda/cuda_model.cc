@@ -215,6 +215,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
                       k::LogitsGemm::Create(m->dev_.prefill_logits_workspace,
                                             m->plan_.shape.logits_workspace_bytes));
   TS_RETURN_IF_ERROR(m->PlanGemms());
+  TS_RETURN_IF_ERROR(m->WarmUpGemms(nullptr));  // synchronised below
   TS_RETURN_IF_ERROR(k::ResetDecodeAttentionWorkspace(m->dev_.attention_workspace,
                                                       m->plan_.attention_workspace_bytes, nullptr));
   TS_ASSIGN_OR_RETURN(std::vector<float> inv_freq, RopeInvFreq(o.config));
@@ -255,6 +256,41 @@ absl::Status CudaModel::PlanGemms() {
     TS_RETURN_IF_ERROR(prefill_logits_->Plan(b, d.vocab, d.hidden));
   }
   for (int32_t m : prefill_sizes_) TS_RETURN_IF_ERROR(plan_layers(*prefill_gemm_, m));
+  return absl::OkStatus();
+}
+
+// CUDA loads a kernel at its first launch (CUDA_MODULE_LOADING=LAZY, the default), and loading
+// one of cuBLASLt's blocks the launching thread for milliseconds. The decode graphs need no
+// warm-up (instantiating a graph loads its kernels), but prefill chunks and mixed steps launch
+// their GEMMs directly, each row count its own cuBLASLt kernel: the first mixed step of a new size
+// stalled every decoding stream (measured on the H200: the longest time without a step beside a
+// 32k-token prefill was 28.8 ms lazily, 11.4 ms with CUDA_MODULE_LOADING=EAGER). So every planned
+// GEMM runs once here, before any request, on whatever the buffers hold. EAGER would load every
+// kernel of cuBLAS as well: seconds of startup and device memory for kernels never launched.
+absl::Status CudaModel::WarmUpGemms(cudaStream_t stream) const {
+  const ModelDims& d = dims();
+  const LayerBuffers& l = dev_.layers.front();
+  auto layers = [&](const k::Gemm& g, const ForwardBuffers& f, int32_t m) -> absl::Status {
+    const int32_t inter = d.intermediate_padded;
+    TS_RETURN_IF_ERROR(g.Launch(
+        {.a = f.xn, .w = l.qkv, .c = f.qkv, .m = m, .n = d.qkv_dim(), .k = d.hidden}, stream));
+    TS_RETURN_IF_ERROR(g.Launch(
+        {.a = f.attn, .w = l.o, .c = f.xn, .m = m, .n = d.hidden, .k = d.q_dim()}, stream));
+    TS_RETURN_IF_ERROR(
+        g.Launch({.a = f.xn, .w = l.gate_up, .c = f.gate_up, .m = m, .n = 2 * inter, .k = d.hidden},
+                 stream));
+    return g.Launch({.a = f.act, .w = l.down, .c = f.xn, .m = m, .n = d.hidden, .k = inter},
+                    stream);
+  };
+  for (int32_t b : buckets_) {
+    TS_RETURN_IF_ERROR(layers(*decode_gemm_, dev_.decode, b));
+    for (const auto& [gemm, head] : {std::pair{decode_logits_.get(), &dev_.decode_head},
+                                     std::pair{prefill_logits_.get(), &dev_.prefill_head}}) {
+      TS_RETURN_IF_ERROR(
+          gemm->Launch(head->normed, dev_.lm_head, head->logits_f32, b, d.vocab, d.hidden, stream));
+    }
+  }
+  for (int32_t m : prefill_sizes_) TS_RETURN_IF_ERROR(layers(*prefill_gemm_, dev_.prefill, m));
   return absl::OkStatus();
 }
 

@@ -204,6 +204,8 @@ class CudaModel {
  private:
   CudaModel() = default;
   absl::Status PlanGemms();
+  // Launches every planned GEMM once, on the arena's buffers (docs/device-loop.md, warm-up).
+  absl::Status WarmUpGemms(cudaStream_t stream) const;
   // Which attention a forward runs, and its inputs. A mixed step runs both: decode attention
   // over rows [0, decode_rows), prefill attention over the rows after them.
   struct Attention {
