@@ -122,6 +122,9 @@ def run(shape, batch, prompt_len, new_tokens, device):
         torch.nn.init.normal_(p, std=0.02)
     model.setup_cache(batch, prompt_len + new_tokens, device)
     model.eval()
+    # Each (shape, batch) compiles afresh: its graphs would otherwise count against dynamo's
+    # recompile limit (8), which fullgraph=True turns into a hard failure at the ninth.
+    torch._dynamo.reset()
     step = torch.compile(decode_one, mode="reduce-overhead", fullgraph=True)
     tokens = torch.randint(0, c["vocab"], (batch, prompt_len), device=device)
     with torch.no_grad():
