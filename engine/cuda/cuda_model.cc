@@ -175,6 +175,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   const k::GemmOptions gemm_options;
   TS_ASSIGN_OR_RETURN(
       m->plan_, PlanMemory(MemoryPlanOptions{.model = o.config,
+                                             .stage = o.stage,
                                              .max_slots = o.max_slots,
                                              .buckets = o.buckets,
                                              .kv_block_size = o.kv_block_size,
@@ -284,6 +285,7 @@ absl::Status CudaModel::WarmUpGemms(cudaStream_t stream) const {
   };
   for (int32_t b : buckets_) {
     TS_RETURN_IF_ERROR(layers(*decode_gemm_, dev_.decode, b));
+    if (!stage().has_head) continue;
     for (const auto& [gemm, head] : {std::pair{decode_logits_.get(), &dev_.decode_head},
                                      std::pair{prefill_logits_.get(), &dev_.prefill_head}}) {
       TS_RETURN_IF_ERROR(
@@ -297,12 +299,16 @@ absl::Status CudaModel::WarmUpGemms(cudaStream_t stream) const {
 absl::Status CudaModel::UploadWeights(const Checkpoint& ckpt, cudaStream_t stream) {
   TS_ASSIGN_OR_RETURN(LlamaTensors t, BindLlamaTensors(ckpt, config_));
   const ModelDims& d = dims();
+  const ModelStage& st = stage();
   const int64_t h = d.hidden;
-  TS_RETURN_IF_ERROR(UploadMatrix(*t.embed, dev_.embed, h));
-  if (d.separate_lm_head()) TS_RETURN_IF_ERROR(UploadMatrix(*t.lm_head, dev_.lm_head, h));
-  TS_RETURN_IF_ERROR(UploadVector(*t.final_norm, dev_.final_norm));
-  for (int32_t l = 0; l < d.num_layers; ++l) {
-    const LlamaLayerTensors& src = t.layers[l];
+  // Only the stage's own tensors leave the checkpoint.
+  if (dev_.embed != nullptr) TS_RETURN_IF_ERROR(UploadMatrix(*t.embed, dev_.embed, h));
+  if (st.has_head) {
+    if (d.separate_lm_head()) TS_RETURN_IF_ERROR(UploadMatrix(*t.lm_head, dev_.lm_head, h));
+    TS_RETURN_IF_ERROR(UploadVector(*t.final_norm, dev_.final_norm));
+  }
+  for (int32_t l = 0; l < st.num_layers; ++l) {
+    const LlamaLayerTensors& src = t.layers[st.first_layer + l];
     const LayerBuffers& dst = dev_.layers[l];
     TS_RETURN_IF_ERROR(UploadVector(*src.attn_norm, dst.attn_norm));
     TS_RETURN_IF_ERROR(UploadVector(*src.mlp_norm, dst.mlp_norm));
@@ -324,7 +330,10 @@ absl::Status CudaModel::UploadWeights(const Checkpoint& ckpt, cudaStream_t strea
 
 absl::Status CudaModel::InitRandomWeights(uint64_t seed, float scale, cudaStream_t stream) {
   const ModelDims& d = dims();
+  const ModelStage& st = stage();
   const size_t h = d.hidden;
+  // Tensor ids are the model's, not the stage's: a stage's random weights are exactly the whole
+  // model's tensors it holds, so chained stages compute what the whole model does.
   uint64_t tensor = 0;
   auto fill = [&](bf16* p, size_t n, float lo, float hi) {
     return k::LaunchFillUniform(
@@ -338,9 +347,19 @@ absl::Status CudaModel::InitRandomWeights(uint64_t seed, float scale, cudaStream
   auto matrix = [&](bf16* p, size_t rows, size_t cols) {
     return fill(p, rows * cols, -scale, scale);
   };
-  TS_RETURN_IF_ERROR(matrix(dev_.embed, d.vocab, h));
-  if (d.separate_lm_head()) TS_RETURN_IF_ERROR(matrix(dev_.lm_head, d.vocab, h));
-  TS_RETURN_IF_ERROR(fill(dev_.final_norm, h, 0.5f, 1.5f));
+  if (dev_.embed != nullptr) {
+    TS_RETURN_IF_ERROR(matrix(dev_.embed, d.vocab, h));
+  } else {
+    ++tensor;
+  }
+  if (st.has_head) {
+    if (d.separate_lm_head()) TS_RETURN_IF_ERROR(matrix(dev_.lm_head, d.vocab, h));
+    TS_RETURN_IF_ERROR(fill(dev_.final_norm, h, 0.5f, 1.5f));
+  } else {
+    tensor += d.separate_lm_head() ? 2 : 1;
+  }
+  constexpr uint64_t kTensorsPerLayer = 7;  // the fills and matrices of one layer below
+  tensor += kTensorsPerLayer * st.first_layer;
   const size_t ip = d.intermediate_padded;
   for (const LayerBuffers& l : dev_.layers) {
     TS_RETURN_IF_ERROR(fill(l.attn_norm, h, 0.5f, 1.5f));
@@ -365,7 +384,13 @@ size_t CudaModel::step_weight_bytes() const {
   const size_t h = d.hidden;
   const size_t per_layer = 2 * h + static_cast<size_t>(d.qkv_dim()) * h + h * d.q_dim() +
                            3 * h * static_cast<size_t>(d.intermediate_padded);
-  return (per_layer * d.num_layers + h + static_cast<size_t>(d.vocab) * h) * sizeof(bf16);
+  const size_t head = stage().has_head ? h + static_cast<size_t>(d.vocab) * h : 0;
+  return (per_layer * stage().num_layers + head) * sizeof(bf16);
+}
+
+bool CudaModel::whole_model() const {
+  const ModelStage& st = stage();
+  return st.has_embedding && st.has_head && st.num_layers == dims().num_layers;
 }
 
 int32_t CudaModel::NumSplits(int32_t bucket, int32_t max_context_len) const {

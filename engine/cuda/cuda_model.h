@@ -60,6 +60,11 @@ class OpObserver {
 
 struct CudaModelOptions {
   ModelConfig config;
+  // The layers, embedding and head this GPU holds (a pipeline stage); the default is the whole
+  // model. Only a whole model decodes and runs mixed steps today; a stage runs prefill chunks
+  // (EnqueuePrefill, PromptLogits on the last stage), with the hidden state of the stage before
+  // it in dev().prefill.h.
+  ModelStage stage;
   int32_t max_slots = 64;
   std::vector<int32_t> buckets;  // ascending, buckets.back() >= max_slots
   int32_t kv_block_size = 16;
@@ -147,7 +152,9 @@ class CudaModel {
   absl::Status InitRandomWeights(uint64_t seed, float scale, cudaStream_t stream);
 
   const ModelConfig& config() const { return config_; }
-  const ModelDims& dims() const { return plan_.shape.dims; }
+  const ModelDims& dims() const { return plan_.shape.dims; }  // the whole model's
+  const ModelStage& stage() const { return plan_.shape.stage; }
+  bool whole_model() const;
   const MemoryPlan& plan() const { return plan_; }
   const DeviceLayout& dev() const { return dev_; }
   const HostLayout& host() const { return host_; }          // CPU addresses

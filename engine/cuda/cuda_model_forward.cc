@@ -301,9 +301,10 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     pending = f.xn;
   }
   // The last down_proj output joins the residual here, so callers (the prefill's row gather, the
-  // final norm) see the finished hidden state in h; the norm output itself is discarded.
+  // final norm, the next pipeline stage) see the finished hidden state in h; the norm output
+  // itself is discarded, so any weight of the right size does (a stage may hold no final norm).
   if (pending == nullptr) return absl::OkStatus();
-  return norm("residual_add", pending, dev_.final_norm);
+  return norm("residual_add", pending, dev_.layers.back().mlp_norm);
 }
 
 absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, int32_t padded_rows,
@@ -427,6 +428,9 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
   if (it == buckets_.end() || *it != bucket) {
     return absl::InvalidArgumentError(
         absl::StrCat("decode step: bucket ", bucket, " is not one of the planned buckets"));
+  }
+  if (!whole_model()) {
+    return absl::FailedPreconditionError("decode step: this model holds one pipeline stage");
   }
   const ForwardBuffers& f = dev_.decode;
   const HeadBuffers& head = dev_.decode_head;

@@ -170,8 +170,10 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
   const DeviceLayout& dv = dev_;
   const ForwardBuffers& f = dv.prefill;
-  TS_RETURN_IF_ERROR(EnqueueEmbedding(f, padded, stream));
+  // A later pipeline stage finds its input, the stage before's output, in f.h already.
+  if (stage().has_embedding) TS_RETURN_IF_ERROR(EnqueueEmbedding(f, padded, stream));
   TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));
+  if (!stage().has_head) return absl::OkStatus();  // f.h is the next stage's input
   TS_RETURN_IF_ERROR(GatherPromptEnds(gathers, stream));
   return EnqueuePrefillSample(first, stream);
 }
@@ -185,6 +187,9 @@ absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
         absl::StrCat("mixed step: bucket ", bucket, " is not one of the planned buckets"));
   }
   if (pieces.empty()) return absl::InvalidArgumentError("mixed step: no prefill piece");
+  if (!whole_model()) {
+    return absl::FailedPreconditionError("mixed step: this model holds one pipeline stage");
+  }
   const DeviceLayout& dv = dev_;
   const ForwardBuffers& f = dv.prefill;
   const HeadBuffers& head = dv.decode_head;
@@ -214,6 +219,9 @@ absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
 absl::Status CudaModel::EnqueuePrefillSample(const FirstTokens& first, cudaStream_t stream) {
   const int32_t n = static_cast<int32_t>(first.slots.size());
   if (n == 0) return absl::OkStatus();
+  if (!stage().has_head) {
+    return absl::FailedPreconditionError("first tokens: this pipeline stage holds no head");
+  }
   TS_CHECK_EQ(first.slots.size(), first.params.size());
   TS_CHECK_LE(n, plan_.shape.max_slots);
   TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(sample_staging_free_));
@@ -240,6 +248,9 @@ absl::StatusOr<std::vector<float>> CudaModel::PromptLogits(std::span<const int32
                                                            std::span<const int32_t> block_table,
                                                            cudaStream_t stream) {
   const int32_t n = static_cast<int32_t>(tokens.size());
+  if (!stage().has_head) {
+    return absl::FailedPreconditionError("PromptLogits: this pipeline stage holds no head");
+  }
   if (n < 1 || n > plan_.shape.prefill_rows) {
     return absl::InvalidArgumentError(absl::StrCat("PromptLogits: ", n,
                                                    " tokens; must be in [1, prefill rows ",

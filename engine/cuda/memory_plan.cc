@@ -83,13 +83,18 @@ DeviceLayout Carve(const ArenaShape& s, void* base, Categories* cats, size_t* to
   Carver c(base);
   DeviceLayout l;
   const size_t hidden = static_cast<size_t>(d.hidden);
-  l.embed = c.Take<bf16>(static_cast<size_t>(d.vocab) * hidden, &cats->weights);
-  l.lm_head = d.separate_lm_head()
-                  ? c.Take<bf16>(static_cast<size_t>(d.vocab) * hidden, &cats->weights)
-                  : l.embed;
-  l.final_norm = c.Take<bf16>(hidden, &cats->weights);
+  const ModelStage& st = s.stage;
+  const size_t table = static_cast<size_t>(d.vocab) * hidden;
+  // A tied lm_head is the embedding matrix, so a last stage holds it even without the lookup.
+  if (st.has_embedding || (st.has_head && !d.separate_lm_head())) {
+    l.embed = c.Take<bf16>(table, &cats->weights);
+  }
+  if (st.has_head) {
+    l.lm_head = d.separate_lm_head() ? c.Take<bf16>(table, &cats->weights) : l.embed;
+    l.final_norm = c.Take<bf16>(hidden, &cats->weights);
+  }
   l.inv_freq = c.Take<float>(d.head_dim / 2, &cats->weights);
-  l.layers.resize(d.num_layers);
+  l.layers.resize(st.num_layers);
   const size_t kv_elems =
       static_cast<size_t>(s.num_kv_blocks) * d.num_kv_heads * s.kv_block_size * d.head_dim;
   for (LayerBuffers& layer : l.layers) {
@@ -239,8 +244,25 @@ std::vector<int32_t> PrefillGemmRows(int32_t chunk) {
   return sizes;
 }
 
+absl::StatusOr<ModelStage> ResolveStage(const ModelStage& stage, int32_t model_layers) {
+  ModelStage s = stage;
+  if (s.first_layer < 0 || s.first_layer >= model_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("stage.first_layer: ", s.first_layer,
+                                                   " is not one of the model's ", model_layers,
+                                                   " layers"));
+  }
+  if (s.num_layers == -1) s.num_layers = model_layers - s.first_layer;
+  if (s.num_layers < 1 || s.num_layers > model_layers - s.first_layer) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stage.num_layers: ", s.num_layers, " layers from layer ", s.first_layer,
+                     " must be in [1, ", model_layers - s.first_layer, "]"));
+  }
+  return s;
+}
+
 absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& o) {
   TS_ASSIGN_OR_RETURN(ModelDims dims, MakeModelDims(o.model));
+  TS_ASSIGN_OR_RETURN(const ModelStage stage, ResolveStage(o.stage, dims.num_layers));
   if (o.max_slots < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_slots: must be >= 1, got ", o.max_slots));
   }
@@ -271,6 +293,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& o) {
   MemoryPlan plan;
   ArenaShape& s = plan.shape;
   s.dims = dims;
+  s.stage = stage;
   s.max_slots = o.max_slots;
   s.max_bucket = o.buckets.back();
   s.prefill_rows = o.prefill_chunk_tokens;
@@ -290,10 +313,10 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& o) {
   plan.budget_bytes = static_cast<size_t>(
       std::floor(o.gpu_memory_fraction * static_cast<double>(o.total_device_bytes)));
   const size_t fixed = fixed_arena + plan.gemm_workspace_bytes + plan.graph_reserve_bytes;
-  const size_t block_bytes = static_cast<size_t>(dims.num_layers) * 2 * dims.num_kv_heads *
+  const size_t block_bytes = static_cast<size_t>(stage.num_layers) * 2 * dims.num_kv_heads *
                              o.kv_block_size * dims.head_dim * sizeof(__nv_bfloat16);
   // Per-layer pools are each 256-byte aligned: at most 2 * layers * 256 bytes of padding.
-  const size_t slack = static_cast<size_t>(dims.num_layers) * 2 * kAlign;
+  const size_t slack = static_cast<size_t>(stage.num_layers) * 2 * kAlign;
   const size_t left = plan.budget_bytes > fixed + slack ? plan.budget_bytes - fixed - slack : 0;
   plan.kv_blocks_in_budget = static_cast<int64_t>(left / block_bytes);
   if (plan.kv_blocks_in_budget < s.max_blocks_per_seq) {
@@ -330,9 +353,17 @@ std::string MemoryPlan::Summary() const {
   const ModelDims& d = shape.dims;
   const size_t device_total = arena_bytes + gemm_workspace_bytes + graph_reserve_bytes;
   std::string out = absl::StrCat("memory plan (budget ", Bytes(budget_bytes), "):\n");
-  absl::StrAppend(&out, "  weights      ", Bytes(weight_bytes), " (bf16, ", d.num_layers,
-                  " layers, vocab ", d.vocab, d.separate_lm_head() ? ", separate lm_head" : "",
-                  ")\n");
+  const ModelStage& st = shape.stage;
+  const std::string layers =
+      st.num_layers == d.num_layers
+          ? absl::StrCat(d.num_layers, " layers")
+          : absl::StrCat("layers ", st.first_layer, "-", st.first_layer + st.num_layers - 1, " of ",
+                         d.num_layers);
+  absl::StrAppend(
+      &out, "  weights      ", Bytes(weight_bytes), " (bf16, ", layers,
+      st.has_embedding ? ", embedding" : "",
+      st.has_head ? (d.separate_lm_head() ? ", separate lm_head" : ", tied lm_head") : "",
+      ", vocab ", d.vocab, ")\n");
   absl::StrAppend(&out, "  kv pool      ", Bytes(kv_bytes), " = ", shape.num_kv_blocks,
                   " blocks x ", shape.kv_block_size, " tokens = ", kv_tokens(), " tokens (",
                   kv_blocks_in_budget, " blocks fit the budget; ", shape.max_blocks_per_seq,

@@ -49,8 +49,24 @@ struct ModelDims {
 // InvalidArgument naming the config field when the GPU kernels cannot run this shape.
 absl::StatusOr<ModelDims> MakeModelDims(const ModelConfig& config);
 
+// The part of the model one GPU holds: the decoder layers [first_layer, first_layer + num_layers),
+// the token embedding (a pipeline's first stage) and the head: final norm, lm_head, sampling (its
+// last stage). docs/pipeline.md (CUDA stages) describes what a stage runs. The default is the
+// whole model.
+struct ModelStage {
+  int32_t first_layer = 0;
+  int32_t num_layers = -1;  // -1: through the model's last layer
+  bool has_embedding = true;
+  bool has_head = true;
+};
+
+// The stage with num_layers resolved; InvalidArgument naming "stage.first_layer" or
+// "stage.num_layers" when the range is empty or leaves the model's layers.
+absl::StatusOr<ModelStage> ResolveStage(const ModelStage& stage, int32_t model_layers);
+
 struct MemoryPlanOptions {
   ModelConfig model;
+  ModelStage stage;  // which layers, embedding and head this GPU holds
   int32_t max_slots = 0;
   std::vector<int32_t> buckets;  // ascending; buckets.back() >= max_slots
   int32_t kv_block_size = 16;
@@ -68,7 +84,8 @@ struct MemoryPlanOptions {
 
 // Sizes that fix the arena's layout.
 struct ArenaShape {
-  ModelDims dims;
+  ModelDims dims;    // the whole model's
+  ModelStage stage;  // resolved: num_layers >= 1
   int32_t max_slots = 0;
   int32_t max_bucket = 0;  // decode rows (largest bucket)
   int32_t prefill_rows = 0;

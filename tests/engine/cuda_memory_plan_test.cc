@@ -169,6 +169,79 @@ TEST(CudaMemoryPlanTest, PadsGemmDimensionsAndChecksTheConfig) {
   EXPECT_EQ(MakeModelDims(c).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A pipeline stage holds its layers' weights and KV only, the embedding only on the first stage
+// (and, tied, on the last, whose lm_head it is), the head only on the last: two stages of an
+// untied model together weigh the whole model, their KV per block halves, and the pool holds
+// twice the blocks for the same budget.
+TEST(CudaMemoryPlanTest, StagesHoldTheirLayersEmbeddingAndHeadOnly) {
+  ModelConfig c = Llama1bShape();
+  c.tie_word_embeddings = false;
+  MemoryPlanOptions o = Options(c);
+  o.max_context = 131072;  // the budget, not max_slots, sizes the pools
+  auto whole = PlanMemory(o);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  o.stage = {.first_layer = 0, .num_layers = 6, .has_embedding = true, .has_head = false};
+  auto first = PlanMemory(o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  o.stage = {.first_layer = 6, .num_layers = -1, .has_embedding = false, .has_head = true};
+  auto last = PlanMemory(o);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->shape.stage.num_layers, 10);  // -1: through the last layer
+  // Byte for byte (every buffer here is a multiple of 256 bytes but the RoPE table, 32 floats
+  // padded to 256, which both stages hold).
+  const size_t h = 2048, inv_freq = 256, table = 128256 * h * 2, norm = h * 2;
+  const size_t layer = 2 * (2 * h + 3072 * h + h * 2048 + 3 * h * 8192);
+  EXPECT_EQ(whole->weight_bytes, 2 * table + norm + inv_freq + 16 * layer);
+  EXPECT_EQ(first->weight_bytes, table + inv_freq + 6 * layer);
+  EXPECT_EQ(last->weight_bytes, table + norm + inv_freq + 10 * layer);
+  const DeviceLayout fl = CarveArena(first->shape, reinterpret_cast<char*>(uintptr_t{1} << 40));
+  EXPECT_NE(fl.embed, nullptr);
+  EXPECT_EQ(fl.lm_head, nullptr);
+  EXPECT_EQ(fl.final_norm, nullptr);
+  EXPECT_EQ(fl.layers.size(), 6u);
+  const DeviceLayout ll = CarveArena(last->shape, reinterpret_cast<char*>(uintptr_t{1} << 40));
+  EXPECT_EQ(ll.embed, nullptr);
+  EXPECT_NE(ll.lm_head, nullptr);
+  EXPECT_NE(ll.final_norm, nullptr);
+  EXPECT_EQ(ll.layers.size(), 10u);
+  // KV per token is the stage's layers': more blocks fit a budget of the same size.
+  const size_t per_token_layer = 2 * 8 * 64 * 2;
+  EXPECT_EQ(first->kv_bytes, static_cast<size_t>(first->kv_tokens()) * 6 * per_token_layer);
+  EXPECT_EQ(last->kv_bytes, static_cast<size_t>(last->kv_tokens()) * 10 * per_token_layer);
+  EXPECT_GT(first->shape.num_kv_blocks, 2 * whole->shape.num_kv_blocks);
+  EXPECT_NE(first->Summary().find("layers 0-5 of 16, embedding, vocab"), std::string::npos)
+      << first->Summary();
+  EXPECT_NE(last->Summary().find("layers 6-15 of 16, separate lm_head"), std::string::npos)
+      << last->Summary();
+
+  // Tied: the last stage holds the matrix as its lm_head, the first as its embedding.
+  c.tie_word_embeddings = true;
+  o = Options(c);
+  o.stage = {.first_layer = 15, .num_layers = 1, .has_embedding = false, .has_head = true};
+  auto tied_last = PlanMemory(o);
+  ASSERT_TRUE(tied_last.ok()) << tied_last.status();
+  const DeviceLayout tl = CarveArena(tied_last->shape, reinterpret_cast<char*>(uintptr_t{1} << 40));
+  EXPECT_NE(tl.embed, nullptr);
+  EXPECT_EQ(tl.lm_head, tl.embed);
+  EXPECT_GE(tied_last->weight_bytes, table);
+}
+
+TEST(CudaMemoryPlanTest, RefusesAStageOutsideTheModel) {
+  MemoryPlanOptions o = Options(Llama1bShape());  // 16 layers
+  for (const auto& [stage, field] : std::vector<std::pair<ModelStage, std::string>>{
+           {{.first_layer = 16}, "stage.first_layer"},
+           {{.first_layer = -1}, "stage.first_layer"},
+           {{.first_layer = 4, .num_layers = 0}, "stage.num_layers"},
+           {{.first_layer = 4, .num_layers = 13}, "stage.num_layers"},
+           {{.first_layer = 0, .num_layers = -2}, "stage.num_layers"}}) {
+    o.stage = stage;
+    auto plan = PlanMemory(o);
+    ASSERT_FALSE(plan.ok()) << field;
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(plan.status().message().find(field), std::string::npos) << plan.status();
+  }
+}
+
 TEST(CudaMemoryPlanTest, CarvedBuffersAreAlignedDisjointAndInside) {
   ModelConfig c = Llama1bShape();
   c.num_layers = 2;
