@@ -58,6 +58,12 @@ class OpObserver {
   virtual absl::Status End(cudaStream_t /*stream*/) { return absl::OkStatus(); }
 };
 
+// A device buffer a pipeline transport moves.
+struct DeviceBytes {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+
 struct CudaModelOptions {
   ModelConfig config;
   // The layers, embedding and head this GPU holds (a pipeline stage); the default is the whole
@@ -174,6 +180,22 @@ class CudaModel {
   // capture passes capture_observer.
   absl::Status EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
                                  OpObserver* observer = nullptr) const;
+  // The same step in a pipeline's pieces (docs/pipeline.md, CUDA stages), for a model that
+  // holds one stage. The last stage owns the slot table:
+  //  1. the last stage's EnqueueDecodePrepare builds the rows' inputs (DecodeRowInputs) from its
+  //     slot table and the row list in dev().decode_head.row_slots; the caller copies them to the
+  //     same buffers of every other stage;
+  //  2. each stage's EnqueueStageDecode runs its part: the embedding (first stage), its layers,
+  //     and on the last stage lm_head, sampling and postprocess; the caller copies each stage's
+  //     DecodeHidden to the next one's before that one runs.
+  // On a whole model, prepare then EnqueueStageDecode is EnqueueDecodeStep.
+  absl::Status EnqueueDecodePrepare(int32_t bucket, cudaStream_t stream) const;
+  absl::Status EnqueueStageDecode(int32_t bucket, int32_t num_splits, cudaStream_t stream,
+                                  OpObserver* observer = nullptr) const;
+  // Device buffers, the same on every stage of one plan: the rows' inputs (tokens, positions,
+  // KV slots, context lengths, block tables) and the hidden states of `bucket` rows.
+  std::vector<DeviceBytes> DecodeRowInputs(int32_t bucket) const;
+  DeviceBytes DecodeHidden(int32_t bucket) const;
 
   // Runs the layers over every prompt (chunks of at most prefill_chunk_tokens tokens), writing
   // their KV and leaving sequence i's last hidden row in dev().prefill_head.hidden row i.
@@ -211,6 +233,8 @@ class CudaModel {
  private:
   CudaModel() = default;
   absl::Status PlanGemms();
+  // Index of a planned bucket; InvalidArgument ("<what>: bucket ...") for any other.
+  absl::StatusOr<int32_t> BucketIndex(const char* what, int32_t bucket) const;
   // Launches every planned GEMM once, on the arena's buffers (docs/device-loop.md, warm-up).
   absl::Status WarmUpGemms(cudaStream_t stream) const;
   // Which attention a forward runs, and its inputs. A mixed step runs both: decode attention

@@ -422,29 +422,68 @@ absl::Status CudaModel::GatherPromptEnds(int32_t gathers, cudaStream_t stream) c
                              stream);
 }
 
-absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
-                                          OpObserver* observer) const {
+absl::StatusOr<int32_t> CudaModel::BucketIndex(const char* what, int32_t bucket) const {
   const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), bucket);
   if (it == buckets_.end() || *it != bucket) {
     return absl::InvalidArgumentError(
-        absl::StrCat("decode step: bucket ", bucket, " is not one of the planned buckets"));
+        absl::StrCat(what, ": bucket ", bucket, " is not one of the planned buckets"));
   }
+  return static_cast<int32_t>(it - buckets_.begin());
+}
+
+absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
+                                          OpObserver* observer) const {
+  TS_RETURN_IF_ERROR(BucketIndex("decode step", bucket).status());
   if (!whole_model()) {
     return absl::FailedPreconditionError("decode step: this model holds one pipeline stage");
   }
+  TS_RETURN_IF_ERROR(RunOp(observer, "prepare", stream, [&] {
+    return EnqueuePrepare(dev_.decode, bucket, step_stamps_, stream);
+  }));
+  return EnqueueStageDecode(bucket, num_splits, stream, observer);
+}
+
+absl::Status CudaModel::EnqueueDecodePrepare(int32_t bucket, cudaStream_t stream) const {
+  TS_RETURN_IF_ERROR(BucketIndex("decode prepare", bucket).status());
+  if (!stage().has_head) {
+    return absl::FailedPreconditionError(
+        "decode prepare: the slot table is the last pipeline stage's");
+  }
+  return EnqueuePrepare(dev_.decode, bucket, nullptr, stream);
+}
+
+std::vector<DeviceBytes> CudaModel::DecodeRowInputs(int32_t bucket) const {
+  const size_t rows = static_cast<size_t>(bucket), i = sizeof(int32_t);
+  const DeviceLayout& d = dev_;
+  return {{d.decode.tokens, rows * i},
+          {d.decode.positions, rows * i},
+          {d.decode.slot_mapping, rows * i},
+          {d.decode_context_lens, rows * i},
+          {d.decode_block_tables, rows * plan_.shape.max_blocks_per_seq * i}};
+}
+
+DeviceBytes CudaModel::DecodeHidden(int32_t bucket) const {
+  return {dev_.decode.h, static_cast<size_t>(bucket) * dims().hidden * sizeof(bf16)};
+}
+
+absl::Status CudaModel::EnqueueStageDecode(int32_t bucket, int32_t num_splits, cudaStream_t stream,
+                                           OpObserver* observer) const {
+  TS_ASSIGN_OR_RETURN(const int32_t index, BucketIndex("decode step", bucket));
   const ForwardBuffers& f = dev_.decode;
   const HeadBuffers& head = dev_.decode_head;
-  TS_RETURN_IF_ERROR(RunOp(observer, "prepare", stream,
-                           [&] { return EnqueuePrepare(f, bucket, step_stamps_, stream); }));
-  TS_RETURN_IF_ERROR(
-      RunOp(observer, "embedding", stream, [&] { return EnqueueEmbedding(f, bucket, stream); }));
+  const ModelStage& st = stage();
+  if (st.has_embedding) {
+    TS_RETURN_IF_ERROR(
+        RunOp(observer, "embedding", stream, [&] { return EnqueueEmbedding(f, bucket, stream); }));
+  }
   Attention at;
   at.decode = true;
   at.num_splits = num_splits;
-  at.max_splits = max_splits_[it - buckets_.begin()];
+  at.max_splits = max_splits_[index];
   at.context_lens = dev_.decode_context_lens;
   at.decode_block_tables = dev_.decode_block_tables;
   TS_RETURN_IF_ERROR(EnqueueLayers(f, bucket, at, *decode_gemm_, stream, observer));
+  if (!st.has_head) return absl::OkStatus();  // f.h is the next stage's input
   TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, observer));
   return EnqueueSampleAndPost(head, bucket, k::kSlotActive, k::kSlotActive, step_stamps_, stream,
                               observer);

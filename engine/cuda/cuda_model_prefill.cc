@@ -181,11 +181,7 @@ absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces
 absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
                                          std::span<const PrefillPiece> pieces,
                                          const FirstTokens& first, cudaStream_t stream) {
-  const auto it = std::lower_bound(buckets_.begin(), buckets_.end(), bucket);
-  if (it == buckets_.end() || *it != bucket) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("mixed step: bucket ", bucket, " is not one of the planned buckets"));
-  }
+  TS_ASSIGN_OR_RETURN(const int32_t index, BucketIndex("mixed step", bucket));
   if (pieces.empty()) return absl::InvalidArgumentError("mixed step: no prefill piece");
   if (!whole_model()) {
     return absl::FailedPreconditionError("mixed step: this model holds one pipeline stage");
@@ -204,7 +200,7 @@ absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
   TS_RETURN_IF_ERROR(EnqueueEmbedding(f, padded, stream));
   at.decode_rows = bucket;
   at.num_splits = num_splits;
-  at.max_splits = max_splits_[it - buckets_.begin()];
+  at.max_splits = max_splits_[index];
   at.context_lens = dv.decode_context_lens;
   at.decode_block_tables = dv.decode_block_tables;
   TS_RETURN_IF_ERROR(EnqueueLayers(f, padded, at, *prefill_gemm_, stream, nullptr));

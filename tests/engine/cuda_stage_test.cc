@@ -4,10 +4,14 @@
 // whole model's prompt logits bit for bit: the same kernels run on the same rows in the same
 // order, only on other GPUs' worth of memory. Checked on the trained default model (each stage
 // uploads only its own tensors from the checkpoint) and on random weights, tied and untied (a
-// stage's random weights are the whole model's tensors it holds).
+// stage's random weights are the whole model's tensors it holds). Then decode: the last stage
+// owns the slot table and prepares each step's row inputs, the other stages get copies, and the
+// hidden states move stage to stage; every step's logits and sampled tokens (greedy, seeded,
+// penalised) must equal the whole model's.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -16,6 +20,9 @@
 #include <vector>
 
 #include "engine/cuda/cuda_model.h"
+#include "engine/cuda/sampling_row.h"
+#include "kernels/kv_layout.cuh"
+#include "kernels/postprocess.cuh"
 #include "models/checkpoint.h"
 #include "models/config.h"
 #include "models/llama_shapes.h"
@@ -78,6 +85,104 @@ class Models {
   CudaModel& operator[](size_t i) { return *models_[i]; }
   size_t size() const { return models_.size(); }
 
+  // Prompts into slots 0..n-1 (the last stage's slot table: block table, prompt mask, stop and
+  // sampling rows), prefilled through every stage in turn, the first tokens sampled on the last.
+  void Prefill(const std::vector<std::vector<int32_t>>& prompts,
+               const std::vector<SamplingParams>& sampling) {
+    CudaModel& last = *models_.back();
+    const ArenaShape& sh = last.plan().shape;
+    std::vector<PrefillSeq> seqs;
+    std::vector<int32_t> slots;
+    std::vector<kernels::SamplingRow> params;
+    tables_.assign(prompts.size(), {});
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const int32_t blocks = sh.max_blocks_per_seq;  // each slot its own blocks
+      for (int32_t b = 0; b < blocks; ++b) tables_[i].push_back(int32_t(i) * blocks + b);
+      kernels::SlotRow row;
+      row.state = kernels::kSlotActive;
+      row.prompt_len = static_cast<int32_t>(prompts[i].size());
+      row.max_new_tokens = 1 << 20;
+      row.ignore_eos = 1;
+      row.sampling = ToSamplingRow(sampling[i], 0);
+      std::vector<uint32_t> mask(sh.mask_words(), 0u);
+      for (int32_t t : prompts[i]) mask[t / 32] |= 1u << (t % 32);
+      const DeviceLayout& d = last.dev();
+      EXPECT_EQ(cudaMemcpy(d.slots + i, &row, sizeof(row), cudaMemcpyHostToDevice), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(d.slot_block_tables + i * blocks, tables_[i].data(),
+                           blocks * sizeof(int32_t), cudaMemcpyHostToDevice),
+                cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(d.prompt_mask + i * mask.size(), mask.data(),
+                           mask.size() * sizeof(uint32_t), cudaMemcpyHostToDevice),
+                cudaSuccess);
+      seqs.push_back({prompts[i], tables_[i]});
+      slots.push_back(static_cast<int32_t>(i));
+      params.push_back(ToSamplingRow(sampling[i], prompts[i].size()));
+    }
+    for (size_t s = 0; s < models_.size(); ++s) {
+      if (s > 0) CopyPrefillHidden(s - 1);
+      const absl::Status st = models_[s]->EnqueuePrefill(seqs, stream_);
+      EXPECT_TRUE(st.ok()) << "stage " << s << ": " << st;
+    }
+    const absl::Status st =
+        last.EnqueuePrefillSample(FirstTokens{.slots = slots,
+                                              .params = params,
+                                              .from_state = kernels::kSlotActive,
+                                              .to_state = kernels::kSlotActive},
+                                  stream_);
+    EXPECT_TRUE(st.ok()) << st;
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  }
+
+  // One decode step over `bucket` rows, the row list `rows` (-1: padding): the whole model's
+  // EnqueueDecodeStep, or the stages' pieces with the copies a transport makes. Returns the
+  // sampled tokens and appends the rows' fp32 logits to *logits.
+  std::vector<int32_t> Decode(const std::vector<int32_t>& rows, std::vector<float>* logits) {
+    const int32_t bucket = static_cast<int32_t>(rows.size());
+    CudaModel& last = *models_.back();
+    EXPECT_EQ(cudaMemcpyAsync(last.dev().decode_head.row_slots, rows.data(),
+                              rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
+              cudaSuccess);
+    if (models_.size() == 1) {
+      const absl::Status st = last.EnqueueDecodeStep(bucket, 1, stream_);
+      EXPECT_TRUE(st.ok()) << st;
+    } else {
+      absl::Status st = last.EnqueueDecodePrepare(bucket, stream_);
+      EXPECT_TRUE(st.ok()) << st;
+      const std::vector<DeviceBytes> from = last.DecodeRowInputs(bucket);
+      for (size_t s = 0; s + 1 < models_.size(); ++s) {
+        const std::vector<DeviceBytes> to = models_[s]->DecodeRowInputs(bucket);
+        for (size_t b = 0; b < from.size(); ++b) {
+          EXPECT_EQ(to[b].bytes, from[b].bytes);
+          EXPECT_EQ(cudaMemcpyAsync(to[b].ptr, from[b].ptr, from[b].bytes, cudaMemcpyDeviceToDevice,
+                                    stream_),
+                    cudaSuccess);
+        }
+      }
+      for (size_t s = 0; s < models_.size(); ++s) {
+        if (s > 0) {
+          const DeviceBytes h_from = models_[s - 1]->DecodeHidden(bucket);
+          EXPECT_EQ(cudaMemcpyAsync(models_[s]->DecodeHidden(bucket).ptr, h_from.ptr, h_from.bytes,
+                                    cudaMemcpyDeviceToDevice, stream_),
+                    cudaSuccess);
+        }
+        st = models_[s]->EnqueueStageDecode(bucket, 1, stream_);
+        EXPECT_TRUE(st.ok()) << "stage " << s << ": " << st;
+      }
+    }
+    std::vector<int32_t> tokens(rows.size());
+    const HeadBuffers& head = last.dev().decode_head;
+    EXPECT_EQ(cudaMemcpyAsync(tokens.data(), head.sampled, tokens.size() * sizeof(int32_t),
+                              cudaMemcpyDeviceToHost, stream_),
+              cudaSuccess);
+    const size_t vocab = last.dims().vocab, before = logits->size();
+    logits->resize(before + rows.size() * vocab);
+    EXPECT_EQ(cudaMemcpyAsync(logits->data() + before, head.logits_f32,
+                              rows.size() * vocab * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+              cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    return tokens;
+  }
+
   // The prompt through every stage in turn; the last one's teacher-forced logits.
   std::vector<float> Logits(const std::vector<int32_t>& tokens) {
     const std::vector<int32_t> table = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -86,12 +191,7 @@ class Models {
       const absl::Status st =
           models_[s]->EnqueuePrefill(std::span<const PrefillSeq>(&seq, 1), stream_);
       EXPECT_TRUE(st.ok()) << "stage " << s << ": " << st;
-      // What the pipeline's transport moves: the stage's output rows, into the next one's input.
-      const ForwardBuffers& from = models_[s]->dev().prefill;
-      const size_t bytes = size_t(from.rows) * models_[s]->dims().hidden * sizeof(__nv_bfloat16);
-      EXPECT_EQ(cudaMemcpyAsync(models_[s + 1]->dev().prefill.h, from.h, bytes,
-                                cudaMemcpyDeviceToDevice, stream_),
-                cudaSuccess);
+      CopyPrefillHidden(s);
     }
     auto logits = models_.back()->PromptLogits(tokens, table, stream_);
     EXPECT_TRUE(logits.ok()) << logits.status();
@@ -99,8 +199,19 @@ class Models {
   }
 
  private:
+  // What the pipeline's transport moves after a prefill chunk: stage s's output rows, into
+  // stage s + 1's input.
+  void CopyPrefillHidden(size_t s) {
+    const ForwardBuffers& from = models_[s]->dev().prefill;
+    const size_t bytes = size_t(from.rows) * models_[s]->dims().hidden * sizeof(__nv_bfloat16);
+    EXPECT_EQ(cudaMemcpyAsync(models_[s + 1]->dev().prefill.h, from.h, bytes,
+                              cudaMemcpyDeviceToDevice, stream_),
+              cudaSuccess);
+  }
+
   cudaStream_t stream_ = nullptr;
   std::vector<std::unique_ptr<CudaModel>> models_;
+  std::vector<std::vector<int32_t>> tables_;  // the prefilled slots' block tables
 };
 
 std::vector<int32_t> Prompt(int32_t n, int32_t vocab, uint32_t seed) {
@@ -155,6 +266,51 @@ void CheckSplits(const ModelConfig& c,
   }
 }
 
+// Three prompts in slots 0-2 of a 4-row bucket (one padding row), then kSteps decode steps; a
+// slot leaves the row list half way (as a finished stream would) and comes back.
+void CheckDecode(const ModelConfig& c,
+                 const std::function<absl::Status(CudaModel&, cudaStream_t)>& load,
+                 const std::vector<int32_t>& sizes) {
+  constexpr int32_t kSteps = 24;
+  const std::vector<std::vector<int32_t>> prompts = {
+      Prompt(5, c.vocab_size, 1), Prompt(37, c.vocab_size, 2), Prompt(90, c.vocab_size, 3)};
+  std::vector<SamplingParams> sampling(3);
+  sampling[0].temperature = 0.0f;  // greedy
+  sampling[1].temperature = 0.8f;
+  sampling[1].seed = 42;
+  sampling[1].repetition_penalty = 1.3f;
+  sampling[2].temperature = 1.0f;
+  sampling[2].top_k = 40;
+  sampling[2].seed = 7;
+  sampling[2].frequency_penalty = 0.5f;
+  auto run = [&](const std::vector<int32_t>& split, std::vector<float>* logits) {
+    Models m(c, Split(split), load);
+    std::vector<std::vector<int32_t>> tokens;
+    if (!m.ok()) return tokens;
+    m.Prefill(prompts, sampling);
+    for (int32_t step = 0; step < kSteps; ++step) {
+      const bool all = step < kSteps / 3 || step >= 2 * kSteps / 3;
+      tokens.push_back(m.Decode(
+          all ? std::vector<int32_t>{0, 1, 2, -1} : std::vector<int32_t>{0, 2, -1, -1}, logits));
+    }
+    return tokens;
+  };
+  std::vector<float> whole_logits, stage_logits;
+  const auto whole = run({c.num_layers}, &whole_logits);
+  const auto staged = run(sizes, &stage_logits);
+  ASSERT_EQ(whole.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(staged.size(), whole.size());
+  for (int32_t step = 0; step < kSteps; ++step) {
+    EXPECT_EQ(staged[step], whole[step]) << "step " << step;
+  }
+  ExpectSameLogits(whole_logits, stage_logits, "decode logits");
+  // Not a constant stream: the sampled rows took several tokens.
+  std::vector<int32_t> seen;
+  for (const auto& t : whole) seen.push_back(t[1]);
+  std::sort(seen.begin(), seen.end());
+  EXPECT_GT(std::unique(seen.begin(), seen.end()) - seen.begin(), 3);
+}
+
 TEST(CudaStageTest, ChainedStagesOfTheDefaultModelGiveItsLogits) {
   const std::filesystem::path dir = testing::SourceDir() / "models" / "default";
   auto config = LoadModelConfig(dir);
@@ -167,6 +323,20 @@ TEST(CudaStageTest, ChainedStagesOfTheDefaultModelGiveItsLogits) {
               {{4, 4}, {1, 6, 1}, {3, 2, 2, 1}});
 }
 
+TEST(CudaStageTest, ChainedStagesOfTheDefaultModelDecodeItsTokens) {
+  const std::filesystem::path dir = testing::SourceDir() / "models" / "default";
+  auto config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const Checkpoint& c = **ckpt;
+  auto load = [&](CudaModel& m, cudaStream_t s) { return m.UploadWeights(c, s); };
+  for (const std::vector<int32_t>& sizes : std::vector<std::vector<int32_t>>{{4, 4}, {2, 3, 3}}) {
+    SCOPED_TRACE(::testing::Message() << sizes.size() << " stages");
+    CheckDecode(*config, load, sizes);
+  }
+}
+
 TEST(CudaStageTest, ChainedStagesOfRandomWeightsGiveTheWholeModelsLogits) {
   for (bool tied : {false, true}) {
     ModelConfig c = Llama1bShape();
@@ -176,6 +346,8 @@ TEST(CudaStageTest, ChainedStagesOfRandomWeightsGiveTheWholeModelsLogits) {
     SCOPED_TRACE(tied ? "tied" : "untied");
     CheckSplits(c, [](CudaModel& m, cudaStream_t s) { return m.InitRandomWeights(11, 0.05f, s); },
                 {{2, 3}, {1, 1, 3}});
+    CheckDecode(c, [](CudaModel& m, cudaStream_t s) { return m.InitRandomWeights(11, 0.05f, s); },
+                {3, 2});
   }
 }
 
