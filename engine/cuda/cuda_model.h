@@ -67,9 +67,10 @@ struct DeviceBytes {
 struct CudaModelOptions {
   ModelConfig config;
   // The layers, embedding and head this GPU holds (a pipeline stage); the default is the whole
-  // model. Only a whole model decodes and runs mixed steps today; a stage runs prefill chunks
-  // (EnqueuePrefill, PromptLogits on the last stage), with the hidden state of the stage before
-  // it in dev().prefill.h.
+  // model. A stage runs prefill chunks (EnqueuePrefill, with the stage before's hidden states in
+  // dev().prefill.h; PromptLogits on the last stage) and the pieces of a decode step
+  // (EnqueueDecodePrepare, EnqueueStageDecode). EnqueueDecodeStep, and so the decode graphs,
+  // and mixed steps need the whole model.
   ModelStage stage;
   int32_t max_slots = 64;
   std::vector<int32_t> buckets;  // ascending, buckets.back() >= max_slots

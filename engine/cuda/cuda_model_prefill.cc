@@ -165,6 +165,9 @@ absl::StatusOr<bool> CudaModel::StagingFree() const {
 absl::Status CudaModel::EnqueuePrefillChunk(std::span<const PrefillPiece> pieces,
                                             const FirstTokens& first, cudaStream_t stream) {
   if (pieces.empty()) return absl::OkStatus();
+  if (!first.slots.empty() && !stage().has_head) {
+    return absl::FailedPreconditionError("first tokens: this pipeline stage holds no head");
+  }
   int32_t padded = 0, gathers = 0;
   TS_ASSIGN_OR_RETURN(const Attention at, StagePieces(pieces, 0, stream, &padded, &gathers));
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));

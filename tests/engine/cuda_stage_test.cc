@@ -263,6 +263,16 @@ void CheckSplits(const ModelConfig& c,
               absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ(stages[0].EnqueueDecodeStep(1, 1, nullptr).code(),
               absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(stages[0].EnqueueDecodePrepare(1, nullptr).code(),
+              absl::StatusCode::kFailedPrecondition);
+    const std::vector<int32_t> slot = {0};
+    const std::vector<kernels::SamplingRow> row(1);
+    const PrefillPiece piece{.tokens = prompts[0], .block_table = table, .len = 1, .head_row = 0};
+    EXPECT_EQ(stages[0]
+                  .EnqueuePrefillChunk(std::span<const PrefillPiece>(&piece, 1),
+                                       FirstTokens{.slots = slot, .params = row}, nullptr)
+                  .code(),
+              absl::StatusCode::kFailedPrecondition);
   }
 }
 
