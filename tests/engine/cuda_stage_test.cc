@@ -257,7 +257,8 @@ void CheckSplits(const ModelConfig& c,
                                         << " layers; prompt of " << prompts[i].size());
       ExpectSameLogits(expected[i], stages.Logits(prompts[i]), "chained stages");
     }
-    // A stage without the head has no logits to give, and no stage decodes alone yet.
+    // A stage without the head has no logits, no slot table and no first tokens to sample, and
+    // a whole decode step (the graphs' unit) needs the whole model.
     const std::vector<int32_t> table = {0};
     EXPECT_EQ(stages[0].PromptLogits(prompts[0], table, nullptr).status().code(),
               absl::StatusCode::kFailedPrecondition);
