@@ -27,6 +27,7 @@
 #include "models/config.h"
 #include "models/llama_shapes.h"
 #include "tests/common/test_paths.h"
+#include "tests/kernels/kernel_test_util.h"
 
 namespace ts {
 namespace {
@@ -215,11 +216,22 @@ class Models {
 };
 
 std::vector<int32_t> Prompt(int32_t n, int32_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int32_t> id(0, vocab - 1);
-  std::vector<int32_t> t(n);
-  for (int32_t& x : t) x = id(rng);
-  return t;
+  return kernels::testing::RandomTokens(n, vocab, seed);
+}
+
+// The trained default model's config and checkpoint (models/default).
+struct DefaultModel {
+  ModelConfig config;
+  std::unique_ptr<Checkpoint> ckpt;
+};
+DefaultModel LoadDefaultModel() {
+  const std::filesystem::path dir = testing::SourceDir() / "models" / "default";
+  auto config = LoadModelConfig(dir);
+  EXPECT_TRUE(config.ok()) << config.status();
+  auto ckpt = Checkpoint::Open(dir);
+  EXPECT_TRUE(ckpt.ok()) << ckpt.status();
+  if (!config.ok() || !ckpt.ok()) return {};
+  return {*config, std::move(*ckpt)};
 }
 
 // Equal bit for bit; on failure, how many and where the first difference is.
@@ -323,28 +335,20 @@ void CheckDecode(const ModelConfig& c,
 }
 
 TEST(CudaStageTest, ChainedStagesOfTheDefaultModelGiveItsLogits) {
-  const std::filesystem::path dir = testing::SourceDir() / "models" / "default";
-  auto config = LoadModelConfig(dir);
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto ckpt = Checkpoint::Open(dir);
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  ASSERT_TRUE(config->tie_word_embeddings);  // so the last stage holds the matrix as its lm_head
-  const Checkpoint& c = **ckpt;
-  CheckSplits(*config, [&](CudaModel& m, cudaStream_t s) { return m.UploadWeights(c, s); },
+  const DefaultModel d = LoadDefaultModel();
+  ASSERT_NE(d.ckpt, nullptr);
+  ASSERT_TRUE(d.config.tie_word_embeddings);  // so the last stage holds the matrix as its lm_head
+  CheckSplits(d.config, [&](CudaModel& m, cudaStream_t s) { return m.UploadWeights(*d.ckpt, s); },
               {{4, 4}, {1, 6, 1}, {3, 2, 2, 1}});
 }
 
 TEST(CudaStageTest, ChainedStagesOfTheDefaultModelDecodeItsTokens) {
-  const std::filesystem::path dir = testing::SourceDir() / "models" / "default";
-  auto config = LoadModelConfig(dir);
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto ckpt = Checkpoint::Open(dir);
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  const Checkpoint& c = **ckpt;
-  auto load = [&](CudaModel& m, cudaStream_t s) { return m.UploadWeights(c, s); };
+  const DefaultModel d = LoadDefaultModel();
+  ASSERT_NE(d.ckpt, nullptr);
+  auto load = [&](CudaModel& m, cudaStream_t s) { return m.UploadWeights(*d.ckpt, s); };
   for (const std::vector<int32_t>& sizes : std::vector<std::vector<int32_t>>{{4, 4}, {2, 3, 3}}) {
     SCOPED_TRACE(::testing::Message() << sizes.size() << " stages");
-    CheckDecode(*config, load, sizes);
+    CheckDecode(d.config, load, sizes);
   }
 }
 

@@ -16,13 +16,7 @@ namespace {
 
 using testing::GuardedBuffer;
 
-std::vector<int32_t> RandomTokens(int rows, int vocab, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::uniform_int_distribution<int32_t> d(0, vocab - 1);
-  std::vector<int32_t> t(rows);
-  for (auto& x : t) x = d(gen);
-  return t;
-}
+using testing::RandomTokens;
 
 // Row r of `out` must equal row tokens[r] of `table` bit for bit (a copy has no rounding).
 void ExpectRowsEqual(const std::vector<__nv_bfloat16>& out, const std::vector<__nv_bfloat16>& table,

@@ -94,6 +94,15 @@ inline std::vector<float> RandomFloats(size_t n, float lo, float hi, uint32_t se
   return v;
 }
 
+// Token ids uniform in [0, vocab).
+inline std::vector<int32_t> RandomTokens(size_t n, int32_t vocab, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int32_t> id(0, vocab - 1);
+  std::vector<int32_t> t(n);
+  for (int32_t& x : t) x = id(gen);
+  return t;
+}
+
 // ---- Device buffers with guard regions ----
 // [guard | data | guard]. The data is poisoned with 0xFF bytes (NaN for bf16 and fp32, -1 for
 // ints) and the guards hold kGuardByte; GuardsIntact() proves a kernel wrote nothing outside.
