@@ -18,7 +18,7 @@ namespace {
 
 constexpr int32_t kMaxContext = 256;
 
-std::unique_ptr<CudaBackend> MakeBackend() {
+CudaBackendOptions DefaultOptions() {
   CudaBackendOptions o;
   o.model_dir = DefaultModelDir();
   o.max_slots = 4;
@@ -27,7 +27,11 @@ std::unique_ptr<CudaBackend> MakeBackend() {
   o.gpu_memory_fraction = 0.3;
   o.ring_capacity = 128;
   o.log_progress = false;
-  auto b = CudaBackend::Create(o);
+  return o;
+}
+
+std::unique_ptr<CudaBackend> MakeBackend() {
+  auto b = CudaBackend::Create(DefaultOptions());
   EXPECT_TRUE(b.ok()) << b.status();
   return b.ok() ? std::move(*b) : nullptr;
 }
@@ -47,14 +51,7 @@ TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16) {
 TEST(DefaultModelCudaTest, MixedStepsKeepTransformersGreedyBf16) {
   const std::vector<DefaultCase> cases = LoadDefaultReference("bf16");
   ASSERT_FALSE(cases.empty());
-  CudaBackendOptions o;
-  o.model_dir = DefaultModelDir();
-  o.max_slots = 4;
-  o.buckets = {1, 2, 4};
-  o.max_context = kMaxContext;
-  o.gpu_memory_fraction = 0.3;
-  o.ring_capacity = 128;
-  o.log_progress = false;
+  CudaBackendOptions o = DefaultOptions();
   o.device_loop = true;
   o.prefill_chunk_tokens = 64;
   o.prefill_step_tokens = 6;  // rows a step: 5 prompt rows beside 1 stream, 2 beside 3 or 4
