@@ -79,6 +79,70 @@ absl::StatusOr<std::unique_ptr<NcclComm>> NcclComm::Create(const std::string& un
       absl::StrCat("nccl: rank ", rank, " of ", world_size, ": init failed: ", NcclError(r)));
 }
 
+absl::StatusOr<std::vector<std::unique_ptr<NcclComm>>> NcclComm::CreateGroup(
+    const std::vector<int>& devices, std::chrono::milliseconds timeout) {
+  const int n = static_cast<int>(devices.size());
+  if (n < 1) return absl::InvalidArgumentError("nccl: a group needs at least one device");
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < i; ++j) {
+      if (devices[i] == devices[j]) {
+        return absl::InvalidArgumentError(absl::StrCat("nccl: ranks ", j, " and ", i,
+                                                       " are both on device ", devices[i],
+                                                       "; NCCL needs a GPU per rank"));
+      }
+    }
+  }
+  ncclUniqueId id;
+  if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
+    return absl::InternalError(absl::StrCat("ncclGetUniqueId: ", NcclError(r)));
+  }
+  int previous = 0;
+  if (const cudaError_t e = cudaGetDevice(&previous); e != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("nccl: cudaGetDevice: ", cudaGetErrorString(e)));
+  }
+  std::vector<ncclComm_t> comms(n, nullptr);
+  const auto deadline = Clock::now() + timeout;
+  // Every rank joins inside one group: called one after another outside it, the first would wait
+  // for the others to join on this same thread.
+  ncclResult_t r = ncclGroupStart();
+  for (int i = 0; i < n && r == ncclSuccess; ++i) {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    if (cudaSetDevice(devices[i]) != cudaSuccess) {
+      r = ncclInvalidArgument;
+      break;
+    }
+    r = ncclCommInitRankConfig(&comms[i], n, id, i, &config);
+    if (r == ncclInProgress) r = ncclSuccess;
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  if (r == ncclSuccess) r = end == ncclInProgress ? ncclSuccess : end;
+  bool timed_out = false;
+  for (int i = 0; i < n && r == ncclSuccess; ++i) {
+    if (comms[i] == nullptr) {
+      r = ncclInternalError;
+      break;
+    }
+    r = PollUntilSettled(comms[i], deadline, &timed_out);
+  }
+  cudaSetDevice(previous);
+  if (r == ncclSuccess) {
+    std::vector<std::unique_ptr<NcclComm>> out;
+    for (int i = 0; i < n; ++i)
+      out.push_back(std::unique_ptr<NcclComm>(new NcclComm(comms[i], i, n)));
+    return out;
+  }
+  for (ncclComm_t c : comms) {
+    if (c != nullptr) ncclCommAbort(c);
+  }
+  if (timed_out) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "nccl: a group of ", n, " communicators was not ready after ", timeout.count(), " ms"));
+  }
+  return absl::InternalError(
+      absl::StrCat("nccl: a group of ", n, " communicators failed: ", NcclError(r)));
+}
+
 NcclComm::~NcclComm() {
   if (comm_ == nullptr || aborted_) return;
   // Finalize flushes outstanding work; bounded like everything else, then destroy.

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -26,6 +27,11 @@ class NcclComm {
   static absl::StatusOr<std::unique_ptr<NcclComm>> Create(const std::string& unique_id, int rank,
                                                           int world_size, int device,
                                                           std::chrono::milliseconds timeout);
+  // One process over several GPUs: a communicator per device, rank r on devices[r], created
+  // together in one NCCL group (as ncclCommInitAll does, but non-blocking and bounded by
+  // `timeout`). The devices must be distinct: NCCL refuses two ranks on one GPU.
+  static absl::StatusOr<std::vector<std::unique_ptr<NcclComm>>> CreateGroup(
+      const std::vector<int>& devices, std::chrono::milliseconds timeout);
   ~NcclComm();  // destroys it, or, after a failure, has already aborted it
 
   // Waits for everything enqueued on `stream`, collectives on this communicator included.
