@@ -1,0 +1,52 @@
+// How the stages of a CUDA pipeline (docs/pipeline.md, The CUDA pipeline) pass buffers to each
+// other: each step's hidden state forward from stage to stage, and the rows' inputs from the last
+// stage, which owns the slot table, to the others. Each stage is a CudaModel working on a stream
+// of its own, usually on a GPU of its own.
+//
+// Two ways, fixed by where the stages are:
+//   - every stage on its own GPU: NCCL send/recv over one communicator per stage, created in one
+//     process as a group (NcclComm::CreateGroup, engine/pipeline/nccl_comm.h);
+//   - two stages or more sharing a GPU (NCCL refuses two ranks on one device): copies on the
+//     receiving stage's stream (cudaMemcpyPeerAsync, which is a plain device copy on one GPU),
+//     with peer access enabled between the GPUs that allow it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/cuda/cuda_model.h"
+
+namespace ts {
+
+// Where one stage works.
+struct StageQueue {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+};
+
+class StageLinks {
+ public:
+  // `timeout` bounds NCCL's setup and each of its calls (a communicator that fails is aborted).
+  static absl::StatusOr<std::unique_ptr<StageLinks>> Create(const std::vector<StageQueue>& stages,
+                                                            std::chrono::milliseconds timeout);
+  virtual ~StageLinks() = default;
+
+  // Moves src[i] (in stage `from`'s device memory) into dst[i] (in stage `to`'s), as many bytes
+  // as src[i] says (dst[i] must hold them). Ordering, through the two stages' streams only:
+  //   - the copy sees everything enqueued on `from`'s stream before this call;
+  //   - work enqueued on `to`'s stream after this call sees the copy;
+  //   - work enqueued on `from`'s stream after this call may overwrite src, and work on `to`'s
+  //     stream before this call may still read dst: neither races with the copy.
+  // Enqueues only; never waits on the host for the GPU.
+  virtual absl::Status Move(int from, int to, std::span<const DeviceBytes> src,
+                            std::span<const DeviceBytes> dst) = 0;
+  virtual const char* name() const = 0;  // "nccl" or "copy", for the startup log
+};
+
+}  // namespace ts
