@@ -143,6 +143,12 @@ struct PrefillPiece {
   int32_t head_row = -1;
 };
 
+// The chunks EnqueuePrefill runs `seqs` in: prompts packed in order, cut so no chunk has more than
+// chunk_tokens rows; a piece that ends its prompt has head_row = its sequence's index. A pipeline
+// runs each chunk through every stage before the next (CudaBackend).
+std::vector<std::vector<PrefillPiece>> ChunkPrefill(std::span<const PrefillSeq> seqs,
+                                                    int32_t chunk_tokens);
+
 class CudaModel {
  public:
   // Plans memory (prints the budget), allocates the arena, the pinned host block and the two
@@ -197,6 +203,9 @@ class CudaModel {
   // KV slots, context lengths, block tables) and the hidden states of `bucket` rows.
   std::vector<DeviceBytes> DecodeRowInputs(int32_t bucket) const;
   DeviceBytes DecodeHidden(int32_t bucket) const;
+  // The hidden rows a prefill chunk of `tokens` prompt rows leaves in dev().prefill.h (its
+  // planned GEMM rows, padding included): what the next stage reads as that chunk's input.
+  DeviceBytes PrefillHidden(int32_t tokens) const;
 
   // Runs the layers over every prompt (chunks of at most prefill_chunk_tokens tokens), writing
   // their KV and leaving sequence i's last hidden row in dev().prefill_head.hidden row i.

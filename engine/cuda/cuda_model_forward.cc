@@ -466,6 +466,11 @@ DeviceBytes CudaModel::DecodeHidden(int32_t bucket) const {
   return {dev_.decode.h, static_cast<size_t>(bucket) * dims().hidden * sizeof(bf16)};
 }
 
+DeviceBytes CudaModel::PrefillHidden(int32_t tokens) const {
+  return {dev_.prefill.h,
+          static_cast<size_t>(PrefillRowsFor(tokens)) * dims().hidden * sizeof(bf16)};
+}
+
 absl::Status CudaModel::EnqueueStageDecode(int32_t bucket, int32_t num_splits, cudaStream_t stream,
                                            OpObserver* observer) const {
   TS_ASSIGN_OR_RETURN(const int32_t index, BucketIndex("decode step", bucket));

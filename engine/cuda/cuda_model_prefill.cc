@@ -18,36 +18,46 @@ namespace ts {
 
 namespace k = ::ts::kernels;
 
+std::vector<std::vector<PrefillPiece>> ChunkPrefill(std::span<const PrefillSeq> seqs,
+                                                    int32_t chunk_tokens) {
+  std::vector<std::vector<PrefillPiece>> chunks(1);
+  int32_t rows_used = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int32_t len = static_cast<int32_t>(seqs[i].tokens.size());
+    for (int32_t start = 0; start < len;) {
+      const int32_t take = std::min(len - start, chunk_tokens - rows_used);
+      chunks.back().push_back(PrefillPiece{.tokens = seqs[i].tokens,
+                                           .block_table = seqs[i].block_table,
+                                           .start = start,
+                                           .len = take,
+                                           .head_row = start + take == len ? int32_t(i) : -1});
+      rows_used += take;
+      start += take;
+      if (rows_used == chunk_tokens) {
+        chunks.emplace_back();
+        rows_used = 0;
+      }
+    }
+  }
+  if (chunks.back().empty()) chunks.pop_back();
+  return chunks;
+}
+
 absl::Status CudaModel::EnqueuePrefill(std::span<const PrefillSeq> seqs, cudaStream_t stream) {
   const int32_t n = static_cast<int32_t>(seqs.size());
   if (n > plan_.shape.max_slots) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill: ", n, " sequences exceed max_slots ", plan_.shape.max_slots));
   }
-  const int32_t chunk_cap = plan_.shape.prefill_rows;
-  std::vector<PrefillPiece> pieces;
-  int32_t rows_used = 0;
   for (int32_t i = 0; i < n; ++i) {
-    const int32_t len = static_cast<int32_t>(seqs[i].tokens.size());
-    if (len < 1) return absl::InvalidArgumentError(absl::StrCat("prefill seq ", i, ": empty"));
-    for (int32_t start = 0; start < len;) {
-      const int32_t take = std::min(len - start, chunk_cap - rows_used);
-      pieces.push_back(PrefillPiece{.tokens = seqs[i].tokens,
-                                    .block_table = seqs[i].block_table,
-                                    .start = start,
-                                    .len = take,
-                                    .head_row = start + take == len ? i : -1});
-      rows_used += take;
-      start += take;
-      if (rows_used == chunk_cap) {
-        TS_RETURN_IF_ERROR(EnqueuePrefillChunk(pieces, FirstTokens{}, stream));
-        pieces.clear();
-        rows_used = 0;
-      }
+    if (seqs[i].tokens.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("prefill seq ", i, ": empty"));
     }
   }
-  if (pieces.empty()) return absl::OkStatus();
-  return EnqueuePrefillChunk(pieces, FirstTokens{}, stream);
+  for (const std::vector<PrefillPiece>& pieces : ChunkPrefill(seqs, plan_.shape.prefill_rows)) {
+    TS_RETURN_IF_ERROR(EnqueuePrefillChunk(pieces, FirstTokens{}, stream));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CudaModel::Attention> CudaModel::StagePieces(std::span<const PrefillPiece> pieces,
