@@ -24,24 +24,6 @@ namespace k = ::ts::kernels;
 
 namespace {
 
-CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& config) {
-  CudaModelOptions m;
-  m.config = config;
-  m.max_slots = o.max_slots;
-  m.buckets = o.buckets;
-  m.kv_block_size = o.kv_block_size;
-  m.max_context = o.max_context;
-  m.prefill_chunk_tokens = o.prefill_chunk_tokens;
-  m.ring_capacity = o.ring_capacity;
-  m.gpu_memory_fraction = o.gpu_memory_fraction;
-  m.device = o.device;
-  m.print_plan = o.log_progress;
-  m.capture_observer = o.capture_observer;
-  m.attention_min_split_tokens = o.attention_min_split_tokens;
-  m.step_stamps = o.step_stamps;
-  return m;
-}
-
 absl::Status ValidateOptions(const CudaBackendOptions& o) {
   if (o.max_slots < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_slots: must be >= 1, got ", o.max_slots));
@@ -62,19 +44,38 @@ absl::Status ValidateOptions(const CudaBackendOptions& o) {
         absl::StrCat("prefill_chunk_tokens: must exceed the largest bucket ", o.buckets.back(),
                      " with the device loop, got ", o.prefill_chunk_tokens));
   }
+  if (o.device_loop && o.stages.size() > 1) {
+    // NCCL's captured work cannot be device-launched (docs/pipeline.md, NCCL in CUDA graphs).
+    return absl::InvalidArgumentError(
+        "stages: a pipeline is host-driven; the device loop runs within one GPU");
+  }
   return absl::OkStatus();
 }
 
 }  // namespace
 
-CudaBackend::CudaBackend(const CudaBackendOptions& options) : options_(options) {}
+CudaBackend::CudaBackend(const CudaBackendOptions& options) : options_(options) {
+  // The last stage owns the slot table: it is the device every slot and step call works on.
+  if (!options_.stages.empty()) options_.device = options_.stages.back().device;
+}
 
 CudaBackend::~CudaBackend() {
   // The engine destroys the backend on its own thread, whose current device may be another.
   const graphs::DeviceGuard guard = graphs::DeviceGuard::SetOrIgnore(options_.device);
   StopLoop();
-  // Nothing may still run on our stream when the graphs and the arena go away.
+  // Nothing may still run on our streams when the graphs and the arenas go away.
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  for (Upstream& u : upstream_) {
+    const graphs::DeviceGuard g = graphs::DeviceGuard::SetOrIgnore(u.device);
+    if (u.stream != nullptr) cudaStreamSynchronize(u.stream);
+  }
+  links_.reset();
+  for (Upstream& u : upstream_) {
+    const graphs::DeviceGuard g = graphs::DeviceGuard::SetOrIgnore(u.device);
+    u.graphs.reset();
+    u.model.reset();
+    if (u.stream != nullptr) cudaStreamDestroy(u.stream);
+  }
   graphs_.reset();
   timer_.reset();
   model_.reset();
@@ -87,30 +88,16 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
   TS_RETURN_IF_ERROR(ValidateOptions(o));
   TS_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(o.model_dir));
   TS_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(o.model_dir));
-  // Declared before the backend, so a failed Create destroys it still on o.device; the caller's
-  // current device is restored on return.
-  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(o.device));
-  std::unique_ptr<CudaBackend> b(new CudaBackend(o));
-  TS_RETURN_IF_ERROR(b->CreateStream());
-  TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(ModelOptions(o, config)));
-  TS_RETURN_IF_ERROR(model->UploadWeights(*ckpt, b->stream_));
-  TS_RETURN_IF_ERROR(b->Init(std::move(model)));
-  return b;
+  const Checkpoint* c = ckpt.get();
+  return Make(o, config, [c](CudaModel& m, cudaStream_t s) { return m.UploadWeights(*c, s); });
 }
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::CreateRandom(
     const CudaBackendOptions& o, const RandomWeightsSpec& spec) {
   TS_RETURN_IF_ERROR(ValidateOptions(o));
-  // Declared before the backend, so a failed Create destroys it still on o.device; the caller's
-  // current device is restored on return.
-  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(o.device));
-  std::unique_ptr<CudaBackend> b(new CudaBackend(o));
-  TS_RETURN_IF_ERROR(b->CreateStream());
-  TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
-                      CudaModel::Create(ModelOptions(o, spec.config)));
-  TS_RETURN_IF_ERROR(model->InitRandomWeights(spec.seed, spec.scale, b->stream_));
-  TS_RETURN_IF_ERROR(b->Init(std::move(model)));
-  return b;
+  return Make(o, spec.config, [&spec](CudaModel& m, cudaStream_t s) {
+    return m.InitRandomWeights(spec.seed, spec.scale, s);
+  });
 }
 
 absl::Status CudaBackend::CreateStream() {
@@ -185,36 +172,62 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
   TS_ASSIGN_OR_RETURN(timer_, OpTimer::Create(16 * model_->dims().num_layers + 64));
   TS_RETURN_IF_ERROR(CalibrateClock());
 
+  for (const Upstream& u : upstream_) {
+    // Every stage holds KV for the same sequences under the engine's block ids.
+    info_.num_kv_blocks = std::min(info_.num_kv_blocks, u.model->plan().shape.num_kv_blocks);
+  }
+  TS_ASSIGN_OR_RETURN(graphs_, BuildGraphs(*model_, options_.device, stream_));
+  for (Upstream& u : upstream_) {
+    TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(u.device));
+    TS_ASSIGN_OR_RETURN(u.graphs, BuildGraphs(*u.model, u.device, u.stream));
+  }
+  if (!upstream_.empty()) {
+    std::vector<StageQueue> queues;
+    for (const Upstream& u : upstream_) queues.push_back({.device = u.device, .stream = u.stream});
+    queues.push_back({.device = options_.device, .stream = stream_});
+    TS_ASSIGN_OR_RETURN(links_, StageLinks::Create(queues, options_.link_timeout));
+    if (options_.log_progress) {
+      std::fprintf(stderr, "cuda backend: pipeline of %d stages, linked by %s; %d KV blocks\n",
+                   num_stages(), links_->name(), info_.num_kv_blocks);
+    }
+  }
+  if (options_.device_loop) TS_RETURN_IF_ERROR(InitLoop());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<graphs::GraphCache>> CudaBackend::BuildGraphs(
+    CudaModel& model, int device, cudaStream_t stream) const {
   // One decode graph per bucket. The regime's max_context_len picks each bucket's attention
   // split count; attention_num_splits (the smallest bucket's count) caps it, so the regime
   // value that changes is what the exec update carries.
   const int32_t bound = RegimeBound(1);
   graphs::GraphCacheOptions g;
   g.buckets = options_.buckets;
-  g.device = options_.device;
-  g.initial_regime =
-      graphs::Regime{.attention_num_splits = model_->NumSplits(options_.buckets.front(), bound),
-                     .max_context_len = bound};
+  g.device = device;
+  g.initial_regime = RegimeFor(bound);
   g.log_progress = options_.log_progress;
-  CudaModel* m = model_.get();
+  CudaModel* m = &model;
   g.capture = [m](const graphs::CaptureContext& ctx, cudaStream_t s) -> absl::Status {
-    const int32_t splits = std::min(ctx.regime.attention_num_splits,
-                                    m->NumSplits(ctx.bucket, ctx.regime.max_context_len));
-    return m->EnqueueDecodeStep(ctx.bucket, std::max(splits, 1), s, m->capture_observer());
+    const int32_t splits =
+        std::max(1, std::min(ctx.regime.attention_num_splits,
+                             m->NumSplits(ctx.bucket, ctx.regime.max_context_len)));
+    // A pipeline stage's graph is its part of the step: the last stage's prepare runs before
+    // the first stage's graph (LaunchStep).
+    if (m->whole_model()) return m->EnqueueDecodeStep(ctx.bucket, splits, s, m->capture_observer());
+    return m->EnqueueStageDecode(ctx.bucket, splits, s, m->capture_observer());
   };
-  graphs_ = std::make_unique<graphs::GraphCache>(std::move(g));
-  TS_RETURN_IF_ERROR(graphs_->Build(stream_));
+  auto cache = std::make_unique<graphs::GraphCache>(std::move(g));
+  TS_RETURN_IF_ERROR(cache->Build(stream));
   if (options_.log_progress) {
-    const graphs::BuildStats& st = graphs_->build_stats();
+    const graphs::BuildStats& st = cache->build_stats();
     std::fprintf(stderr,
-                 "cuda backend: %d decode graphs, %lld nodes, capture %.1f ms, instantiate %.1f "
-                 "ms, upload %.1f ms, graph memory ~%.1f MiB\n",
-                 graphs_->num_buckets(), static_cast<long long>(st.total_nodes), st.capture_ms,
-                 st.instantiate_ms, st.upload_ms,
+                 "cuda backend: %d decode graphs on device %d, %lld nodes, capture %.1f ms, "
+                 "instantiate %.1f ms, upload %.1f ms, graph memory ~%.1f MiB\n",
+                 cache->num_buckets(), device, static_cast<long long>(st.total_nodes),
+                 st.capture_ms, st.instantiate_ms, st.upload_ms,
                  static_cast<double>(st.graph_memory_bytes) / (1 << 20));
   }
-  if (options_.device_loop) TS_RETURN_IF_ERROR(InitLoop());
-  return absl::OkStatus();
+  return cache;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -339,7 +352,7 @@ absl::Status CudaBackend::PrefillNow(std::span<const SlotInit> inits) {
     slot_ids.push_back(in.slot);
     params.push_back(ToSamplingRow(in.sampling, in.prompt.size()));
   }
-  TS_RETURN_IF_ERROR(model_->EnqueuePrefill(seqs, stream));
+  TS_RETURN_IF_ERROR(EnqueuePrefillStages(seqs));
   TS_RETURN_IF_ERROR(model_->EnqueuePrefillSample(FirstTokens{.slots = slot_ids,
                                                               .params = params,
                                                               .from_state = k::kSlotActive,
@@ -372,7 +385,7 @@ absl::Status CudaBackend::MaybeUpdateRegime() {
   // Grow at once (too few splits starve the GPU on long contexts); shrink only by two levels,
   // so a batch hovering at a boundary does not update every step.
   if (bound <= current && bound * 4 > current) return absl::OkStatus();
-  return graphs_->UpdateRegime(RegimeFor(bound), stream_);
+  return UpdateRegimeAll(RegimeFor(bound));
 }
 
 graphs::Regime CudaBackend::RegimeFor(int32_t bound) const {
@@ -399,11 +412,9 @@ absl::Status CudaBackend::Run(RunMode mode) {
     }
     const int32_t bucket = options_.buckets[index];
     TS_RETURN_IF_ERROR(MaybeUpdateRegime());
-    TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(model_->dev().decode_head.row_slots,
-                                            model_->host().row_slots, bucket * sizeof(int32_t),
-                                            cudaMemcpyHostToDevice, stream_));
-    TS_RETURN_IF_ERROR(graphs_->Launch(index, stream_));
-    // Host-driven mode: one synchronisation per step, on our stream, so that every ring record
+    TS_RETURN_IF_ERROR(LaunchStep(index));
+    // Host-driven mode: one synchronisation per step, on our stream (the last stage's, which
+    // waited for every stage before it), so that every ring record
     // and done flag of the step is visible before the engine drains and picks the next batch.
     // This is the baseline the device-resident loop (no host call between steps) is measured
     // against, and the fallback.
@@ -428,8 +439,11 @@ void CudaBackend::AfterStep(const std::vector<SlotId>& rows) {
 }
 
 absl::Status CudaBackend::CheckErrorFlag(const char* where) const {
-  const int32_t flag =
+  int32_t flag =
       std::atomic_ref<int32_t>(model_->host().error_flag[0]).load(std::memory_order_acquire);
+  for (const Upstream& u : upstream_) {
+    flag |= std::atomic_ref<int32_t>(u.model->host().error_flag[0]).load(std::memory_order_acquire);
+  }
   if (flag == 0) return absl::OkStatus();
   return absl::InternalError(
       absl::StrCat(where,
@@ -439,6 +453,7 @@ absl::Status CudaBackend::CheckErrorFlag(const char* where) const {
 
 absl::StatusOr<std::vector<std::pair<std::string, float>>> CudaBackend::ProfileStep() {
   if (options_.device_loop) return absl::FailedPreconditionError("ProfileStep: host-driven only");
+  if (!upstream_.empty()) return absl::FailedPreconditionError("ProfileStep: one stage only");
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
   TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
   if (index < 0) return absl::FailedPreconditionError("ProfileStep: no active slot");
@@ -471,6 +486,25 @@ absl::StatusOr<std::vector<float>> CudaBackend::PromptLogits(std::span<const int
   if (need > info_.num_kv_blocks) return absl::InvalidArgumentError("PromptLogits: too long");
   std::vector<int32_t> table(need);
   for (int32_t i = 0; i < need; ++i) table[i] = i;
+  if (!upstream_.empty()) {
+    // One chunk through the stages before the last, whose PromptLogits runs it on from there.
+    if (tokens.size() > static_cast<size_t>(model_->plan().shape.prefill_rows)) {
+      return absl::InvalidArgumentError("PromptLogits: a pipeline takes one prefill chunk");
+    }
+    const PrefillSeq seq{tokens, table};
+    const int last = static_cast<int>(upstream_.size());
+    for (int s = 0; s < last; ++s) {
+      Upstream& u = upstream_[s];
+      {
+        TS_ASSIGN_OR_RETURN(graphs::DeviceGuard g, graphs::DeviceGuard::Set(u.device));
+        TS_RETURN_IF_ERROR(u.model->EnqueuePrefill({&seq, 1}, u.stream));
+      }
+      CudaModel& next = s + 1 < last ? *upstream_[s + 1].model : *model_;
+      const DeviceBytes from = u.model->PrefillHidden(static_cast<int32_t>(tokens.size()));
+      const DeviceBytes to = next.PrefillHidden(static_cast<int32_t>(tokens.size()));
+      TS_RETURN_IF_ERROR(links_->Move(s, s + 1, {&from, 1}, {&to, 1}));
+    }
+  }
   TS_ASSIGN_OR_RETURN(std::vector<float> logits, model_->PromptLogits(tokens, table, stream_));
   TS_RETURN_IF_ERROR(CheckErrorFlag("prompt logits"));
   return logits;

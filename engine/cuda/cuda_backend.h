@@ -13,6 +13,12 @@
 // regime boundary, the backend calls GraphCache::UpdateRegime (exec update in place, never a
 // re-instantiation); the device loop exits at exactly that step so the host can.
 //
+// Pipeline parallelism (options.stages, docs/pipeline.md, The CUDA pipeline): the model is split
+// into stages, each a CudaModel with its own graphs, KV pool and stream on its own GPU, linked by
+// StageLinks (stage_link.h). The last stage holds the slot table, the rings and sampling; a
+// host-driven step runs its prepare, moves the rows' inputs to the other stages and launches each
+// stage's graph in turn with the hidden state moved between them (cuda_backend_stages.cc).
+//
 // Threading: one caller at a time, on any thread. Every entry that makes a CUDA call (Create,
 // Prefill, Run, ProfileStep, PromptLogits, the destructor) makes options.device current for its
 // duration and restores the caller's device: the engine thread that decodes is not the thread
@@ -26,7 +32,9 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +43,7 @@
 #include "engine/backend.h"
 #include "engine/cuda/cuda_model.h"
 #include "engine/cuda/loop_policy.h"
+#include "engine/cuda/stage_link.h"
 #include "engine/prefill_queue.h"
 #include "engine/slot_table.h"
 #include "graphs/graph_cache.h"
@@ -43,6 +52,12 @@ namespace ts {
 namespace graphs {
 class DeviceLoop;
 }  // namespace graphs
+
+// One stage of a CUDA pipeline: which part of the model, on which GPU.
+struct CudaStageOptions {
+  ModelStage stage;
+  int device = 0;
+};
 
 struct CudaBackendOptions {
   std::filesystem::path model_dir;
@@ -68,7 +83,19 @@ struct CudaBackendOptions {
   OpObserver* capture_observer = nullptr;      // benchmarks only, see CudaModelOptions
   int32_t attention_min_split_tokens = 64;     // see CudaModelOptions
   kernels::StepStamps* step_stamps = nullptr;  // benchmarks only, see CudaModelOptions
+  // Pipeline parallelism (docs/pipeline.md, The CUDA pipeline): the model split over these
+  // stages, in layer order, each a CudaModel on its own device (engine/pipeline/stage_plan.h
+  // plans them; ValidateStages below says what they must be). Empty: the whole model on
+  // `device`. Host-driven only (device_loop = false). gpu_memory_fraction applies to each GPU.
+  std::vector<CudaStageOptions> stages;
+  // Bounds NCCL's setup and each NCCL call between the stages (StageLinks).
+  std::chrono::milliseconds link_timeout{60000};
 };
+
+// A pipeline's stages: contiguous layer ranges from layer 0 through the model's last, at least
+// one layer each, the embedding on the first stage only and the head on the last only.
+// InvalidArgument naming "stages[i]" otherwise. No stage at all is the whole model.
+absl::Status ValidateStages(std::span<const CudaStageOptions> stages, int32_t num_layers);
 
 // Weights generated on the device instead of read from model_dir (benchmarks).
 struct RandomWeightsSpec {
@@ -95,8 +122,9 @@ class CudaBackend : public Backend {
   void Release(SlotId slot) override;
   StepReport last_step() const override { return last_; }
 
-  // For benchmarks and tests.
+  // For benchmarks and tests. model() is the last stage of a pipeline (its slot table).
   CudaModel& model() { return *model_; }
+  int32_t num_stages() const { return static_cast<int32_t>(upstream_.size()) + 1; }
   cudaStream_t stream() const { return stream_; }
   const graphs::GraphCache& graph_cache() const { return *graphs_; }
   int32_t num_active() const;
@@ -133,7 +161,31 @@ class CudaBackend : public Backend {
     int32_t generated = 0;  // host mirror of the device count, for the regime choice
   };
 
+  // Stages before the last one of a pipeline (empty for a whole model). The last stage is
+  // model_, graphs_ and stream_: it owns the slot table, the rings and sampling.
+  struct Upstream {
+    int device = 0;
+    cudaStream_t stream = nullptr;
+    std::unique_ptr<CudaModel> model;
+    std::unique_ptr<graphs::GraphCache> graphs;
+  };
+  using LoadWeights = std::function<absl::Status(CudaModel&, cudaStream_t)>;
+
   explicit CudaBackend(const CudaBackendOptions& options);
+  // Create and CreateRandom: every stage's model, loaded by `load`, then Init.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Make(const CudaBackendOptions& options,
+                                                           const ModelConfig& config,
+                                                           const LoadWeights& load);
+  // The decode graphs of one stage's model: the whole step, or the stage's part of it.
+  absl::StatusOr<std::unique_ptr<graphs::GraphCache>> BuildGraphs(CudaModel& model, int device,
+                                                                  cudaStream_t stream) const;
+  // Host-driven: enqueues bucket `index`'s step over the row list in host().row_slots: through
+  // every stage of a pipeline (the last stage's prepare, the rows' inputs to the others, each
+  // stage's graph with the hidden state moved between them), or the whole model's graph.
+  absl::Status LaunchStep(int32_t index);
+  // Runs the prompts' chunks through every stage in turn, writing their KV (no sampling).
+  absl::Status EnqueuePrefillStages(std::span<const PrefillSeq> seqs);
+  absl::Status UpdateRegimeAll(const graphs::Regime& regime);
   absl::Status CreateStream();
   // Maps the host's steady clock onto %globaltimer, which the postprocess kernel reads for the
   // request deadlines (GpuDeadline). At creation, then every 10 s through MaybeCalibrateClock
@@ -194,6 +246,8 @@ class CudaBackend : public Backend {
   BackendInfo info_;
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<graphs::GraphCache> graphs_;
+  std::vector<Upstream> upstream_;
+  std::unique_ptr<StageLinks> links_;  // between the stages of a pipeline
   cudaStream_t stream_ = nullptr;
   cudaStream_t clock_stream_ = nullptr;  // CalibrateClock's
   uint64_t* clock_sample_ = nullptr;     // [1] device

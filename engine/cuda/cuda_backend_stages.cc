@@ -1,0 +1,163 @@
+// CudaBackend over the stages of a pipeline (docs/pipeline.md, The CUDA pipeline): building one
+// model per stage, running prefill chunks and host-driven decode steps through them, and keeping
+// every stage's graphs in the same attention regime. A whole model is the pipeline of one stage.
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "engine/cuda/cuda_backend.h"
+#include "graphs/device_guard.h"
+#include "kernels/cuda_check.h"
+
+namespace ts {
+namespace {
+
+CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& config,
+                              const CudaStageOptions& stage) {
+  CudaModelOptions m;
+  m.config = config;
+  m.stage = stage.stage;
+  m.max_slots = o.max_slots;
+  m.buckets = o.buckets;
+  m.kv_block_size = o.kv_block_size;
+  m.max_context = o.max_context;
+  m.prefill_chunk_tokens = o.prefill_chunk_tokens;
+  m.ring_capacity = o.ring_capacity;
+  m.gpu_memory_fraction = o.gpu_memory_fraction;
+  m.device = stage.device;
+  m.print_plan = o.log_progress;
+  m.capture_observer = o.capture_observer;
+  m.attention_min_split_tokens = o.attention_min_split_tokens;
+  m.step_stamps = o.step_stamps;
+  return m;
+}
+
+}  // namespace
+
+absl::Status ValidateStages(std::span<const CudaStageOptions> stages, int32_t num_layers) {
+  if (stages.empty()) return absl::OkStatus();  // the whole model
+  int32_t next = 0;
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const ModelStage& st = stages[i].stage;
+    const std::string where = absl::StrCat("stages[", i, "]: ");
+    if (st.first_layer != next) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "starts at layer ", st.first_layer,
+                                                     ", not at ", next,
+                                                     ", where the one before ends"));
+    }
+    const int32_t layers = st.num_layers < 0 ? num_layers - st.first_layer : st.num_layers;
+    if (layers < 1 || st.first_layer + layers > num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "layers [", st.first_layer, ", ", st.first_layer + layers,
+                       ") must be non-empty within the model's ", num_layers));
+    }
+    next = st.first_layer + layers;
+    if (st.has_embedding != (i == 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "the embedding belongs to the first stage, and only there"));
+    }
+    if (st.has_head != (i + 1 == stages.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "the head belongs to the last stage, and only there"));
+    }
+    if (stages[i].device < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "device ", stages[i].device));
+    }
+  }
+  if (next != num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stages: they end at layer ", next, "; the model has ", num_layers));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Make(const CudaBackendOptions& o,
+                                                               const ModelConfig& config,
+                                                               const LoadWeights& load) {
+  TS_RETURN_IF_ERROR(ValidateStages(o.stages, config.num_layers));
+  const std::vector<CudaStageOptions> stages =
+      o.stages.empty() ? std::vector<CudaStageOptions>{{.stage = {}, .device = o.device}}
+                       : o.stages;
+  std::unique_ptr<CudaBackend> b(new CudaBackend(o));
+  // Each stage's model holds only its tensors (CudaModelOptions::stage). A failed Make destroys
+  // the backend with each stage's device current (the destructor's guards); the caller's current
+  // device is restored on return.
+  for (size_t s = 0; s + 1 < stages.size(); ++s) {
+    TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(stages[s].device));
+    Upstream& u = b->upstream_.emplace_back();
+    u.device = stages[s].device;
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&u.stream, cudaStreamNonBlocking));
+    TS_ASSIGN_OR_RETURN(u.model, CudaModel::Create(ModelOptions(o, config, stages[s])));
+    TS_RETURN_IF_ERROR(load(*u.model, u.stream));
+  }
+  TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(b->options_.device));
+  TS_RETURN_IF_ERROR(b->CreateStream());
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
+                      CudaModel::Create(ModelOptions(o, config, stages.back())));
+  TS_RETURN_IF_ERROR(load(*model, b->stream_));
+  TS_RETURN_IF_ERROR(b->Init(std::move(model)));
+  return b;
+}
+
+absl::Status CudaBackend::EnqueuePrefillStages(std::span<const PrefillSeq> seqs) {
+  const int last = static_cast<int>(upstream_.size());
+  for (const std::vector<PrefillPiece>& pieces :
+       ChunkPrefill(seqs, model_->plan().shape.prefill_rows)) {
+    int32_t rows = 0;
+    for (const PrefillPiece& p : pieces) rows += p.len;
+    for (int s = 0; s < last; ++s) {
+      Upstream& u = upstream_[s];
+      {
+        TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(u.device));
+        TS_RETURN_IF_ERROR(u.model->EnqueuePrefillChunk(pieces, FirstTokens{}, u.stream));
+      }
+      CudaModel& next = s + 1 < last ? *upstream_[s + 1].model : *model_;
+      const DeviceBytes from = u.model->PrefillHidden(rows);
+      const DeviceBytes to = next.PrefillHidden(rows);
+      TS_RETURN_IF_ERROR(links_->Move(s, s + 1, {&from, 1}, {&to, 1}));
+    }
+    TS_RETURN_IF_ERROR(model_->EnqueuePrefillChunk(pieces, FirstTokens{}, stream_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::UpdateRegimeAll(const graphs::Regime& regime) {
+  // Every stage's graphs take the same split counts, flipped on its own stream.
+  for (Upstream& u : upstream_) {
+    TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(u.device));
+    TS_RETURN_IF_ERROR(u.graphs->UpdateRegime(regime, u.stream));
+  }
+  return graphs_->UpdateRegime(regime, stream_);
+}
+
+absl::Status CudaBackend::LaunchStep(int32_t index) {
+  const int32_t bucket = options_.buckets[index];
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(model_->dev().decode_head.row_slots,
+                                          model_->host().row_slots, bucket * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice, stream_));
+  if (upstream_.empty()) return graphs_->Launch(index, stream_);
+  const int last = static_cast<int>(upstream_.size());
+  TS_RETURN_IF_ERROR(model_->EnqueueDecodePrepare(bucket, stream_));
+  const std::vector<DeviceBytes> inputs = model_->DecodeRowInputs(bucket);
+  for (int s = 0; s < last; ++s) {
+    TS_RETURN_IF_ERROR(links_->Move(last, s, inputs, upstream_[s].model->DecodeRowInputs(bucket)));
+  }
+  for (int s = 0; s < last; ++s) {
+    Upstream& u = upstream_[s];
+    if (s > 0) {
+      const DeviceBytes from = upstream_[s - 1].model->DecodeHidden(bucket);
+      const DeviceBytes to = u.model->DecodeHidden(bucket);
+      TS_RETURN_IF_ERROR(links_->Move(s - 1, s, {&from, 1}, {&to, 1}));
+    }
+    TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(u.device));
+    TS_RETURN_IF_ERROR(u.graphs->Launch(index, u.stream));
+  }
+  const DeviceBytes from = upstream_.back().model->DecodeHidden(bucket);
+  const DeviceBytes to = model_->DecodeHidden(bucket);
+  TS_RETURN_IF_ERROR(links_->Move(last - 1, last, {&from, 1}, {&to, 1}));
+  return graphs_->Launch(index, stream_);
+}
+
+}  // namespace ts
