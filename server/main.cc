@@ -19,6 +19,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "engine/cpu_backend.h"
@@ -51,7 +52,11 @@ ABSL_FLAG(int32_t, max_batch, 16, "Concurrent decoding requests.");
 ABSL_FLAG(int32_t, pipeline_stages, 1,
           "Split the layers into this many pipeline stages (docs/pipeline.md), balanced by weight "
           "bytes; the plan is printed at startup. CPU backend: stage threads over one process, "
-          "micro-batches in flight. The CUDA pipeline over NCCL is not built yet.");
+          "micro-batches in flight. CUDA backend: one GPU per stage (--pipeline_devices), NCCL "
+          "between them, host-driven steps.");
+ABSL_FLAG(std::string, pipeline_devices, "",
+          "CUDA pipeline: the device of each stage, comma-separated (e.g. 0,1); default "
+          "0..N-1. Stages that share a GPU pass their buffers by device copies instead of NCCL.");
 // The multi-process pipeline (docs/pipeline.md, Processes): unset, each comes from TS_* or LWS_*.
 ABSL_FLAG(int32_t, rank, -1,
           "This process's rank in a multi-process pipeline: 0 is the leader (scheduler, gRPC, "
@@ -316,10 +321,66 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const ModelConfig& confi
   return std::unique_ptr<Backend>(std::move(backend));
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32_t>& buckets,
+#if defined(TAILSERVE_WITH_CUDA)
+// The CUDA pipeline's stages (docs/pipeline.md, The CUDA pipeline): the plan by bf16 weight bytes,
+// each stage on its --pipeline_devices entry. Prints the plan.
+absl::StatusOr<std::vector<CudaStageOptions>> CudaStages(const ModelConfig& config, int32_t stages,
+                                                         int32_t block) {
+  if (stages == 1) return std::vector<CudaStageOptions>{};
+  std::vector<int> devices;
+  const std::string list = absl::GetFlag(FLAGS_pipeline_devices);
+  if (list.empty()) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    if (count < stages) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--pipeline_stages: ", stages, " stages need ", stages, " GPUs; ", count,
+                       " are visible (--pipeline_devices puts several stages on one GPU)"));
+    }
+    for (int d = 0; d < stages; ++d) devices.push_back(d);
+  } else {
+    for (absl::string_view item : absl::StrSplit(list, ',')) {
+      int d = 0;
+      if (!absl::SimpleAtoi(item, &d) || d < 0 || d > 1024) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--pipeline_devices: '", item, "' is not a device ordinal"));
+      }
+      devices.push_back(d);
+    }
+    if (static_cast<int32_t>(devices.size()) != stages) {
+      return absl::InvalidArgumentError(absl::StrCat("--pipeline_devices: ", devices.size(),
+                                                     " devices for --pipeline_stages ", stages));
+    }
+  }
+  TS_ASSIGN_OR_RETURN(const std::vector<pipeline::StagePlan> plan,
+                      pipeline::PlanStages(config, {.num_stages = stages}));
+  std::printf("tailserve: CUDA pipeline of %d stages on devices %s (bf16)\n%s", stages,
+              absl::StrJoin(devices, ",").c_str(), pipeline::DescribePlan(plan, 0, block).c_str());
+  std::vector<CudaStageOptions> out;
+  for (const pipeline::StagePlan& p : plan) {
+    out.push_back(CudaStageOptions{.stage = ModelStage{.first_layer = p.first_layer,
+                                                       .num_layers = p.num_layers,
+                                                       .has_embedding = p.has_embedding,
+                                                       .has_head = p.has_head},
+                                   .device = devices[p.stage]});
+  }
+  return out;
+}
+#endif
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const ModelConfig& config,
+                                                         const std::vector<int32_t>& buckets,
                                                          int32_t context, int32_t block,
                                                          bool device_loop) {
 #if defined(TAILSERVE_WITH_CUDA)
+  const int32_t stages = absl::GetFlag(FLAGS_pipeline_stages);
+  if (stages > 1 && device_loop) {
+    return absl::InvalidArgumentError(
+        "--decode_loop: a CUDA pipeline runs host-driven steps (NCCL's work cannot be launched "
+        "from the device loop's graphs, docs/pipeline.md); use --decode_loop host or auto");
+  }
+  TS_ASSIGN_OR_RETURN(std::vector<CudaStageOptions> stage_options,
+                      CudaStages(config, stages, block));
   // The CUDA backend sizes its KV pool from --gpu_memory_fraction and prints its own budget.
   CudaBackendOptions options{.model_dir = absl::GetFlag(FLAGS_model_dir),
                              .max_slots = buckets.back(),
@@ -329,7 +390,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32
                              .max_context = context,
                              .device = absl::GetFlag(FLAGS_device),
                              .prefill_step_tokens = absl::GetFlag(FLAGS_prefill_step_tokens),
-                             .device_loop = device_loop};
+                             .device_loop = device_loop,
+                             .stages = std::move(stage_options)};
   absl::StatusOr<std::unique_ptr<Backend>> backend = CreateCudaBackend(options);
   if (!backend.ok()) {
     return absl::Status(backend.status().code(),
@@ -337,7 +399,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const std::vector<int32
   }
   return backend;
 #else
-  (void)buckets, (void)context, (void)block, (void)device_loop;
+  (void)config, (void)buckets, (void)context, (void)block, (void)device_loop;
   return absl::UnimplementedError(
       "--backend cuda: this tailserve was built without the CUDA backend; use --backend cpu");
 #endif
@@ -350,7 +412,8 @@ absl::StatusOr<bool> DecodeLoop() {
     return absl::InvalidArgumentError(absl::StrCat("--backend: unknown '", kind, "' (cpu|cuda)"));
   }
   const std::string mode = absl::GetFlag(FLAGS_decode_loop);
-  if (mode == "auto") return kind == "cuda";
+  // A CUDA pipeline is host-driven (MakeCudaBackend).
+  if (mode == "auto") return kind == "cuda" && absl::GetFlag(FLAGS_pipeline_stages) == 1;
   if (mode == "host") return false;
   if (mode != "loop") {
     return absl::InvalidArgumentError(
@@ -382,6 +445,10 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
         "--pipeline_stages: ", stages, " with --world_size ", topology.world_size,
         ": a multi-process pipeline has one stage per process; leave --pipeline_stages at 1"));
   }
+  if (!absl::GetFlag(FLAGS_pipeline_devices).empty() && (kind != "cuda" || stages == 1)) {
+    return absl::InvalidArgumentError(
+        "--pipeline_devices: only for a CUDA pipeline (--backend cuda --pipeline_stages > 1)");
+  }
   std::unique_ptr<Backend> backend;
   if (kind == "cuda") {
     if (topology.world_size > 1) {
@@ -389,12 +456,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
           "--world_size: the multi-process pipeline runs on --backend cpu; the CUDA transport "
           "over NCCL is not built yet (docs/pipeline.md)");
     }
-    if (stages > 1) {
-      return absl::UnimplementedError(
-          "--pipeline_stages: the CUDA pipeline over NCCL is not built yet (docs/pipeline.md); "
-          "--backend cpu runs a pipeline of stage threads");
-    }
-    TS_ASSIGN_OR_RETURN(backend, MakeCudaBackend(buckets, context, block, loop));
+    TS_ASSIGN_OR_RETURN(backend, MakeCudaBackend(config, buckets, context, block, loop));
     // 0: whatever the backend's memory plan settled on.
     *max_context = absl::GetFlag(FLAGS_max_context);
   } else {

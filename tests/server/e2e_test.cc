@@ -455,8 +455,19 @@ TEST(ServerStartupTest, BadFlagsFailWithAClearMessage) {
       {{TS_TAILSERVE_BINARY, model, "--pipeline_stages=4"}, "--pipeline_stages: 4"},
       {{TS_TAILSERVE_BINARY, model, "--decode_loop=loop", "--debug_step_delay_ms=5"},
        "host-driven steps only"},
+      // No GPU here (CI), or one: two stages want two unless --pipeline_devices says otherwise.
       {{TS_TAILSERVE_BINARY, model, "--backend=cuda", "--pipeline_stages=2"},
-       "--pipeline_stages: the CUDA pipeline"},
+       "--pipeline_stages: 2 stages need 2 GPUs"},
+      {{TS_TAILSERVE_BINARY, model, "--backend=cuda", "--pipeline_stages=2", "--decode_loop=loop"},
+       "--decode_loop: a CUDA pipeline runs host-driven steps"},
+      {{TS_TAILSERVE_BINARY, model, "--backend=cuda", "--pipeline_stages=2",
+        "--pipeline_devices=0"},
+       "--pipeline_devices: 1 devices for --pipeline_stages 2"},
+      {{TS_TAILSERVE_BINARY, model, "--backend=cuda", "--pipeline_stages=2",
+        "--pipeline_devices=0,gpu1"},
+       "--pipeline_devices: 'gpu1' is not a device ordinal"},
+      {{TS_TAILSERVE_BINARY, model, "--pipeline_stages=2", "--pipeline_devices=0,1"},
+       "--pipeline_devices: only for a CUDA pipeline"},
       {{TS_TAILSERVE_BINARY}, "--model_dir"},
   };
   for (const Case& c : cases) {
