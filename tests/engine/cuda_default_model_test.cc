@@ -2,7 +2,8 @@
 // #14): greedy continuations equal transformers' token for token, through the decode graphs with
 // all four prompts batched, and through the device loop's mixed steps with the prompts arriving
 // one by one while the others decode; teacher-forced top-1 through the same decode graphs and
-// through the prefill agrees at >= 99% of the 4 x 64 positions.
+// through the prefill agrees at >= 99% of the 4 x 64 positions. The greedy case also runs over two
+// pipeline stages.
 #include <cstdio>
 #include <memory>
 #include <vector>
@@ -42,6 +43,22 @@ TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16) {
   auto backend = MakeBackend();
   ASSERT_NE(backend, nullptr);
   ExpectGreedyEqualsReference(*backend, cases, kMaxContext);
+}
+
+// The same through a pipeline of two stages on one GPU (docs/pipeline.md, The CUDA pipeline): the
+// first four layers and the embedding, then the rest and the head, linked by device copies.
+TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16OverTwoPipelineStages) {
+  const std::vector<DefaultCase> cases = LoadDefaultReference("bf16");
+  ASSERT_FALSE(cases.empty());
+  CudaBackendOptions o = DefaultOptions();
+  o.gpu_memory_fraction = 0.15;
+  o.stages = {
+      {.stage = {.first_layer = 0, .num_layers = 4, .has_embedding = true, .has_head = false}},
+      {.stage = {.first_layer = 4, .num_layers = -1, .has_embedding = false, .has_head = true}}};
+  auto backend = CudaBackend::Create(o);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ASSERT_EQ((*backend)->num_stages(), 2);
+  ExpectGreedyEqualsReference(**backend, cases, kMaxContext);
 }
 
 // Each prompt arrives while the earlier ones decode, so the device loop prefills it in mixed

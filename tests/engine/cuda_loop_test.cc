@@ -18,6 +18,7 @@
 #include "tests/common/test_paths.h"
 #include "tests/engine/cuda_test_driver.h"
 #include "tests/engine/default_model_reference.h"
+#include "tests/engine/script_driver.h"
 #include "tests/engine/stream_reader.h"
 
 namespace ts::testing {
@@ -60,37 +61,6 @@ std::unique_ptr<Engine> MakeEngine(const std::filesystem::path& dir, bool loop,
 std::filesystem::path Fixture() {
   return FixtureDir() / "tiny-gqa-untied";
 }
-
-// Random requests over the fixture's vocabulary: greedy and seeded, mixed lengths, some with a
-// stop id; EOS ignored so lengths are the test's choice.
-std::vector<GenerateRequest> RandomRequests(int n, uint32_t seed, int32_t vocab) {
-  std::mt19937 rng(seed);
-  std::vector<GenerateRequest> out;
-  for (int i = 0; i < n; ++i) {
-    GenerateRequest r;
-    r.request_id = "r" + std::to_string(i);
-    const int len = std::uniform_int_distribution<int>(1, 90)(rng);
-    for (int t = 0; t < len; ++t)
-      r.prompt.push_back(std::uniform_int_distribution<int>(3, vocab - 1)(rng));
-    r.stop.max_new_tokens = std::uniform_int_distribution<int>(1, 120)(rng);
-    r.stop.ignore_eos = true;
-    r.sampling.temperature = 0.0f;  // greedy unless seeded below
-    if (i % 3 == 1) {
-      r.sampling.temperature = 0.8f;
-      r.sampling.top_k = 20;
-      r.sampling.seed = 1000 + i;
-    }
-    if (i % 5 == 2) r.stop.stop_token_ids = {std::uniform_int_distribution<int>(3, vocab - 1)(rng)};
-    out.push_back(std::move(r));
-  }
-  return out;
-}
-
-struct Outcome {
-  std::vector<int32_t> tokens;
-  FinishReason reason = FinishReason::kNone;
-  absl::Status status;
-};
 
 // Submits the requests in three waves, each once the previous wave's first stream has tokens, so
 // new prompts are prefilled while others decode; cancels the ids in `cancel` once the last wave
@@ -166,85 +136,6 @@ TEST(DeviceLoopTest, EngineStreamsEndAsTheirRequestsSayWithArrivalsAndCancels) {
   EXPECT_EQ(dev->stats().kv_blocks_free, dev->stats().kv_blocks_total);
 }
 
-// A request's arrival or cancel at a known step: `at_step` steps had run when it happened.
-struct Event {
-  uint64_t at_step = 0;
-  bool cancel = false;
-  int request = 0;
-  SlotId slot = 0;
-};
-
-// Drives one backend over `reqs`: the rings, the slot of each request and its result.
-class ScriptDriver {
- public:
-  ScriptDriver(CudaBackend& b, const std::vector<GenerateRequest>& reqs)
-      : b_(b),
-        reqs_(reqs),
-        out_(reqs.size()),
-        slot_of_(reqs.size(), -1),
-        next_(b.info().max_slots, 1),
-        owner_(b.info().max_slots, -1) {
-    per_ = (kFixtureContext + b.info().kv_block_size - 1) / b.info().kv_block_size;
-  }
-  void Arrive(int request, SlotId slot) {
-    const GenerateRequest& r = reqs_[request];
-    tables_[request].clear();
-    for (int32_t k = 0; k < per_; ++k) tables_[request].push_back(slot * per_ + k);
-    const SlotInit in{.slot = slot,
-                      .prompt = r.prompt,
-                      .block_table = tables_[request],
-                      .sampling = r.sampling,
-                      .stop = r.stop};
-    ASSERT_TRUE(b_.Prefill(std::span<const SlotInit>(&in, 1)).ok());
-    slot_of_[request] = slot;
-    owner_[slot] = request;
-    next_[slot] = 1;
-  }
-  void Cancel(int request) { b_.Cancel(slot_of_[request]); }
-  // Reads every ring; frees the slots whose request finished.
-  void Drain() {
-    for (SlotId s = 0; s < b_.info().max_slots; ++s) {
-      if (owner_[s] < 0) continue;
-      entries_.clear();
-      ASSERT_TRUE(b_.Ring(s).Drain(&next_[s], &entries_));
-      Outcome& o = out_[owner_[s]];
-      for (const RingEntry& e : entries_) {
-        if (e.token >= 0) o.tokens.push_back(e.token);
-        if (e.flags & kRingFinished) {
-          o.reason = RingReason(e.flags);
-          b_.Release(s);
-          owner_[s] = -1;
-          ++finished_;
-          break;
-        }
-      }
-    }
-  }
-  SlotId FreeSlot() const {
-    for (SlotId s = 0; s < static_cast<SlotId>(owner_.size()); ++s) {
-      if (owner_[s] < 0) return s;
-    }
-    return -1;
-  }
-  bool Running(int request) const {
-    return slot_of_[request] >= 0 && owner_[slot_of_[request]] == request;
-  }
-  int finished() const { return finished_; }
-  const std::vector<Outcome>& out() const { return out_; }
-
- private:
-  CudaBackend& b_;
-  const std::vector<GenerateRequest>& reqs_;
-  std::vector<Outcome> out_;
-  std::vector<SlotId> slot_of_;
-  std::vector<uint32_t> next_;
-  std::vector<int> owner_;
-  std::map<int, std::vector<int32_t>> tables_;
-  std::vector<RingEntry> entries_;
-  int32_t per_ = 0;
-  int finished_ = 0;
-};
-
 // The device loop, paused at random moments to let requests arrive and cancels land; the host-
 // driven backend then replays the same events at the same step counts. With the same batch at
 // every step, every token of every stream must agree, cancelled ones included, across attention
@@ -258,7 +149,7 @@ TEST(DeviceLoopTest, SameTokensAsHostDrivenForTheSameEventsAtTheSameSteps) {
     auto made = CudaBackend::Create(Options(Fixture(), true, kFixtureContext, 256));
     ASSERT_TRUE(made.ok()) << made.status();
     CudaBackend& b = **made;
-    ScriptDriver d(b, reqs);
+    ScriptDriver d(b, reqs, kFixtureContext);
     std::mt19937 rng(5);
     int arrived = 0;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
@@ -294,7 +185,7 @@ TEST(DeviceLoopTest, SameTokensAsHostDrivenForTheSameEventsAtTheSameSteps) {
     auto made = CudaBackend::Create(Options(Fixture(), false, kFixtureContext, 256));
     ASSERT_TRUE(made.ok()) << made.status();
     CudaBackend& b = **made;
-    ScriptDriver d(b, reqs);
+    ScriptDriver d(b, reqs, kFixtureContext);
     size_t e = 0;
     for (int iter = 0; iter < 100000 && d.finished() < static_cast<int>(reqs.size()); ++iter) {
       const uint64_t steps = b.Poll()->steps;

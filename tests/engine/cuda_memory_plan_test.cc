@@ -10,9 +10,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_model.h"
 #include "models/llama_shapes.h"
 
@@ -285,6 +287,81 @@ TEST(CudaMemoryPlanTest, CarvedBuffersAreAlignedDisjointAndInside) {
   EXPECT_EQ(reinterpret_cast<char*>(h.rings), host);
   EXPECT_LE(reinterpret_cast<char*>(h.prompt_mask + size_t(64) * plan->shape.mask_words()),
             host + plan->host_bytes);
+}
+
+// A pipeline's stages must tile the model's layers in order, with the embedding first and the
+// head last (CudaBackend checks this before it touches a GPU).
+TEST(CudaPipelineOptionsTest, StagesMustTileTheLayersWithTheEndsInPlace) {
+  auto stage = [](int32_t first, int32_t n, bool emb, bool head, int device = 0) {
+    return CudaStageOptions{
+        .stage = {.first_layer = first, .num_layers = n, .has_embedding = emb, .has_head = head},
+        .device = device};
+  };
+  const std::vector<CudaStageOptions> good = {stage(0, 3, true, false), stage(3, 2, false, false),
+                                              stage(5, -1, false, true, 1)};
+  EXPECT_TRUE(ValidateStages(good, 8).ok());
+  EXPECT_TRUE(ValidateStages({}, 8).ok());  // the whole model
+  struct Bad {
+    std::vector<CudaStageOptions> stages;
+    const char* names;
+  };
+  const std::vector<Bad> bad = {
+      {{stage(1, 3, true, false), stage(4, -1, false, true)}, "stages[0]: starts at layer 1"},
+      {{stage(0, 3, true, false), stage(4, -1, false, true)}, "stages[1]: starts at layer 4"},
+      {{stage(0, 0, true, false), stage(0, -1, false, true)}, "stages[0]: layers [0, 0)"},
+      {{stage(0, 3, true, false), stage(3, 6, false, true)}, "stages[1]: layers [3, 9)"},
+      {{stage(0, 3, true, false), stage(3, 4, false, true)}, "they end at layer 7"},
+      {{stage(0, 3, false, false), stage(3, -1, false, true)}, "stages[0]: the embedding"},
+      {{stage(0, 3, true, false), stage(3, -1, true, true)}, "stages[1]: the embedding"},
+      {{stage(0, 3, true, true), stage(3, -1, false, true)}, "stages[0]: the head"},
+      {{stage(0, 3, true, false), stage(3, -1, false, false)}, "stages[1]: the head"},
+      {{stage(0, 3, true, false), stage(3, -1, false, true, -1)}, "stages[1]: device -1"},
+  };
+  for (const Bad& b : bad) {
+    const absl::Status st = ValidateStages(b.stages, 8);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.names;
+    EXPECT_NE(st.message().find(b.names), std::string::npos) << st;
+  }
+  // The device loop stays within one GPU; refused before any GPU work.
+  CudaBackendOptions o;
+  o.stages = good;
+  o.device_loop = true;
+  o.max_slots = 4;
+  o.buckets = {1, 4};
+  const auto made = CudaBackend::CreateRandom(o, RandomWeightsSpec{.config = Llama3Shape(false)});
+  ASSERT_FALSE(made.ok());
+  EXPECT_NE(made.status().message().find("stages: a pipeline is host-driven"), std::string::npos)
+      << made.status();
+}
+
+// The chunks a pipeline runs through its stages one after another are EnqueuePrefill's: prompts
+// packed in order, no chunk over the limit, each prompt's last piece naming its head row.
+TEST(CudaPipelineOptionsTest, PrefillChunksPackPromptsInOrderUpToTheLimit) {
+  const std::vector<int32_t> a(10, 1), b(3, 2), c(25, 3);
+  const std::vector<int32_t> table = {0};
+  const std::vector<PrefillSeq> seqs = {{a, table}, {b, table}, {c, table}};
+  const auto chunks = ChunkPrefill(seqs, 8);
+  // 38 rows in chunks of 8: 5 chunks, the last of 6.
+  ASSERT_EQ(chunks.size(), 5u);
+  std::vector<int32_t> next(3, 0);
+  std::vector<int32_t> heads;
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    int32_t rows = 0;
+    for (const PrefillPiece& p : chunks[k]) {
+      const int32_t seq = p.tokens.data() == a.data() ? 0 : p.tokens.data() == b.data() ? 1 : 2;
+      EXPECT_EQ(p.start, next[seq]) << "chunk " << k;
+      next[seq] += p.len;
+      rows += p.len;
+      if (p.head_row >= 0) {
+        EXPECT_EQ(p.head_row, seq);
+        EXPECT_EQ(next[seq], static_cast<int32_t>(seqs[seq].tokens.size()));
+        heads.push_back(p.head_row);
+      }
+    }
+    EXPECT_EQ(rows, k + 1 < chunks.size() ? 8 : 6) << "chunk " << k;
+  }
+  EXPECT_EQ(heads, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_TRUE(ChunkPrefill({}, 8).empty());
 }
 
 }  // namespace

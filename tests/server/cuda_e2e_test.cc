@@ -1,6 +1,7 @@
 // GPU end to end: the real `tailserve` binary with --backend=cuda and with --backend=cpu, each a
 // child process on a loopback port, called through a real gRPC client. On every fixture model, the
-// greedy streams of the CUDA server equal the CPU server's and the Hugging Face reference.
+// greedy streams of the CUDA server equal the CPU server's and the Hugging Face reference, and so
+// do those of a CUDA pipeline of two stages.
 // TS_TAILSERVE_BIN overrides the binary path (the GPU machine runs a carried bundle).
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -39,7 +40,8 @@ struct Running {
 };
 
 // nullptr (with a recorded failure) when the server does not come up.
-std::unique_ptr<Running> Launch(const std::string& backend, const std::string& model) {
+std::unique_ptr<Running> Launch(const std::string& backend, const std::string& model,
+                                const std::vector<std::string>& extra = {}) {
   std::vector<std::string> argv = {Binary(),
                                    "--port=0",
                                    absl::StrCat("--backend=", backend),
@@ -47,6 +49,7 @@ std::unique_ptr<Running> Launch(const std::string& backend, const std::string& m
                                    "--max_batch=4",
                                    "--threads=2",
                                    "--gpu_memory_fraction=0.2"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
   auto child = ChildProcess::Start(argv);
   if (!child.ok()) {
     ADD_FAILURE() << child.status();
@@ -106,6 +109,27 @@ TEST_P(CudaServerE2ETest, GreedyStreamsEqualTheCpuServerAndTransformers) {
   }
   EXPECT_TRUE(cuda->process->Signal(SIGTERM));
   EXPECT_EQ(cuda->process->WaitExit(60s), std::optional<int>(0)) << cuda->process->Output();
+}
+
+// `--pipeline_stages 2` serves what one GPU serves (docs/pipeline.md, The CUDA pipeline). Both
+// stages run on device 0 here, linked by device copies; on several GPUs NCCL links them.
+TEST_P(CudaServerE2ETest, TwoPipelineStagesServeTransformersGreedyStreams) {
+  const std::string model = GetParam();
+  std::ifstream in(FixtureDir() / model / "reference.json");
+  ASSERT_TRUE(in.good()) << model;
+  const nlohmann::json ref = nlohmann::json::parse(in);
+  const auto prompts = ref.at("prompts").get<std::vector<Tokens>>();
+  const auto greedy = ref.at("greedy").get<std::vector<Tokens>>();
+  auto piped = Launch("cuda", model, {"--pipeline_stages=2", "--pipeline_devices=0,0"});
+  ASSERT_NE(piped, nullptr);
+  EXPECT_NE(piped->process->Output().find("CUDA pipeline of 2 stages"), std::string::npos)
+      << piped->process->Output();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << model << " prompt " << i);
+    EXPECT_EQ(Greedy(*piped->stub, prompts[i], static_cast<int32_t>(greedy[i].size())), greedy[i]);
+  }
+  EXPECT_TRUE(piped->process->Signal(SIGTERM));
+  EXPECT_EQ(piped->process->WaitExit(60s), std::optional<int>(0)) << piped->process->Output();
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaServerE2ETest,

@@ -1,0 +1,256 @@
+// The CUDA pipeline (docs/pipeline.md, The CUDA pipeline): a CudaBackend whose model is split
+// into stages, each a CudaModel with its own graphs, KV pool and stream, linked by StageLinks.
+// On one GPU the stages share the device and pass their buffers by copies; on several, NCCL.
+//   - Stages on one GPU decode exactly the tokens of the whole model, step for step, with
+//     requests arriving and cancelled at random steps, on untied and tied embeddings, 2 and 3
+//     stages, greedy and seeded; the teacher-forced logits through prefill and through the decode
+//     graphs are the whole model's bit for bit.
+//   - The links keep their ordering promise both ways (a receiver held busy, a sender that
+//     overwrites its buffer at once), by copies on one GPU and by NCCL on two (skipped on one).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/stage_link.h"
+#include "tests/common/test_paths.h"
+#include "tests/engine/script_driver.h"
+
+namespace ts::testing {
+namespace {
+
+constexpr int32_t kContext = 256;
+
+CudaBackendOptions Options(const std::string& fixture, const std::vector<ModelStage>& stages) {
+  CudaBackendOptions o;
+  o.model_dir = FixtureDir() / fixture;
+  o.max_slots = 8;
+  o.kv_block_size = 16;
+  o.gpu_memory_fraction = 0.12;  // per stage, and up to four models share the GPU
+  o.buckets = {1, 2, 4, 8};
+  o.max_context = kContext;
+  o.prefill_chunk_tokens = 64;  // prompts of up to 90 tokens take two chunks through the stages
+  o.ring_capacity = 256;
+  o.log_progress = false;
+  for (const ModelStage& s : stages) o.stages.push_back({.stage = s, .device = 0});
+  return o;
+}
+
+std::unique_ptr<CudaBackend> Make(const CudaBackendOptions& o) {
+  auto b = CudaBackend::Create(o);
+  EXPECT_TRUE(b.ok()) << b.status();
+  return b.ok() ? std::move(*b) : nullptr;
+}
+
+// Every contiguous split of `layers` into `n` stages of at least one layer, the first few.
+std::vector<std::vector<ModelStage>> Splits(int32_t layers, int32_t n) {
+  std::vector<std::vector<ModelStage>> out;
+  if (n == 2) {
+    for (int32_t cut = 1; cut < layers; ++cut) {
+      out.push_back(
+          {{.first_layer = 0, .num_layers = cut, .has_embedding = true, .has_head = false},
+           {.first_layer = cut,
+            .num_layers = layers - cut,
+            .has_embedding = false,
+            .has_head = true}});
+    }
+  } else {
+    std::vector<ModelStage> one;
+    for (int32_t s = 0; s < n; ++s) {
+      one.push_back({.first_layer = s,
+                     .num_layers = s + 1 == n ? layers - s : 1,
+                     .has_embedding = s == 0,
+                     .has_head = s + 1 == n});
+    }
+    out.push_back(one);
+  }
+  return out;
+}
+
+struct Case {
+  std::string fixture;
+  int32_t layers = 0;
+  int32_t vocab = 0;
+};
+const Case kCases[] = {{"tiny-gqa-untied", 3, 311}, {"tiny-mha-tied", 2, 320}};
+
+// Drives the whole model and the pipeline in lockstep: the same arrival in the same slot and the
+// same cancel before the same step, decided from the whole model's state. Every stream's tokens
+// and finish reason must agree; a stream that ends earlier in one shows as a slot not FREE.
+void ExpectLockstep(CudaBackend& whole, CudaBackend& piped,
+                    const std::vector<GenerateRequest>& reqs, uint32_t seed) {
+  ScriptDriver a(whole, reqs, kContext), b(piped, reqs, kContext);
+  std::mt19937 rng(seed);
+  int arrived = 0, cancels = 0;
+  const int n = static_cast<int>(reqs.size());
+  for (int iter = 0; iter < 20000 && a.finished() < n; ++iter) {
+    const SlotId free = a.FreeSlot();
+    if (arrived < n && free >= 0 && rng() % 3 != 0) {
+      a.Arrive(arrived, free);
+      b.Arrive(arrived, free);
+      ++arrived;
+      a.Drain();
+      b.Drain();
+    }
+    if (rng() % 9 == 0) {
+      for (int r = 0; r < arrived; ++r) {
+        if (a.Running(r) && rng() % 2 == 0) {
+          a.Cancel(r);
+          b.Cancel(r);
+          ++cancels;
+          break;
+        }
+      }
+    }
+    const absl::Status sa = whole.Run(RunMode::kOneStep);
+    ASSERT_TRUE(sa.ok()) << sa;
+    const absl::Status sb = piped.Run(RunMode::kOneStep);
+    ASSERT_TRUE(sb.ok()) << sb;
+    ASSERT_EQ(whole.last_step().active, piped.last_step().active) << "iteration " << iter;
+    a.Drain();
+    b.Drain();
+  }
+  ASSERT_EQ(a.finished(), n);
+  ASSERT_EQ(b.finished(), n);
+  EXPECT_EQ(piped.num_active(), 0);
+  int tokens = 0;
+  for (int i = 0; i < n; ++i) {
+    SCOPED_TRACE("request " + reqs[i].request_id);
+    EXPECT_EQ(b.out()[i].tokens, a.out()[i].tokens);
+    EXPECT_EQ(b.out()[i].reason, a.out()[i].reason);
+    tokens += static_cast<int>(a.out()[i].tokens.size());
+  }
+  EXPECT_GT(cancels, 0);
+  std::printf("lockstep: %d requests, %d tokens, %d cancels\n", n, tokens, cancels);
+}
+
+TEST(CudaPipelineTest, StagesOnOneGpuDecodeTheWholeModelsTokensStepForStep) {
+  for (const Case& c : kCases) {
+    auto whole = Make(Options(c.fixture, {}));
+    ASSERT_NE(whole, nullptr);
+    for (int32_t n = 2; n <= c.layers; ++n) {
+      for (const std::vector<ModelStage>& split : Splits(c.layers, n)) {
+        SCOPED_TRACE(::testing::Message() << c.fixture << ", " << n << " stages, the first "
+                                          << split[0].num_layers << " layer(s) on stage 0");
+        auto piped = Make(Options(c.fixture, split));
+        ASSERT_NE(piped, nullptr);
+        EXPECT_EQ(piped->num_stages(), n);
+        EXPECT_LE(piped->info().num_kv_blocks, piped->model().plan().shape.num_kv_blocks);
+        // Long enough generations that contexts cross 128, where the attention regime (every
+        // stage's graphs at once) changes.
+        std::vector<GenerateRequest> reqs = RandomRequests(14, 31 + n, c.vocab);
+        for (GenerateRequest& r : reqs) r.stop.max_new_tokens = 1 + r.stop.max_new_tokens % 150;
+        ExpectLockstep(*whole, *piped, reqs, 7 + n);
+      }
+    }
+  }
+}
+
+TEST(CudaPipelineTest, TeacherForcedLogitsAreTheWholeModelsBitForBit) {
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.fixture);
+    auto whole = Make(Options(c.fixture, {}));
+    auto piped = Make(Options(c.fixture, Splits(c.layers, c.layers).front()));
+    ASSERT_NE(whole, nullptr);
+    ASSERT_NE(piped, nullptr);
+    std::mt19937 rng(3);
+    std::vector<std::vector<int32_t>> prompts(3);
+    for (auto& p : prompts) {
+      for (int t = 0; t < 40; ++t) p.push_back(3 + static_cast<int32_t>(rng() % (c.vocab - 3)));
+    }
+    const auto a = whole->PromptLogits(prompts[0]);
+    const auto b = piped->PromptLogits(prompts[0]);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(*a, *b);
+    const auto da = whole->DecodeLogits(prompts, 20);
+    const auto db = piped->DecodeLogits(prompts, 20);
+    ASSERT_TRUE(da.ok()) << da.status();
+    ASSERT_TRUE(db.ok()) << db.status();
+    EXPECT_EQ(*da, *db);
+  }
+}
+
+TEST(CudaPipelineTest, TheDeviceLoopAndProfilingRefuseAPipeline) {
+  CudaBackendOptions o = Options("tiny-gqa-untied", Splits(3, 2).front());
+  o.device_loop = true;
+  o.prefill_chunk_tokens = 256;
+  const auto made = CudaBackend::Create(o);
+  ASSERT_FALSE(made.ok());
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(made.status().message().find("stages"), std::string::npos) << made.status();
+}
+
+// The ordering StageLinks::Move promises, checked where a missing fence would show: the receiver's
+// stream is held busy by a sleeping host function, so the copy cannot start before the sender has
+// enqueued its overwrite of the source. The receiver must still get the first contents, and the
+// sender's next work must see its own overwrite.
+void ExpectMoveOrdered(int from_device, int to_device) {
+  constexpr size_t kBytes = 1 << 20;
+  std::vector<StageQueue> q(2);
+  q[0].device = from_device;
+  q[1].device = to_device;
+  void* src = nullptr;
+  void* dst = nullptr;
+  ASSERT_EQ(cudaSetDevice(from_device), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&q[0].stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&src, kBytes), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(to_device), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&q[1].stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dst, kBytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dst, 0x5a, kBytes), cudaSuccess);  // poison
+  auto links = StageLinks::Create(q, std::chrono::seconds(30));
+  ASSERT_TRUE(links.ok()) << links.status();
+  std::printf("link between devices %d and %d: %s\n", from_device, to_device, (*links)->name());
+
+  ASSERT_EQ(cudaSetDevice(from_device), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(src, 0x11, kBytes, q[0].stream), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(to_device), cudaSuccess);
+  auto sleep = [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); };
+  ASSERT_EQ(cudaLaunchHostFunc(q[1].stream, sleep, nullptr), cudaSuccess);
+  const DeviceBytes s{src, kBytes}, d{dst, kBytes};
+  ASSERT_TRUE((*links)->Move(0, 1, {&s, 1}, {&d, 1}).ok());
+  ASSERT_EQ(cudaSetDevice(from_device), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(src, 0x22, kBytes, q[0].stream), cudaSuccess);
+  std::vector<unsigned char> got(kBytes), own(kBytes);
+  ASSERT_EQ(cudaMemcpyAsync(own.data(), src, kBytes, cudaMemcpyDeviceToHost, q[0].stream),
+            cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(to_device), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(got.data(), dst, kBytes, cudaMemcpyDeviceToHost, q[1].stream),
+            cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(q[1].stream), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(from_device), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(q[0].stream), cudaSuccess);
+  EXPECT_EQ(std::count(got.begin(), got.end(), 0x11), static_cast<long>(kBytes));
+  EXPECT_EQ(std::count(own.begin(), own.end(), 0x22), static_cast<long>(kBytes));
+  // A move the link cannot make is refused, naming it.
+  const DeviceBytes small{dst, kBytes / 2};
+  EXPECT_EQ((*links)->Move(0, 1, {&s, 1}, {&small, 1}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*links)->Move(0, 0, {&s, 1}, {&d, 1}).code(), absl::StatusCode::kInvalidArgument);
+  links->reset();
+  cudaFree(src);
+  cudaFree(dst);
+  cudaStreamDestroy(q[0].stream);
+  cudaStreamDestroy(q[1].stream);
+}
+
+TEST(StageLinksTest, CopiesOnOneGpuAreFencedBothWays) {
+  ExpectMoveOrdered(0, 0);
+}
+
+TEST(StageLinksTest, NcclBetweenTwoGpusIsFencedBothWays) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  if (count < 2) GTEST_SKIP() << "needs two GPUs (the multi-GPU run, issue #16)";
+  ExpectMoveOrdered(0, 1);
+  ExpectMoveOrdered(1, 0);
+}
+
+}  // namespace
+}  // namespace ts::testing
