@@ -14,7 +14,8 @@
 // timestamps of each step (kernels/step_stamps.cuh): the period between two steps' starts (the
 // device's inter-token latency) and the GPU's idle gap from one step's last kernel to the next
 // one's first. --host_load k runs k busy threads per host core while the steps are timed, as a
-// loaded serving host has (gRPC streams, tokenization).
+// loaded serving host has (gRPC streams, tokenization). --modes pipe: host-driven steps through a
+// pipeline of --pipeline_stages stages (on one GPU by default, so its cost over one stage shows).
 //
 // --probe_tokens N: the time from Prefill of one more N-token prompt to its first token, with
 // nothing decoding and beside each smaller batch: in the loop, the prompt rides in mixed steps
@@ -50,6 +51,7 @@
 #include "common/flags.h"
 #include "common/status.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/pipeline/stage_plan.h"
 #include "kernels/cuda_check.h"
 #include "kernels/step_stamps.cuh"
 #include "models/llama_shapes.h"
@@ -80,9 +82,15 @@ ABSL_FLAG(int32_t, attn_min_split_tokens, 64,
           "than the large-batch floor)");
 ABSL_FLAG(std::string, modes, "host,loop",
           "comma-separated: host (host-driven, one Run(kOneStep) per step), loop (the "
-          "device-resident loop)");
+          "device-resident loop), pipe (host-driven over --pipeline_stages stages)");
 ABSL_FLAG(std::string, host_load, "0",
           "comma-separated busy threads per host core while steps are timed (0 = idle host)");
+ABSL_FLAG(int32_t, pipeline_stages, 2,
+          "mode pipe: the model split into this many stages (engine/pipeline/stage_plan.h), "
+          "host-driven steps through them (docs/pipeline.md, The CUDA pipeline)");
+ABSL_FLAG(std::string, pipeline_devices, "",
+          "mode pipe: each stage's device, comma-separated; default: every stage on --device, "
+          "linked by device copies (each stage then gets --gpu_memory_fraction / stages)");
 ABSL_FLAG(int32_t, probe_tokens, 0,
           "also time one more prompt of this many tokens from Prefill to its first token, with "
           "nothing decoding and beside each batch below the largest (0 = off)");
@@ -332,6 +340,40 @@ absl::Status CheckAndRelease(CudaBackend& b, int32_t batch, uint32_t records) {
   return absl::OkStatus();
 }
 
+// Mode pipe's stages, and the memory fraction each GPU gives each of its stages.
+absl::StatusOr<std::vector<CudaStageOptions>> PipeStages(const ModelConfig& config,
+                                                         double* fraction) {
+  const int32_t n = absl::GetFlag(FLAGS_pipeline_stages);
+  std::vector<int> devices;
+  const std::string list = absl::GetFlag(FLAGS_pipeline_devices);
+  if (list.empty()) {
+    devices.assign(n, absl::GetFlag(FLAGS_device));
+  } else {
+    TS_ASSIGN_OR_RETURN(const std::vector<int32_t> parsed, ParseInts("pipeline_devices", list));
+    devices.assign(parsed.begin(), parsed.end());
+  }
+  if (static_cast<int32_t>(devices.size()) != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--pipeline_devices: ", devices.size(), " devices for ", n, " stages"));
+  }
+  TS_ASSIGN_OR_RETURN(const std::vector<pipeline::StagePlan> plan,
+                      pipeline::PlanStages(config, {.num_stages = n}));
+  std::fprintf(stderr, "%s", pipeline::DescribePlan(plan, 0, 16).c_str());
+  int32_t sharing = 1;
+  std::vector<CudaStageOptions> out;
+  for (const pipeline::StagePlan& p : plan) {
+    sharing =
+        std::max<int32_t>(sharing, std::count(devices.begin(), devices.end(), devices[p.stage]));
+    out.push_back(CudaStageOptions{.stage = ModelStage{.first_layer = p.first_layer,
+                                                       .num_layers = p.num_layers,
+                                                       .has_embedding = p.has_embedding,
+                                                       .has_head = p.has_head},
+                                   .device = devices[p.stage]});
+  }
+  *fraction /= sharing;
+  return out;
+}
+
 absl::Status RunShape(const std::string& shape, const std::string& mode, const Settings& s,
                       std::ofstream* out) {
   const bool loop = mode == "loop";
@@ -352,6 +394,9 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
   if (!skip.empty()) o.capture_observer = &skip;
   o.attention_min_split_tokens = absl::GetFlag(FLAGS_attn_min_split_tokens);
   o.device_loop = loop;
+  if (mode == "pipe") {
+    TS_ASSIGN_OR_RETURN(o.stages, PipeStages(config, &o.gpu_memory_fraction));
+  }
   TS_ASSIGN_OR_RETURN(std::unique_ptr<Stamps> stamps,
                       Stamps::Create(static_cast<uint32_t>(max_new + 16)));
   o.step_stamps = stamps->device();
@@ -425,6 +470,7 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
       const double gbps = bytes / (med * 1e-3) / 1e9;
       const json row = {{"shape", shape},
                         {"mode", mode},
+                        {"stages", b->num_stages()},
                         {"batch", batch},
                         {"host_load_per_core", load},
                         {"prompt_len", s.prompt_len},
@@ -597,8 +643,9 @@ int Main() {
   s.batches = *batches;
   for (absl::string_view part :
        absl::StrSplit(absl::GetFlag(FLAGS_modes), ',', absl::SkipEmpty())) {
-    if (part != "host" && part != "loop") {
-      std::fprintf(stderr, "--modes: unknown mode '%s' (host, loop)\n", std::string(part).c_str());
+    if (part != "host" && part != "loop" && part != "pipe") {
+      std::fprintf(stderr, "--modes: unknown mode '%s' (host, loop, pipe)\n",
+                   std::string(part).c_str());
       return 2;
     }
     s.modes.emplace_back(part);

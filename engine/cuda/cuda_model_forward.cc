@@ -449,7 +449,8 @@ absl::Status CudaModel::EnqueueDecodePrepare(int32_t bucket, cudaStream_t stream
     return absl::FailedPreconditionError(
         "decode prepare: the slot table is the last pipeline stage's");
   }
-  return EnqueuePrepare(dev_.decode, bucket, nullptr, stream);
+  // A benchmark's stamps: the step starts here, as in EnqueueDecodeStep.
+  return EnqueuePrepare(dev_.decode, bucket, step_stamps_, stream);
 }
 
 std::vector<DeviceBytes> CudaModel::DecodeRowInputs(int32_t bucket) const {
