@@ -407,7 +407,7 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
           o, RandomWeightsSpec{.config = config, .seed = absl::GetFlag(FLAGS_seed)}));
   TS_RETURN_IF_ERROR(skip.CheckAllSeen());
   const ModelDims& d = b->model().dims();
-  const size_t weight_bytes = b->model().step_weight_bytes();
+  const size_t weight_bytes = b->step_weight_bytes();
   const size_t kv_per_token =
       static_cast<size_t>(d.num_layers) * 2 * d.num_kv_heads * d.head_dim * sizeof(uint16_t);
   cudaEvent_t e0, e1;

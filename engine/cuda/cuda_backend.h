@@ -125,6 +125,8 @@ class CudaBackend : public Backend {
   // For benchmarks and tests. model() is the last stage of a pipeline (its slot table).
   CudaModel& model() { return *model_; }
   int32_t num_stages() const { return static_cast<int32_t>(upstream_.size()) + 1; }
+  // Bytes of weights one decode step reads, summed over the stages (CudaModel::step_weight_bytes).
+  size_t step_weight_bytes() const;
   cudaStream_t stream() const { return stream_; }
   const graphs::GraphCache& graph_cache() const { return *graphs_; }
   int32_t num_active() const;

@@ -73,6 +73,12 @@ absl::Status ValidateStages(std::span<const CudaStageOptions> stages, int32_t nu
   return absl::OkStatus();
 }
 
+size_t CudaBackend::step_weight_bytes() const {
+  size_t bytes = model_->step_weight_bytes();
+  for (const Upstream& u : upstream_) bytes += u.model->step_weight_bytes();
+  return bytes;
+}
+
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Make(const CudaBackendOptions& o,
                                                                const ModelConfig& config,
                                                                const LoadWeights& load) {

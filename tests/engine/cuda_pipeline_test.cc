@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <memory>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -89,9 +90,32 @@ void ExpectLockstep(CudaBackend& whole, CudaBackend& piped,
   std::mt19937 rng(seed);
   int arrived = 0, cancels = 0;
   const int n = static_cast<int>(reqs.size());
+  std::vector<std::string> history;  // what each iteration did, for the first divergence
+  // The first token where a stream differs, with what led up to it.
+  auto diverged = [&](int iter) {
+    for (int i = 0; i < n; ++i) {
+      const std::vector<int32_t>& x = a.out()[i].tokens;
+      const std::vector<int32_t>& y = b.out()[i].tokens;
+      const size_t m = std::min(x.size(), y.size());
+      const size_t at = std::mismatch(x.begin(), x.begin() + m, y.begin()).first - x.begin();
+      if (at == m && x.size() == y.size()) continue;
+      std::string h;
+      for (size_t k = history.size() > 6 ? history.size() - 6 : 0; k < history.size(); ++k) {
+        h += "\n  " + history[k];
+      }
+      ADD_FAILURE() << "request " << reqs[i].request_id << " (prompt " << reqs[i].prompt.size()
+                    << " tokens) first differs at token " << at << " of " << x.size() << "/"
+                    << y.size() << ", after iteration " << iter << ":" << h;
+      return true;
+    }
+    return false;
+  };
   for (int iter = 0; iter < 20000 && a.finished() < n; ++iter) {
+    std::string what = "iteration " + std::to_string(iter) + ":";
     const SlotId free = a.FreeSlot();
     if (arrived < n && free >= 0 && rng() % 3 != 0) {
+      what += " r" + std::to_string(arrived) + " (" + std::to_string(reqs[arrived].prompt.size()) +
+              " tokens) into slot " + std::to_string(free) + ";";
       a.Arrive(arrived, free);
       b.Arrive(arrived, free);
       ++arrived;
@@ -103,6 +127,7 @@ void ExpectLockstep(CudaBackend& whole, CudaBackend& piped,
         if (a.Running(r) && rng() % 2 == 0) {
           a.Cancel(r);
           b.Cancel(r);
+          what += " cancel r" + std::to_string(r) + ";";
           ++cancels;
           break;
         }
@@ -113,8 +138,13 @@ void ExpectLockstep(CudaBackend& whole, CudaBackend& piped,
     const absl::Status sb = piped.Run(RunMode::kOneStep);
     ASSERT_TRUE(sb.ok()) << sb;
     ASSERT_EQ(whole.last_step().active, piped.last_step().active) << "iteration " << iter;
+    what += " step of " + std::to_string(whole.last_step().active) + " rows in bucket " +
+            std::to_string(whole.last_step().bucket) + ", longest context " +
+            std::to_string(whole.max_active_context());
+    history.push_back(what);
     a.Drain();
     b.Drain();
+    if (diverged(iter)) return;
   }
   ASSERT_EQ(a.finished(), n);
   ASSERT_EQ(b.finished(), n);
