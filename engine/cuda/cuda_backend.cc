@@ -187,8 +187,22 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
     queues.push_back({.device = options_.device, .stream = stream_});
     TS_ASSIGN_OR_RETURN(links_, StageLinks::Create(queues, options_.link_timeout));
     if (options_.log_progress) {
-      std::fprintf(stderr, "cuda backend: pipeline of %d stages, linked by %s; %d KV blocks\n",
+      std::fprintf(stderr,
+                   "cuda backend: pipeline of %d stages, linked by %s; the engine's KV pool is "
+                   "the smallest stage's, %d blocks\n",
                    num_stages(), links_->name(), info_.num_kv_blocks);
+      for (int s = 0; s < num_stages(); ++s) {
+        const CudaModel& m = s < static_cast<int>(upstream_.size()) ? *upstream_[s].model : *model_;
+        const ModelStage& st = m.stage();
+        std::fprintf(
+            stderr,
+            "cuda backend: stage %d on device %d: layers [%d, %d)%s%s, %.2f GiB of "
+            "weights, %d KV blocks\n",
+            s, s < static_cast<int>(upstream_.size()) ? upstream_[s].device : options_.device,
+            st.first_layer, st.first_layer + st.num_layers, st.has_embedding ? ", embedding" : "",
+            st.has_head ? ", head" : "", static_cast<double>(m.step_weight_bytes()) / (1 << 30),
+            m.plan().shape.num_kv_blocks);
+      }
     }
   }
   if (options_.device_loop) TS_RETURN_IF_ERROR(InitLoop());
