@@ -197,7 +197,7 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
         std::fprintf(
             stderr,
             "cuda backend: stage %d on device %d: layers [%d, %d)%s%s, %.2f GiB of "
-            "weights, %d KV blocks\n",
+            "weights read per step, %d KV blocks\n",
             s, s < static_cast<int>(upstream_.size()) ? upstream_[s].device : options_.device,
             st.first_layer, st.first_layer + st.num_layers, st.has_embedding ? ", embedding" : "",
             st.has_head ? ", head" : "", static_cast<double>(m.step_weight_bytes()) / (1 << 30),
