@@ -71,7 +71,8 @@ ABSL_FLAG(std::string, leader_address, "",
 ABSL_FLAG(int32_t, pipeline_timeout_ms, 60000,
           "Multi-process pipeline: how long startup waits for every rank (a missing one fails it, "
           "named), and how long a step's result, a send or the shutdown may take before the "
-          "pipeline counts as broken.");
+          "pipeline counts as broken. CUDA pipeline: the same bound on NCCL's setup, its calls "
+          "and each step's wait.");
 ABSL_FLAG(std::string, decode_loop, "auto",
           "Who runs the decode steps: loop (the backend's own loop beside the engine thread; CUDA: "
           "the device-resident loop, no host call between steps, new prompts prefilled in mixed "
@@ -382,16 +383,18 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const ModelConfig& conf
   TS_ASSIGN_OR_RETURN(std::vector<CudaStageOptions> stage_options,
                       CudaStages(config, stages, block));
   // The CUDA backend sizes its KV pool from --gpu_memory_fraction and prints its own budget.
-  CudaBackendOptions options{.model_dir = absl::GetFlag(FLAGS_model_dir),
-                             .max_slots = buckets.back(),
-                             .kv_block_size = block,
-                             .gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction),
-                             .buckets = buckets,
-                             .max_context = context,
-                             .device = absl::GetFlag(FLAGS_device),
-                             .prefill_step_tokens = absl::GetFlag(FLAGS_prefill_step_tokens),
-                             .device_loop = device_loop,
-                             .stages = std::move(stage_options)};
+  CudaBackendOptions options{
+      .model_dir = absl::GetFlag(FLAGS_model_dir),
+      .max_slots = buckets.back(),
+      .kv_block_size = block,
+      .gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction),
+      .buckets = buckets,
+      .max_context = context,
+      .device = absl::GetFlag(FLAGS_device),
+      .prefill_step_tokens = absl::GetFlag(FLAGS_prefill_step_tokens),
+      .device_loop = device_loop,
+      .stages = std::move(stage_options),
+      .link_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_pipeline_timeout_ms))};
   absl::StatusOr<std::unique_ptr<Backend>> backend = CreateCudaBackend(options);
   if (!backend.ok()) {
     return absl::Status(backend.status().code(),

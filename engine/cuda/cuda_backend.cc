@@ -374,7 +374,7 @@ absl::Status CudaBackend::PrefillNow(std::span<const SlotInit> inits) {
                                                   stream));
   // The engine drains the first tokens right after Prefill returns, and the staging rows are
   // free again after this.
-  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  TS_RETURN_IF_ERROR(WaitStream());
   return CheckErrorFlag("prefill");
 }
 
@@ -432,7 +432,7 @@ absl::Status CudaBackend::Run(RunMode mode) {
     // and done flag of the step is visible before the engine drains and picks the next batch.
     // This is the baseline the device-resident loop (no host call between steps) is measured
     // against, and the fallback.
-    TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    TS_RETURN_IF_ERROR(WaitStream());
     TS_RETURN_IF_ERROR(CheckErrorFlag("decode step"));
     AfterStep(rows_);
     last_ = StepReport{.active = static_cast<int32_t>(rows_.size()), .bucket = bucket};

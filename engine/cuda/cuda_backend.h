@@ -88,7 +88,8 @@ struct CudaBackendOptions {
   // plans them; ValidateStages below says what they must be). Empty: the whole model on
   // `device`. Host-driven only (device_loop = false). gpu_memory_fraction applies to each GPU.
   std::vector<CudaStageOptions> stages;
-  // Bounds NCCL's setup and each NCCL call between the stages (StageLinks).
+  // Bounds NCCL's setup, each NCCL call between the stages and each host-driven step's wait
+  // (StageLinks).
   std::chrono::milliseconds link_timeout{60000};
 };
 
@@ -188,6 +189,8 @@ class CudaBackend : public Backend {
   // Runs the prompts' chunks through every stage in turn, writing their KV (no sampling).
   absl::Status EnqueuePrefillStages(std::span<const PrefillSeq> seqs);
   absl::Status UpdateRegimeAll(const graphs::Regime& regime);
+  // Host-driven: waits for everything on stream_, within link_timeout on an NCCL pipeline.
+  absl::Status WaitStream();
   absl::Status CreateStream();
   // Maps the host's steady clock onto %globaltimer, which the postprocess kernel reads for the
   // request deadlines (GpuDeadline). At creation, then every 10 s through MaybeCalibrateClock

@@ -73,6 +73,13 @@ absl::Status ValidateStages(std::span<const CudaStageOptions> stages, int32_t nu
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::WaitStream() {
+  // A pipeline's last stage waited for every stage before it; over NCCL the wait is bounded.
+  if (links_ != nullptr) return links_->Wait(stream_, options_.link_timeout);
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
 size_t CudaBackend::step_weight_bytes() const {
   size_t bytes = model_->step_weight_bytes();
   for (const Upstream& u : upstream_) bytes += u.model->step_weight_bytes();

@@ -2,6 +2,7 @@
 
 #include <nccl.h>
 
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -94,6 +95,12 @@ class CopyLinks final : public StageLinks {
     return absl::OkStatus();
   }
 
+  absl::Status Wait(cudaStream_t stream, std::chrono::milliseconds /*timeout*/) override {
+    // Device copies on one host cannot stall on a peer; a failed copy is the stream's error.
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return absl::OkStatus();
+  }
+
   const char* name() const override { return "copy"; }
 
  private:
@@ -113,6 +120,7 @@ class NcclLinks final : public StageLinks {
   absl::Status Move(int from, int to, std::span<const DeviceBytes> src,
                     std::span<const DeviceBytes> dst) override {
     TS_RETURN_IF_ERROR(CheckMove(from, to, stages_.size(), src, dst));
+    if (!failure_.ok()) return failure_;
     ncclResult_t r = ncclGroupStart();
     for (size_t i = 0; i < src.size() && r == ncclSuccess; ++i) {
       r = ncclSend(src[i].ptr, src[i].bytes, ncclUint8, to, comms_[from]->get(),
@@ -129,12 +137,46 @@ class NcclLinks final : public StageLinks {
     return comms_[to]->Settle(r, timeout_);
   }
 
+  absl::Status Wait(cudaStream_t stream, std::chrono::milliseconds timeout) override {
+    if (!failure_.ok()) return failure_;
+    // Polled rather than synchronised, so that a transfer stuck on a failed GPU cannot hold the
+    // caller past the timeout. The poll yields instead of sleeping: a decode step is a few
+    // milliseconds, and a sleep's granularity would add to every one.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (uint64_t i = 0;; ++i) {
+      const cudaError_t q = cudaStreamQuery(stream);
+      if (q == cudaSuccess) return absl::OkStatus();
+      if (q != cudaErrorNotReady) {
+        return Fail(absl::InternalError(
+            absl::StrCat("pipeline: a stage's stream failed: ", cudaGetErrorString(q))));
+      }
+      if (i % 256 == 255) {
+        for (const auto& c : comms_) {
+          if (absl::Status st = c->AsyncError(); !st.ok()) return Fail(st);
+        }
+        if (std::chrono::steady_clock::now() >= deadline) {
+          return Fail(absl::DeadlineExceededError(
+              absl::StrCat("pipeline: a step's work did not finish in ", timeout.count(),
+                           " ms; the stages' NCCL communicators were aborted")));
+        }
+      }
+      std::this_thread::yield();
+    }
+  }
+
   const char* name() const override { return "nccl"; }
 
  private:
   std::vector<StageQueue> stages_;
+  absl::Status Fail(absl::Status why) {
+    for (const auto& c : comms_) c->Abort();
+    failure_ = why;
+    return why;
+  }
+
   std::vector<std::unique_ptr<pipeline::NcclComm>> comms_;  // [stages], rank s on stage s's GPU
   std::chrono::milliseconds timeout_;
+  absl::Status failure_;  // the first Wait failure; every later Wait returns it
 };
 
 }  // namespace

@@ -46,6 +46,11 @@ class StageLinks {
   // Enqueues only; never waits on the host for the GPU.
   virtual absl::Status Move(int from, int to, std::span<const DeviceBytes> src,
                             std::span<const DeviceBytes> dst) = 0;
+  // Waits on the host for everything enqueued on `stream` (a stage's), however long the copies
+  // take; over NCCL at most `timeout`, and an NCCL error or the timeout aborts every
+  // communicator (which releases kernels stuck in a transfer) and fails this and every later
+  // call.
+  virtual absl::Status Wait(cudaStream_t stream, std::chrono::milliseconds timeout) = 0;
   virtual const char* name() const = 0;  // "nccl" or "copy", for the startup log
 };
 

@@ -166,6 +166,20 @@ absl::Status NcclComm::Fail(absl::Status why) {
   return why;
 }
 
+absl::Status NcclComm::AsyncError() {
+  if (aborted_) return absl::FailedPreconditionError("nccl: the communicator was aborted");
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+  if (r != ncclSuccess) state = r;
+  if (state == ncclSuccess || state == ncclInProgress) return absl::OkStatus();
+  return Fail(absl::InternalError(
+      absl::StrCat("nccl: rank ", rank_, " of ", world_size_, ": ", NcclError(state))));
+}
+
+void NcclComm::Abort() {
+  (void)Fail(absl::OkStatus());
+}
+
 absl::Status NcclComm::Settle(ncclResult_t issued, std::chrono::milliseconds timeout) {
   if (aborted_) return absl::FailedPreconditionError("nccl: the communicator was aborted");
   if (issued == ncclSuccess) return absl::OkStatus();

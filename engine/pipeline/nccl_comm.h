@@ -43,6 +43,12 @@ class NcclComm {
   // polls until NCCL has taken the call, or aborts past `timeout`.
   absl::Status Settle(ncclResult_t issued, std::chrono::milliseconds timeout);
 
+  // Non-blocking: OK while the communicator is healthy (or still working); Internal after an
+  // asynchronous NCCL error (a peer failed), and the communicator is aborted.
+  absl::Status AsyncError();
+  // Aborts the communicator now (kernels stuck in its calls are released); later calls fail.
+  void Abort();
+
   ncclComm_t get() const { return comm_; }
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
