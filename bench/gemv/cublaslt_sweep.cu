@@ -10,7 +10,11 @@
 // (a few us) that a graph hides, so small shapes read high; the comparison between candidates of
 // one shape is what this tool is for.
 //
-//   tailserve-cublaslt-sweep
+// The row counts are the arguments (default 8 16 32 64 128); prefill and the device loop's mixed
+// steps run M = 256 and up, where a GEMM also meets the tensor cores' roof, printed beside the
+// bytes' (dense bf16 at 989 TFLOP/s).
+//
+//   tailserve-cublaslt-sweep [M ...]
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -36,6 +40,7 @@ struct Shape {
 };
 
 constexpr double kRoofBytesPerUs = 4.3e6;  // docs/gpu-facts.md, Bandwidth roof
+constexpr double kPeakFlopsPerUs = 989e6;  // the H200's dense bf16 tensor-core peak
 constexpr int kCopies = 4;
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // as kernels/gemm.cuh's default
 
@@ -89,12 +94,22 @@ std::vector<Candidate> Candidates(cublasLtHandle_t h, cublasLtMatmulDesc_t desc,
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  std::vector<int> ms;
+  for (int i = 1; i < argc; ++i) {
+    const int m = std::atoi(argv[i]);
+    if (m < 1 || m > 65536) {
+      std::fprintf(stderr, "tailserve-cublaslt-sweep: bad row count '%s'\n", argv[i]);
+      return 2;
+    }
+    ms.push_back(m);
+  }
+  if (ms.empty()) ms = {8, 16, 32, 64, 128};
   const std::vector<Shape> shapes = {{"8b.qkv", 6144, 4096},      {"8b.o", 4096, 4096},
                                      {"8b.gate_up", 28672, 4096}, {"8b.down", 4096, 14336},
                                      {"1b.qkv", 3072, 2048},      {"1b.o", 2048, 2048},
                                      {"1b.gate_up", 16384, 2048}, {"1b.down", 2048, 8192}};
-  constexpr int kMaxM = 128;
+  const int kMaxM = *std::max_element(ms.begin(), ms.end());
   size_t max_w = 0, max_k = 0, max_n = 0;
   for (const Shape& s : shapes) {
     max_w = std::max(max_w, size_t(s.n) * s.k);
@@ -126,9 +141,9 @@ int main() {
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
 
-  std::printf("%-11s %4s %9s %9s %9s %11s %s\n", "shape", "m", "top1_us", "best_us", "roof_us",
-              "best_splits", "candidates");
-  for (int m : {8, 16, 32, 64, 128}) {
+  std::printf("%-11s %4s %9s %9s %9s %9s %11s %s\n", "shape", "m", "top1_us", "best_us", "roof_us",
+              "flop_us", "best_splits", "candidates");
+  for (int m : ms) {
     for (const Shape& s : shapes) {
       cublasLtMatrixLayout_t wl, al, cl;
       CHECK(cublasLtMatrixLayoutCreate(&wl, CUDA_R_16BF, s.k, s.n, s.k));
@@ -162,8 +177,9 @@ int main() {
         std::printf("%-11s %4d  no algorithm\n", s.name, m);
       } else {
         const size_t best = std::min_element(median.begin(), median.end()) - median.begin();
-        std::printf("%-11s %4d %9.1f %9.1f %9.1f %11u %zu\n", s.name, m, median[0], median[best],
-                    roof, cand[best].splits, cand.size());
+        const double flop_us = 2.0 * m * s.n * s.k / kPeakFlopsPerUs;
+        std::printf("%-11s %4d %9.1f %9.1f %9.1f %9.1f %11u %zu\n", s.name, m, median[0],
+                    median[best], roof, flop_us, cand[best].splits, cand.size());
       }
       cublasLtMatrixLayoutDestroy(wl);
       cublasLtMatrixLayoutDestroy(al);
