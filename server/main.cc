@@ -452,6 +452,10 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
     return absl::InvalidArgumentError(
         "--pipeline_devices: only for a CUDA pipeline (--backend cuda --pipeline_stages > 1)");
   }
+  if (kind == "cuda" && stages > 1 && absl::GetFlag(FLAGS_device) != 0) {
+    return absl::InvalidArgumentError(
+        "--device: a CUDA pipeline puts its stages on --pipeline_devices; leave --device at 0");
+  }
   std::unique_ptr<Backend> backend;
   if (kind == "cuda") {
     if (topology.world_size > 1) {

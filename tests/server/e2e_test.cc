@@ -468,6 +468,8 @@ TEST(ServerStartupTest, BadFlagsFailWithAClearMessage) {
        "--pipeline_devices: 'gpu1' is not a device ordinal"},
       {{TS_TAILSERVE_BINARY, model, "--pipeline_stages=2", "--pipeline_devices=0,1"},
        "--pipeline_devices: only for a CUDA pipeline"},
+      {{TS_TAILSERVE_BINARY, model, "--backend=cuda", "--pipeline_stages=2", "--device=1"},
+       "--device: a CUDA pipeline puts its stages on --pipeline_devices"},
       {{TS_TAILSERVE_BINARY}, "--model_dir"},
   };
   for (const Case& c : cases) {
