@@ -353,18 +353,11 @@ absl::StatusOr<std::vector<CudaStageOptions>> CudaStages(const ModelConfig& conf
                                                      " devices for --pipeline_stages ", stages));
     }
   }
-  TS_ASSIGN_OR_RETURN(const std::vector<pipeline::StagePlan> plan,
-                      pipeline::PlanStages(config, {.num_stages = stages}));
+  std::string plan;
+  TS_ASSIGN_OR_RETURN(std::vector<CudaStageOptions> out,
+                      PlanCudaStages(config, devices, block, &plan));
   std::printf("tailserve: CUDA pipeline of %d stages on devices %s (bf16)\n%s", stages,
-              absl::StrJoin(devices, ",").c_str(), pipeline::DescribePlan(plan, 0, block).c_str());
-  std::vector<CudaStageOptions> out;
-  for (const pipeline::StagePlan& p : plan) {
-    out.push_back(CudaStageOptions{.stage = ModelStage{.first_layer = p.first_layer,
-                                                       .num_layers = p.num_layers,
-                                                       .has_embedding = p.has_embedding,
-                                                       .has_head = p.has_head},
-                                   .device = devices[p.stage]});
-  }
+              absl::StrJoin(devices, ",").c_str(), plan.c_str());
   return out;
 }
 #endif

@@ -51,7 +51,6 @@
 #include "common/flags.h"
 #include "common/status.h"
 #include "engine/cuda/cuda_backend.h"
-#include "engine/pipeline/stage_plan.h"
 #include "kernels/cuda_check.h"
 #include "kernels/step_stamps.cuh"
 #include "models/llama_shapes.h"
@@ -356,19 +355,13 @@ absl::StatusOr<std::vector<CudaStageOptions>> PipeStages(const ModelConfig& conf
     return absl::InvalidArgumentError(
         absl::StrCat("--pipeline_devices: ", devices.size(), " devices for ", n, " stages"));
   }
-  TS_ASSIGN_OR_RETURN(const std::vector<pipeline::StagePlan> plan,
-                      pipeline::PlanStages(config, {.num_stages = n}));
-  std::fprintf(stderr, "%s", pipeline::DescribePlan(plan, 0, 16).c_str());
+  std::string plan;
+  TS_ASSIGN_OR_RETURN(std::vector<CudaStageOptions> out,
+                      PlanCudaStages(config, devices, 16, &plan));
+  std::fprintf(stderr, "%s", plan.c_str());
   int32_t sharing = 1;
-  std::vector<CudaStageOptions> out;
-  for (const pipeline::StagePlan& p : plan) {
-    sharing =
-        std::max<int32_t>(sharing, std::count(devices.begin(), devices.end(), devices[p.stage]));
-    out.push_back(CudaStageOptions{.stage = ModelStage{.first_layer = p.first_layer,
-                                                       .num_layers = p.num_layers,
-                                                       .has_embedding = p.has_embedding,
-                                                       .has_head = p.has_head},
-                                   .device = devices[p.stage]});
+  for (int d : devices) {
+    sharing = std::max<int32_t>(sharing, std::count(devices.begin(), devices.end(), d));
   }
   *fraction /= sharing;
   return out;

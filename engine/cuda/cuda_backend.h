@@ -98,6 +98,15 @@ struct CudaBackendOptions {
 // InvalidArgument naming "stages[i]" otherwise. No stage at all is the whole model.
 absl::Status ValidateStages(std::span<const CudaStageOptions> stages, int32_t num_layers);
 
+// The stages of a CUDA pipeline, stage s on devices[s]: the layers split by bf16 weight bytes
+// (pipeline::PlanStages, docs/pipeline.md). `description` gets the plan's lines for the startup
+// log (pipeline::DescribePlan), with `kv_block_size`-token blocks. InvalidArgument naming
+// "pipeline_stages" for fewer layers than devices.
+absl::StatusOr<std::vector<CudaStageOptions>> PlanCudaStages(const ModelConfig& config,
+                                                             std::span<const int> devices,
+                                                             int32_t kv_block_size,
+                                                             std::string* description);
+
 // Weights generated on the device instead of read from model_dir (benchmarks).
 struct RandomWeightsSpec {
   ModelConfig config;

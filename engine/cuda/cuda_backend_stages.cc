@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/pipeline/stage_plan.h"
 #include "graphs/device_guard.h"
 #include "kernels/cuda_check.h"
 
@@ -78,6 +79,25 @@ absl::Status CudaBackend::WaitStream() {
   if (links_ != nullptr) return links_->Wait(stream_, options_.link_timeout);
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<CudaStageOptions>> PlanCudaStages(const ModelConfig& config,
+                                                             std::span<const int> devices,
+                                                             int32_t kv_block_size,
+                                                             std::string* description) {
+  const int32_t n = static_cast<int32_t>(devices.size());
+  TS_ASSIGN_OR_RETURN(const std::vector<pipeline::StagePlan> plan,
+                      pipeline::PlanStages(config, {.num_stages = n}));
+  if (description != nullptr) *description = pipeline::DescribePlan(plan, 0, kv_block_size);
+  std::vector<CudaStageOptions> out;
+  for (const pipeline::StagePlan& p : plan) {
+    out.push_back(CudaStageOptions{.stage = ModelStage{.first_layer = p.first_layer,
+                                                       .num_layers = p.num_layers,
+                                                       .has_embedding = p.has_embedding,
+                                                       .has_head = p.has_head},
+                                   .device = devices[p.stage]});
+  }
+  return out;
 }
 
 size_t CudaBackend::step_weight_bytes() const {

@@ -334,6 +334,31 @@ TEST(CudaPipelineOptionsTest, StagesMustTileTheLayersWithTheEndsInPlace) {
       << made.status();
 }
 
+// The server's and the benchmark's plan: PlanStages' split, stage s on devices[s], which the
+// backend accepts.
+TEST(CudaPipelineOptionsTest, PlannedStagesFollowTheSplitOntoTheirDevices) {
+  const ModelConfig c = Llama3Shape(true);
+  std::string description;
+  const std::vector<int> devices = {3, 1};
+  auto stages = PlanCudaStages(c, devices, 16, &description);
+  ASSERT_TRUE(stages.ok()) << stages.status();
+  ASSERT_EQ(stages->size(), 2u);
+  EXPECT_EQ((*stages)[0].stage.first_layer, 0);
+  EXPECT_EQ((*stages)[0].stage.num_layers, 16);
+  EXPECT_TRUE((*stages)[0].stage.has_embedding);
+  EXPECT_FALSE((*stages)[0].stage.has_head);
+  EXPECT_EQ((*stages)[0].device, 3);
+  EXPECT_EQ((*stages)[1].stage.first_layer, 16);
+  EXPECT_TRUE((*stages)[1].stage.has_head);
+  EXPECT_EQ((*stages)[1].device, 1);
+  EXPECT_TRUE(ValidateStages(*stages, c.num_layers).ok());
+  EXPECT_NE(description.find("layers 16-31"), std::string::npos) << description;
+  const std::vector<int> too_many(c.num_layers + 1, 0);
+  const auto refused = PlanCudaStages(c, too_many, 16, nullptr);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("pipeline_stages"), std::string::npos);
+}
+
 // The chunks a pipeline runs through its stages one after another are EnqueuePrefill's: prompts
 // packed in order, no chunk over the limit, each prompt's last piece naming its head row.
 TEST(CudaPipelineOptionsTest, PrefillChunksPackPromptsInOrderUpToTheLimit) {
