@@ -427,11 +427,11 @@ absl::Status CudaBackend::Run(RunMode mode) {
     const int32_t bucket = options_.buckets[index];
     TS_RETURN_IF_ERROR(MaybeUpdateRegime());
     TS_RETURN_IF_ERROR(LaunchStep(index));
-    // Host-driven mode: one synchronisation per step, on our stream (the last stage's, which
-    // waited for every stage before it), so that every ring record
-    // and done flag of the step is visible before the engine drains and picks the next batch.
-    // This is the baseline the device-resident loop (no host call between steps) is measured
-    // against, and the fallback.
+    // Host-driven mode: one synchronisation per step, on our stream (a pipeline's last stage,
+    // which waited for every stage before it), so that every ring record and done flag of the
+    // step is visible before the engine drains and picks the next batch. This is the baseline
+    // the device-resident loop (no host call between steps) is measured against, and the
+    // fallback.
     TS_RETURN_IF_ERROR(WaitStream());
     TS_RETURN_IF_ERROR(CheckErrorFlag("decode step"));
     AfterStep(rows_);
