@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The multi-GPU issue's run (#16, docs/pipeline.md, The CUDA pipeline), on a device kind with two
+# or more GPUs, over a bundle from scripts/gpu-bundle.sh (carry: .bundle.tar.xz), in one call:
+#   1. correctness: the GPU pipeline tests, whose two-GPU cases skip on one GPU; with the 8B
+#      checkpoint (TS_LLAMA8B_DIR, made here when missing) 32 requests with arrivals and cancels
+#      through 2 stages must give one GPU's greedy tokens;
+#   2. scaling: tailserve-bench, one GPU against 2 stages on GPUs 0 and 1, batches 1, 64 and 128;
+#   3. end to end: tailserve-load through the gRPC server with --pipeline_stages 2 at three rates.
+# The failure run (one rank's process killed) needs the CUDA pipeline across processes, which is
+# not built yet; the script says so instead.
+# Full logs under $OUT; a short table last. NVLink multicast stays off, as the machine requires.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+[ -d .bundle ] || tar -xJf .bundle.tar.xz
+export LD_LIBRARY_PATH=$PWD/.bundle/lib:${LD_LIBRARY_PATH:-}
+export TS_LLAMA8B_DIR=${TS_LLAMA8B_DIR:-/tmp/llama8b}
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+echo "GPUs: $gpus" | tee "$OUT/summary.txt"
+if [ "$gpus" -lt 2 ]; then echo "needs two GPUs"; exit 1; fi
+
+# 1. Correctness (run-bundle.sh makes the 8B checkpoint when TS_LLAMA8B_DIR is missing).
+OUT=$OUT/tests TESTS='engine_cuda_pipeline|engine_nccl|server_cuda' bash tests/gpu/run-bundle.sh \
+  > "$OUT/tests.txt" 2>&1
+tests_rc=$?
+grep -E "lockstep|link between" "$OUT/tests/tests.log" >> "$OUT/summary.txt"
+
+# 2. Scaling: one GPU, then 2 stages on GPUs 0 and 1.
+.bundle/bin/tailserve-bench --shapes 8b --batches 1,64,128 --modes host,pipe \
+  --pipeline_stages 2 --pipeline_devices 0,1 --new_tokens 128 --out "$OUT/scaling.jsonl" \
+  > "$OUT/scaling.log" 2>&1
+scaling_rc=$?
+
+# 3. End to end through the server, host-driven on both (a pipeline's steps are host-driven).
+MODEL=$TS_LLAMA8B_DIR MODES=host RATES="4 16 48" REQUESTS=200 OUT=$OUT/serve \
+  bash bench/serving/serve_bench.sh > "$OUT/serve-one.txt" 2>&1
+MODEL=$TS_LLAMA8B_DIR MODES=host RATES="4 16 48" REQUESTS=200 OUT=$OUT/serve TAG=-pp2 \
+  SERVER_ARGS="--pipeline_stages 2" bash bench/serving/serve_bench.sh > "$OUT/serve-pp2.txt" 2>&1
+
+{
+  echo "==== correctness: tests rc=$tests_rc"
+  tail -8 "$OUT/tests.txt"
+  echo "==== scaling: rc=$scaling_rc (step_ms and tokens/s; the target: pipe at 128 >= 1.7x host at 64)"
+  grep -E "^8b " "$OUT/scaling.log"
+  echo "==== end to end: one GPU, then 2 stages"
+  tail -4 "$OUT/serve-one.txt"
+  tail -4 "$OUT/serve-pp2.txt"
+  echo "==== failure: not run (the CUDA pipeline across processes is not built yet)"
+} | tee -a "$OUT/summary.txt"
