@@ -109,8 +109,9 @@ class CopyLinks final : public StageLinks {
 };
 
 // A GPU per stage: NCCL send/recv, both sides in one group call (one thread drives every rank).
-// ncclSend holds the sender's stream until the receiver has the data, and ncclRecv the
-// receiver's, which is the ordering Move promises.
+// A send completes on the sender's stream once its buffer may be reused, and a receive on the
+// receiver's once the data is there; both are ordered after each stream's earlier work. That is
+// the ordering Move promises.
 class NcclLinks final : public StageLinks {
  public:
   NcclLinks(std::vector<StageQueue> stages, std::vector<std::unique_ptr<pipeline::NcclComm>> comms,
@@ -167,13 +168,14 @@ class NcclLinks final : public StageLinks {
   const char* name() const override { return "nccl"; }
 
  private:
-  std::vector<StageQueue> stages_;
+  // Aborts every communicator (releasing kernels stuck in a transfer) and fails from now on.
   absl::Status Fail(absl::Status why) {
     for (const auto& c : comms_) c->Abort();
     failure_ = why;
     return why;
   }
 
+  std::vector<StageQueue> stages_;
   std::vector<std::unique_ptr<pipeline::NcclComm>> comms_;  // [stages], rank s on stage s's GPU
   std::chrono::milliseconds timeout_;
   absl::Status failure_;  // the first Wait failure; every later Wait returns it

@@ -128,8 +128,9 @@ absl::StatusOr<std::vector<std::unique_ptr<NcclComm>>> NcclComm::CreateGroup(
   cudaSetDevice(previous);
   if (r == ncclSuccess) {
     std::vector<std::unique_ptr<NcclComm>> out;
-    for (int i = 0; i < n; ++i)
+    for (int i = 0; i < n; ++i) {
       out.push_back(std::unique_ptr<NcclComm>(new NcclComm(comms[i], i, n)));
+    }
     return out;
   }
   for (ncclComm_t c : comms) {
