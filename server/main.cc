@@ -19,12 +19,11 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "engine/cpu_backend.h"
 #if defined(TAILSERVE_WITH_CUDA)
-#include "engine/cuda/cuda_backend.h"
+#include "server/cuda_serve.h"
 #endif
 #include "common/flags.h"
 #include "engine/engine.h"
@@ -322,78 +321,24 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const ModelConfig& confi
   return std::unique_ptr<Backend>(std::move(backend));
 }
 
+absl::StatusOr<std::unique_ptr<Backend>> CudaBackendFromFlags(const ModelConfig& config,
+                                                              const std::vector<int32_t>& buckets,
+                                                              int32_t context, int32_t block,
+                                                              bool device_loop) {
 #if defined(TAILSERVE_WITH_CUDA)
-// The CUDA pipeline's stages (docs/pipeline.md, The CUDA pipeline): the plan by bf16 weight bytes,
-// each stage on its --pipeline_devices entry. Prints the plan.
-absl::StatusOr<std::vector<CudaStageOptions>> CudaStages(const ModelConfig& config, int32_t stages,
-                                                         int32_t block) {
-  if (stages == 1) return std::vector<CudaStageOptions>{};
-  std::vector<int> devices;
-  const std::string list = absl::GetFlag(FLAGS_pipeline_devices);
-  if (list.empty()) {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
-    if (count < stages) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--pipeline_stages: ", stages, " stages need ", stages, " GPUs; ", count,
-                       " are visible (--pipeline_devices puts several stages on one GPU)"));
-    }
-    for (int d = 0; d < stages; ++d) devices.push_back(d);
-  } else {
-    for (absl::string_view item : absl::StrSplit(list, ',')) {
-      int d = 0;
-      if (!absl::SimpleAtoi(item, &d) || d < 0 || d > 1024) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--pipeline_devices: '", item, "' is not a device ordinal"));
-      }
-      devices.push_back(d);
-    }
-    if (static_cast<int32_t>(devices.size()) != stages) {
-      return absl::InvalidArgumentError(absl::StrCat("--pipeline_devices: ", devices.size(),
-                                                     " devices for --pipeline_stages ", stages));
-    }
-  }
-  std::string plan;
-  TS_ASSIGN_OR_RETURN(std::vector<CudaStageOptions> out,
-                      PlanCudaStages(config, devices, block, &plan));
-  std::printf("tailserve: CUDA pipeline of %d stages on devices %s (bf16)\n%s", stages,
-              absl::StrJoin(devices, ",").c_str(), plan.c_str());
-  return out;
-}
-#endif
-
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const ModelConfig& config,
-                                                         const std::vector<int32_t>& buckets,
-                                                         int32_t context, int32_t block,
-                                                         bool device_loop) {
-#if defined(TAILSERVE_WITH_CUDA)
-  const int32_t stages = absl::GetFlag(FLAGS_pipeline_stages);
-  if (stages > 1 && device_loop) {
-    return absl::InvalidArgumentError(
-        "--decode_loop: a CUDA pipeline runs host-driven steps (NCCL's work cannot be launched "
-        "from the device loop's graphs, docs/pipeline.md); use --decode_loop host or auto");
-  }
-  TS_ASSIGN_OR_RETURN(std::vector<CudaStageOptions> stage_options,
-                      CudaStages(config, stages, block));
-  // The CUDA backend sizes its KV pool from --gpu_memory_fraction and prints its own budget.
-  CudaBackendOptions options{
-      .model_dir = absl::GetFlag(FLAGS_model_dir),
-      .max_slots = buckets.back(),
-      .kv_block_size = block,
-      .gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction),
-      .buckets = buckets,
-      .max_context = context,
-      .device = absl::GetFlag(FLAGS_device),
-      .prefill_step_tokens = absl::GetFlag(FLAGS_prefill_step_tokens),
-      .device_loop = device_loop,
-      .stages = std::move(stage_options),
-      .link_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_pipeline_timeout_ms))};
-  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateCudaBackend(options);
-  if (!backend.ok()) {
-    return absl::Status(backend.status().code(),
-                        absl::StrCat("--backend cuda: ", backend.status().message()));
-  }
-  return backend;
+  return MakeCudaBackend(
+      config, CudaServeFlags{.model_dir = absl::GetFlag(FLAGS_model_dir),
+                             .buckets = buckets,
+                             .max_context = context,
+                             .kv_block_size = block,
+                             .device_loop = device_loop,
+                             .gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction),
+                             .device = absl::GetFlag(FLAGS_device),
+                             .prefill_step_tokens = absl::GetFlag(FLAGS_prefill_step_tokens),
+                             .pipeline_stages = absl::GetFlag(FLAGS_pipeline_stages),
+                             .pipeline_devices = absl::GetFlag(FLAGS_pipeline_devices),
+                             .pipeline_timeout = std::chrono::milliseconds(
+                                 absl::GetFlag(FLAGS_pipeline_timeout_ms))});
 #else
   (void)config, (void)buckets, (void)context, (void)block, (void)device_loop;
   return absl::UnimplementedError(
@@ -408,7 +353,7 @@ absl::StatusOr<bool> DecodeLoop() {
     return absl::InvalidArgumentError(absl::StrCat("--backend: unknown '", kind, "' (cpu|cuda)"));
   }
   const std::string mode = absl::GetFlag(FLAGS_decode_loop);
-  // A CUDA pipeline is host-driven (MakeCudaBackend).
+  // A CUDA pipeline is host-driven (server/cuda_serve.cc).
   if (mode == "auto") return kind == "cuda" && absl::GetFlag(FLAGS_pipeline_stages) == 1;
   if (mode == "host") return false;
   if (mode != "loop") {
@@ -456,7 +401,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
           "--world_size: the multi-process pipeline runs on --backend cpu; the CUDA transport "
           "over NCCL is not built yet (docs/pipeline.md)");
     }
-    TS_ASSIGN_OR_RETURN(backend, MakeCudaBackend(config, buckets, context, block, loop));
+    TS_ASSIGN_OR_RETURN(backend, CudaBackendFromFlags(config, buckets, context, block, loop));
     // 0: whatever the backend's memory plan settled on.
     *max_context = absl::GetFlag(FLAGS_max_context);
   } else {

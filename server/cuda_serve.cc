@@ -1,0 +1,84 @@
+#include "server/cuda_serve.h"
+
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/status.h"
+#include "engine/cuda/cuda_backend.h"
+
+namespace ts::server {
+namespace {
+
+// The CUDA pipeline's stages (docs/pipeline.md, The CUDA pipeline): the plan by bf16 weight bytes,
+// each stage on its --pipeline_devices entry. Prints the plan.
+absl::StatusOr<std::vector<CudaStageOptions>> CudaStages(const ModelConfig& config,
+                                                         const CudaServeFlags& f) {
+  const int32_t stages = f.pipeline_stages;
+  if (stages == 1) return std::vector<CudaStageOptions>{};
+  std::vector<int> devices;
+  const std::string& list = f.pipeline_devices;
+  if (list.empty()) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    if (count < stages) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--pipeline_stages: ", stages, " stages need ", stages, " GPUs; ", count,
+                       " are visible (--pipeline_devices puts several stages on one GPU)"));
+    }
+    for (int d = 0; d < stages; ++d) devices.push_back(d);
+  } else {
+    for (absl::string_view item : absl::StrSplit(list, ',')) {
+      int d = 0;
+      if (!absl::SimpleAtoi(item, &d) || d < 0 || d > 1024) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--pipeline_devices: '", item, "' is not a device ordinal"));
+      }
+      devices.push_back(d);
+    }
+    if (static_cast<int32_t>(devices.size()) != stages) {
+      return absl::InvalidArgumentError(absl::StrCat("--pipeline_devices: ", devices.size(),
+                                                     " devices for --pipeline_stages ", stages));
+    }
+  }
+  std::string plan;
+  TS_ASSIGN_OR_RETURN(std::vector<CudaStageOptions> out,
+                      PlanCudaStages(config, devices, f.kv_block_size, &plan));
+  std::printf("tailserve: CUDA pipeline of %d stages on devices %s (bf16)\n%s", stages,
+              absl::StrJoin(devices, ",").c_str(), plan.c_str());
+  return out;
+}
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const ModelConfig& config,
+                                                         const CudaServeFlags& f) {
+  if (f.pipeline_stages > 1 && f.device_loop) {
+    return absl::InvalidArgumentError(
+        "--decode_loop: a CUDA pipeline runs host-driven steps (NCCL's work cannot be launched "
+        "from the device loop's graphs, docs/pipeline.md); use --decode_loop host or auto");
+  }
+  TS_ASSIGN_OR_RETURN(std::vector<CudaStageOptions> stage_options, CudaStages(config, f));
+  // The CUDA backend sizes its KV pool from --gpu_memory_fraction and prints its own budget.
+  CudaBackendOptions options{.model_dir = f.model_dir,
+                             .max_slots = f.buckets.back(),
+                             .kv_block_size = f.kv_block_size,
+                             .gpu_memory_fraction = f.gpu_memory_fraction,
+                             .buckets = f.buckets,
+                             .max_context = f.max_context,
+                             .device = f.device,
+                             .prefill_step_tokens = f.prefill_step_tokens,
+                             .device_loop = f.device_loop,
+                             .stages = std::move(stage_options),
+                             .link_timeout = f.pipeline_timeout};
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateCudaBackend(options);
+  if (!backend.ok()) {
+    return absl::Status(backend.status().code(),
+                        absl::StrCat("--backend cuda: ", backend.status().message()));
+  }
+  return backend;
+}
+
+}  // namespace ts::server
