@@ -23,7 +23,9 @@
 //
 // --profile: for --profile_shape / --profile_batch, also runs --profile_reps steps host-launched
 // op by op, each op between two events, and prints where a step's time goes: each op's time, the
-// bytes it must move (OpBytes) and its time against their copy-bandwidth roof.
+// bytes it must move (OpBytes) and its time against their copy-bandwidth roof. Launched one by one,
+// each op also pays its launch latency; what an op costs inside a graph step is measured by
+// leaving it out (--timing_skip), which bench/decode/in_graph_costs.sh does for every op class.
 //
 // Output: a table on stdout; one JSON object per line in --out (when given).
 // Exit codes: 0 done; 1 a CUDA/backend error or a stream that did not finish as asked; 2 flags.
