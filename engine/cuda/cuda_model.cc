@@ -215,8 +215,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   TS_ASSIGN_OR_RETURN(m->prefill_logits_,
                       k::LogitsGemm::Create(m->dev_.prefill_logits_workspace,
                                             m->plan_.shape.logits_workspace_bytes));
-  TS_RETURN_IF_ERROR(m->PlanGemms());
-  TS_RETURN_IF_ERROR(m->WarmUpGemms(nullptr));  // synchronised below
+  TS_RETURN_IF_ERROR(m->PlanAndWarmUpGemms(nullptr));  // synchronised below
   TS_RETURN_IF_ERROR(k::ResetDecodeAttentionWorkspace(m->dev_.attention_workspace,
                                                       m->plan_.attention_workspace_bytes, nullptr));
   TS_ASSIGN_OR_RETURN(std::vector<float> inv_freq, RopeInvFreq(o.config));
@@ -242,24 +241,6 @@ CudaModel::~CudaModel() {
   if (host_block_ != nullptr) cudaFreeHost(host_block_);
 }
 
-absl::Status CudaModel::PlanGemms() {
-  const ModelDims& d = dims();
-  auto plan_layers = [&](k::Gemm& g, int32_t m) -> absl::Status {
-    TS_RETURN_IF_ERROR(g.Plan({m, d.qkv_dim(), d.hidden}));
-    TS_RETURN_IF_ERROR(g.Plan({m, d.hidden, d.q_dim()}));
-    TS_RETURN_IF_ERROR(g.Plan({m, 2 * d.intermediate_padded, d.hidden}));
-    TS_RETURN_IF_ERROR(g.Plan({m, d.hidden, d.intermediate_padded}));
-    return absl::OkStatus();
-  };
-  for (int32_t b : buckets_) {
-    TS_RETURN_IF_ERROR(plan_layers(*decode_gemm_, b));
-    TS_RETURN_IF_ERROR(decode_logits_->Plan(b, d.vocab, d.hidden));
-    TS_RETURN_IF_ERROR(prefill_logits_->Plan(b, d.vocab, d.hidden));
-  }
-  for (int32_t m : prefill_sizes_) TS_RETURN_IF_ERROR(plan_layers(*prefill_gemm_, m));
-  return absl::OkStatus();
-}
-
 // CUDA loads a kernel at its first launch (CUDA_MODULE_LOADING=LAZY, the default), and loading
 // one of cuBLASLt's blocks the launching thread for milliseconds. The decode graphs need no
 // warm-up (instantiating a graph loads its kernels), but prefill chunks and mixed steps launch
@@ -268,26 +249,31 @@ absl::Status CudaModel::PlanGemms() {
 // 32k-token prefill was 28.8 ms lazily, 11.4 ms with CUDA_MODULE_LOADING=EAGER). So every planned
 // GEMM runs once here, before any request, on whatever the buffers hold. EAGER would load every
 // kernel of cuBLAS as well: seconds of startup and device memory for kernels never launched.
-absl::Status CudaModel::WarmUpGemms(cudaStream_t stream) const {
+// Planning and the warm-up walk one list of shapes, so no planned GEMM goes unloaded.
+absl::Status CudaModel::PlanAndWarmUpGemms(cudaStream_t stream) {
   const ModelDims& d = dims();
   const LayerBuffers& l = dev_.layers.front();
-  auto layers = [&](const k::Gemm& g, const ForwardBuffers& f, int32_t m) -> absl::Status {
+  auto run = [&](k::Gemm& g, const k::GemmParams& p) -> absl::Status {
+    TS_RETURN_IF_ERROR(g.Plan({p.m, p.n, p.k}));
+    return g.Launch(p, stream);
+  };
+  auto layers = [&](k::Gemm& g, const ForwardBuffers& f, int32_t m) -> absl::Status {
     const int32_t inter = d.intermediate_padded;
-    TS_RETURN_IF_ERROR(g.Launch(
-        {.a = f.xn, .w = l.qkv, .c = f.qkv, .m = m, .n = d.qkv_dim(), .k = d.hidden}, stream));
-    TS_RETURN_IF_ERROR(g.Launch(
-        {.a = f.attn, .w = l.o, .c = f.xn, .m = m, .n = d.hidden, .k = d.q_dim()}, stream));
     TS_RETURN_IF_ERROR(
-        g.Launch({.a = f.xn, .w = l.gate_up, .c = f.gate_up, .m = m, .n = 2 * inter, .k = d.hidden},
-                 stream));
-    return g.Launch({.a = f.act, .w = l.down, .c = f.xn, .m = m, .n = d.hidden, .k = inter},
-                    stream);
+        run(g, {.a = f.xn, .w = l.qkv, .c = f.qkv, .m = m, .n = d.qkv_dim(), .k = d.hidden}));
+    TS_RETURN_IF_ERROR(
+        run(g, {.a = f.attn, .w = l.o, .c = f.xn, .m = m, .n = d.hidden, .k = d.q_dim()}));
+    TS_RETURN_IF_ERROR(
+        run(g, {.a = f.xn, .w = l.gate_up, .c = f.gate_up, .m = m, .n = 2 * inter, .k = d.hidden}));
+    return run(g, {.a = f.act, .w = l.down, .c = f.xn, .m = m, .n = d.hidden, .k = inter});
   };
   for (int32_t b : buckets_) {
     TS_RETURN_IF_ERROR(layers(*decode_gemm_, dev_.decode, b));
+    // Only the stage with the head runs lm_head.
     if (!stage().has_head) continue;
     for (const auto& [gemm, head] : {std::pair{decode_logits_.get(), &dev_.decode_head},
                                      std::pair{prefill_logits_.get(), &dev_.prefill_head}}) {
+      TS_RETURN_IF_ERROR(gemm->Plan(b, d.vocab, d.hidden));
       TS_RETURN_IF_ERROR(
           gemm->Launch(head->normed, dev_.lm_head, head->logits_f32, b, d.vocab, d.hidden, stream));
     }

@@ -242,11 +242,11 @@ class CudaModel {
 
  private:
   CudaModel() = default;
-  absl::Status PlanGemms();
   // Index of a planned bucket; InvalidArgument ("<what>: bucket ...") for any other.
   absl::StatusOr<int32_t> BucketIndex(const char* what, int32_t bucket) const;
-  // Launches every planned GEMM once, on the arena's buffers (docs/device-loop.md, warm-up).
-  absl::Status WarmUpGemms(cudaStream_t stream) const;
+  // Plans every GEMM shape the model launches and launches each once, on the arena's buffers
+  // (docs/device-loop.md, warm-up).
+  absl::Status PlanAndWarmUpGemms(cudaStream_t stream);
   // Which attention a forward runs, and its inputs. A mixed step runs both: decode attention
   // over rows [0, decode_rows), prefill attention over the rows after them.
   struct Attention {
