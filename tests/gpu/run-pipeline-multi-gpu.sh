@@ -14,12 +14,15 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
+echo "GPUs: $gpus" | tee "$OUT/summary.txt"
+if [ "$gpus" -lt 2 ]; then echo "run-pipeline-multi-gpu: needs two GPUs"; exit 1; fi
+if [ ! -d .bundle ] && [ ! -f .bundle.tar.xz ]; then
+  echo "run-pipeline-multi-gpu: no .bundle (scripts/gpu-bundle.sh makes it)"; exit 1
+fi
 [ -d .bundle ] || tar -xJf .bundle.tar.xz
 export LD_LIBRARY_PATH=$PWD/.bundle/lib:${LD_LIBRARY_PATH:-}
 export TS_LLAMA8B_DIR=${TS_LLAMA8B_DIR:-/tmp/llama8b}
-gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
-echo "GPUs: $gpus" | tee "$OUT/summary.txt"
-if [ "$gpus" -lt 2 ]; then echo "needs two GPUs"; exit 1; fi
 
 # 1. Correctness (run-bundle.sh makes the 8B checkpoint when TS_LLAMA8B_DIR is missing).
 OUT=$OUT/tests TESTS='engine_cuda_pipeline|engine_nccl|server_cuda' bash tests/gpu/run-bundle.sh \
