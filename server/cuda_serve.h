@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,11 +29,23 @@ struct CudaServeFlags {
   int32_t pipeline_stages = 1;
   std::string pipeline_devices;  // comma-separated, one per stage; empty: 0..stages-1
   std::chrono::milliseconds pipeline_timeout{60000};
+  // A pipeline across processes (--world_size > 1): one stage per process on --device, rank 0
+  // the leader (docs/pipeline.md, Across processes).
+  int32_t rank = 0;
+  int32_t world_size = 1;
+  std::string leader_host;
+  int32_t leader_port = 0;
 };
 
 // Errors name the flag ("--pipeline_devices: ...", "--backend cuda: ..."). Prints a pipeline's
-// plan.
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const ModelConfig& config,
-                                                         const CudaServeFlags& flags);
+// plan. Rank 0 of a pipeline across processes sets *pipeline_health to its links' health (the
+// backend owns them).
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(
+    const ModelConfig& config, const CudaServeFlags& flags,
+    std::function<absl::Status()>* pipeline_health);
+
+// Ranks 1..world_size - 1: this rank's stage until the leader shuts the pipeline down (OK) or a
+// link or the stage fails.
+absl::Status RunCudaWorkerFromFlags(const CudaServeFlags& flags);
 
 }  // namespace ts::server

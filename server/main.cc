@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -163,8 +164,9 @@ absl::StatusOr<std::vector<int32_t>> ParseBuckets(const std::string& text, int32
 
 struct Loaded {
   std::unique_ptr<Engine> engine;
-  // Rank 0 of a multi-process pipeline: the ring, owned by the engine's backend; else null.
-  pipeline::RingForward* ring = nullptr;
+  // Rank 0 of a multi-process pipeline: the links to the other ranks (their owner is the
+  // engine's backend); else null.
+  std::function<absl::Status()> pipeline_health;
   std::unique_ptr<Tokenizer> tokenizer;  // null: the model has none
   std::string model_name;
 };
@@ -321,40 +323,50 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(const ModelConfig& confi
   return std::unique_ptr<Backend>(std::move(backend));
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> CudaBackendFromFlags(const ModelConfig& config,
-                                                              const std::vector<int32_t>& buckets,
-                                                              int32_t context, int32_t block,
-                                                              bool device_loop) {
+// The CUDA backend's flags; `topology` places this process in a multi-process pipeline.
+CudaServeFlags CudaFlags(const std::vector<int32_t>& buckets, int32_t context, int32_t block,
+                         bool device_loop, const pipeline::Topology& topology) {
+  return CudaServeFlags{
+      .model_dir = absl::GetFlag(FLAGS_model_dir),
+      .buckets = buckets,
+      .max_context = context,
+      .kv_block_size = block,
+      .device_loop = device_loop,
+      .gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction),
+      .device = absl::GetFlag(FLAGS_device),
+      .prefill_step_tokens = absl::GetFlag(FLAGS_prefill_step_tokens),
+      .pipeline_stages = absl::GetFlag(FLAGS_pipeline_stages),
+      .pipeline_devices = absl::GetFlag(FLAGS_pipeline_devices),
+      .pipeline_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_pipeline_timeout_ms)),
+      .rank = topology.rank,
+      .world_size = topology.world_size,
+      .leader_host = topology.leader_host,
+      .leader_port = topology.leader_port};
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> CudaBackendFromFlags(
+    const ModelConfig& config, const CudaServeFlags& flags,
+    std::function<absl::Status()>* pipeline_health) {
 #if defined(TAILSERVE_WITH_CUDA)
-  return MakeCudaBackend(
-      config, CudaServeFlags{.model_dir = absl::GetFlag(FLAGS_model_dir),
-                             .buckets = buckets,
-                             .max_context = context,
-                             .kv_block_size = block,
-                             .device_loop = device_loop,
-                             .gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction),
-                             .device = absl::GetFlag(FLAGS_device),
-                             .prefill_step_tokens = absl::GetFlag(FLAGS_prefill_step_tokens),
-                             .pipeline_stages = absl::GetFlag(FLAGS_pipeline_stages),
-                             .pipeline_devices = absl::GetFlag(FLAGS_pipeline_devices),
-                             .pipeline_timeout = std::chrono::milliseconds(
-                                 absl::GetFlag(FLAGS_pipeline_timeout_ms))});
+  return MakeCudaBackend(config, flags, pipeline_health);
 #else
-  (void)config, (void)buckets, (void)context, (void)block, (void)device_loop;
+  (void)config, (void)flags, (void)pipeline_health;
   return absl::UnimplementedError(
       "--backend cuda: this tailserve was built without the CUDA backend; use --backend cpu");
 #endif
 }
 
 // Whether the backend's own loop decodes (--decode_loop), after checking --backend.
-absl::StatusOr<bool> DecodeLoop() {
+absl::StatusOr<bool> DecodeLoop(const pipeline::Topology& topology) {
   const std::string kind = absl::GetFlag(FLAGS_backend);
   if (kind != "cpu" && kind != "cuda") {
     return absl::InvalidArgumentError(absl::StrCat("--backend: unknown '", kind, "' (cpu|cuda)"));
   }
   const std::string mode = absl::GetFlag(FLAGS_decode_loop);
   // A CUDA pipeline is host-driven (server/cuda_serve.cc).
-  if (mode == "auto") return kind == "cuda" && absl::GetFlag(FLAGS_pipeline_stages) == 1;
+  if (mode == "auto") {
+    return kind == "cuda" && absl::GetFlag(FLAGS_pipeline_stages) == 1 && topology.world_size <= 1;
+  }
   if (mode == "host") return false;
   if (mode != "loop") {
     return absl::InvalidArgumentError(
@@ -368,7 +380,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
                                                      const std::vector<int32_t>& buckets, bool loop,
                                                      const pipeline::Topology& topology,
                                                      int32_t* max_context,
-                                                     pipeline::RingForward** ring) {
+                                                     std::function<absl::Status()>* health) {
   const std::string kind = absl::GetFlag(FLAGS_backend);
   const int32_t max_batch = absl::GetFlag(FLAGS_max_batch);
   const int32_t block = absl::GetFlag(FLAGS_kv_block_size);
@@ -396,17 +408,16 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ModelConfig& config,
   }
   std::unique_ptr<Backend> backend;
   if (kind == "cuda") {
-    if (topology.world_size > 1) {
-      return absl::UnimplementedError(
-          "--world_size: the multi-process pipeline runs on --backend cpu; the CUDA transport "
-          "over NCCL is not built yet (docs/pipeline.md)");
-    }
-    TS_ASSIGN_OR_RETURN(backend, CudaBackendFromFlags(config, buckets, context, block, loop));
+    TS_ASSIGN_OR_RETURN(
+        backend,
+        CudaBackendFromFlags(config, CudaFlags(buckets, context, block, loop, topology), health));
     // 0: whatever the backend's memory plan settled on.
     *max_context = absl::GetFlag(FLAGS_max_context);
   } else {
-    TS_ASSIGN_OR_RETURN(
-        backend, MakeCpuBackend(config, buckets, &context, block, max_batch, loop, topology, ring));
+    pipeline::RingForward* ring = nullptr;
+    TS_ASSIGN_OR_RETURN(backend, MakeCpuBackend(config, buckets, &context, block, max_batch, loop,
+                                                topology, &ring));
+    if (ring != nullptr) *health = [ring] { return ring->health(); };
     *max_context = context;
   }
   DebugBackendOptions debug{
@@ -469,9 +480,10 @@ absl::StatusOr<Loaded> Load(const pipeline::Topology& topology) {
   TS_ASSIGN_OR_RETURN(std::vector<int32_t> buckets,
                       ParseBuckets(absl::GetFlag(FLAGS_buckets), max_batch));
   int32_t max_context = 0;
-  TS_ASSIGN_OR_RETURN(const bool loop, DecodeLoop());
-  TS_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
-                      MakeBackend(config, buckets, loop, topology, &max_context, &out.ring));
+  TS_ASSIGN_OR_RETURN(const bool loop, DecodeLoop(topology));
+  TS_ASSIGN_OR_RETURN(
+      std::unique_ptr<Backend> backend,
+      MakeBackend(config, buckets, loop, topology, &max_context, &out.pipeline_health));
   const BackendInfo info = backend->info();
   EngineOptions options{.max_batch = max_batch,
                         .buckets = buckets,
@@ -548,7 +560,7 @@ constexpr int kExitDrainTimeout = 3;  // --drain_timeout_s ran out; open streams
 // A second SIGTERM/SIGINT during the drain exits 128 + that signal (143, 130), as a shell reports
 // a process killed by it: the operator asked for an immediate stop, and streams were cut.
 
-int Serve(TailServer& server, Engine& engine, pipeline::RingForward* ring,
+int Serve(TailServer& server, Engine& engine, const std::function<absl::Status()>& pipeline_health,
           const sigset_t& signals) {
   const std::chrono::seconds stats_every(absl::GetFlag(FLAGS_stats_interval_s));
   Watchdog watchdog{std::chrono::seconds(absl::GetFlag(FLAGS_watchdog_s))};
@@ -569,7 +581,7 @@ int Serve(TailServer& server, Engine& engine, pipeline::RingForward* ring,
     // A pipeline peer lost. Running requests fail on their next step through the engine's own
     // failure path above (the broken ring fails every Forward at once); with none, nothing else
     // would notice, so stop here rather than take requests that cannot be served.
-    if (absl::Status h = ring != nullptr ? ring->health() : absl::OkStatus(); !h.ok()) {
+    if (absl::Status h = pipeline_health ? pipeline_health() : absl::OkStatus(); !h.ok()) {
       if (serving) {
         server.SetServing(false);
         std::fprintf(stderr, "tailserve: pipeline failed: %s; NOT_SERVING\n", h.ToString().c_str());
@@ -695,11 +707,6 @@ absl::StatusOr<pipeline::Topology> ResolveTopology() {
   if (t.world_size > 1) {
     std::printf("tailserve: rank %d of %d, leader %s:%d (%s)\n", t.rank, t.world_size,
                 t.leader_host.c_str(), t.leader_port, t.source.c_str());
-    if (absl::GetFlag(FLAGS_backend) != "cpu") {
-      return absl::UnimplementedError(
-          "--world_size: the multi-process pipeline runs on --backend cpu; the CUDA transport "
-          "over NCCL is not built yet (docs/pipeline.md)");
-    }
   }
   return t;
 }
@@ -711,9 +718,26 @@ int RunWorkerRank(const pipeline::Topology& topology) {
     std::fprintf(stderr, "tailserve: --model_dir: required\n");
     return kExitFailed;
   }
-  int threads = absl::GetFlag(FLAGS_threads);
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const absl::Status s = pipeline::RunWorker(RankOptionsFor(topology, threads));
+  absl::Status s;
+  if (absl::GetFlag(FLAGS_backend) == "cuda") {
+    const int32_t max_batch = absl::GetFlag(FLAGS_max_batch);
+    absl::StatusOr<std::vector<int32_t>> buckets =
+        ParseBuckets(absl::GetFlag(FLAGS_buckets), max_batch);
+    absl::StatusOr<bool> loop = DecodeLoop(topology);
+    s = !buckets.ok() ? buckets.status() : !loop.ok() ? loop.status() : absl::OkStatus();
+#if defined(TAILSERVE_WITH_CUDA)
+    if (s.ok()) {
+      s = RunCudaWorkerFromFlags(CudaFlags(*buckets, absl::GetFlag(FLAGS_max_context),
+                                           absl::GetFlag(FLAGS_kv_block_size), *loop, topology));
+    }
+#else
+    if (s.ok()) s = absl::UnimplementedError("--backend cuda: built without the CUDA backend");
+#endif
+  } else {
+    int threads = absl::GetFlag(FLAGS_threads);
+    if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    s = pipeline::RunWorker(RankOptionsFor(topology, threads));
+  }
   std::fflush(stdout);
   if (s.ok()) {
     std::printf("tailserve: rank %d: the leader shut the pipeline down; exiting 0\n",
@@ -772,7 +796,7 @@ int Main(int argc, char** argv) {
   }
   std::printf("tailserve listening on %s\n", (*server)->address().c_str());
   std::fflush(stdout);
-  const int rc = Serve(**server, *engine, loaded->ring, signals);
+  const int rc = Serve(**server, *engine, loaded->pipeline_health, signals);
   // The server goes first: no reactor may outlive the engine it points into.
   server->reset();
   if (rc != kExitDrained && rc != kExitFailed) {

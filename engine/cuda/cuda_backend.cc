@@ -44,10 +44,19 @@ absl::Status ValidateOptions(const CudaBackendOptions& o) {
         absl::StrCat("prefill_chunk_tokens: must exceed the largest bucket ", o.buckets.back(),
                      " with the device loop, got ", o.prefill_chunk_tokens));
   }
-  if (o.device_loop && o.stages.size() > 1) {
+  if (o.device_loop && (o.stages.size() > 1 || o.ranks.world_size > 1)) {
     // NCCL's captured work cannot be device-launched (docs/pipeline.md, NCCL in CUDA graphs).
     return absl::InvalidArgumentError(
         "stages: a pipeline is host-driven; the device loop runs within one GPU");
+  }
+  if (o.ranks.world_size > 1 && !o.stages.empty()) {
+    return absl::InvalidArgumentError(
+        "stages: a pipeline across processes holds one stage per process; leave stages empty");
+  }
+  if (o.ranks.world_size < 1 || o.ranks.rank != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ranks: the backend is rank 0 of world_size >= 1; got rank ", o.ranks.rank,
+                     " of ", o.ranks.world_size, " (ranks 1.. run RunCudaWorker)"));
   }
   return absl::OkStatus();
 }
@@ -65,11 +74,14 @@ CudaBackend::~CudaBackend() {
   StopLoop();
   // Nothing may still run on our streams when the graphs and the arenas go away.
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  ShutdownRanks();
   for (Upstream& u : upstream_) {
     const graphs::DeviceGuard g = graphs::DeviceGuard::SetOrIgnore(u.device);
     if (u.stream != nullptr) cudaStreamSynchronize(u.stream);
   }
+  pipeline_.reset();
   links_.reset();
+  ring_.reset();
   for (Upstream& u : upstream_) {
     const graphs::DeviceGuard g = graphs::DeviceGuard::SetOrIgnore(u.device);
     u.graphs.reset();
@@ -176,50 +188,65 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
     // Every stage holds KV for the same sequences under the engine's block ids.
     info_.num_kv_blocks = std::min(info_.num_kv_blocks, u.model->plan().shape.num_kv_blocks);
   }
-  TS_ASSIGN_OR_RETURN(graphs_, BuildGraphs(*model_, options_.device, stream_));
+  TS_ASSIGN_OR_RETURN(graphs_, BuildGraphs(options_, *model_, options_.device, stream_));
   for (Upstream& u : upstream_) {
     TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(u.device));
-    TS_ASSIGN_OR_RETURN(u.graphs, BuildGraphs(*u.model, u.device, u.stream));
+    TS_ASSIGN_OR_RETURN(u.graphs, BuildGraphs(options_, *u.model, u.device, u.stream));
   }
   if (!upstream_.empty()) {
     std::vector<StageQueue> queues;
-    for (const Upstream& u : upstream_) queues.push_back({.device = u.device, .stream = u.stream});
-    queues.push_back({.device = options_.device, .stream = stream_});
-    TS_ASSIGN_OR_RETURN(links_, StageLinks::Create(queues, options_.link_timeout));
-    if (options_.log_progress) {
-      std::fprintf(stderr,
-                   "cuda backend: pipeline of %d stages, linked by %s; the engine's KV pool is "
-                   "the smallest stage's, %d blocks\n",
-                   num_stages(), links_->name(), info_.num_kv_blocks);
-      for (int s = 0; s < num_stages(); ++s) {
-        const CudaModel& m = s < static_cast<int>(upstream_.size()) ? *upstream_[s].model : *model_;
-        const ModelStage& st = m.stage();
-        std::fprintf(
-            stderr,
-            "cuda backend: stage %d on device %d: layers [%d, %d)%s%s, %.2f GiB of "
-            "weights read per step, %d KV blocks\n",
-            s, s < static_cast<int>(upstream_.size()) ? upstream_[s].device : options_.device,
-            st.first_layer, st.first_layer + st.num_layers, st.has_embedding ? ", embedding" : "",
-            st.has_head ? ", head" : "", static_cast<double>(m.step_weight_bytes()) / (1 << 30),
-            m.plan().shape.num_kv_blocks);
-      }
+    std::vector<PipelineStage> views;
+    for (const Upstream& u : upstream_) {
+      queues.push_back({.device = u.device, .stream = u.stream});
+      views.push_back({u.device, u.stream, u.model.get(), u.graphs.get()});
     }
+    queues.push_back({.device = options_.device, .stream = stream_});
+    views.push_back({options_.device, stream_, model_.get(), graphs_.get()});
+    TS_ASSIGN_OR_RETURN(links_, StageLinks::Create(queues, options_.link_timeout));
+    pipeline_ = std::make_unique<StagePipeline>(std::move(views), links_.get());
+    LogStages();
   }
   if (options_.device_loop) TS_RETURN_IF_ERROR(InitLoop());
   return absl::OkStatus();
 }
 
+void CudaBackend::LogStages() const {
+  if (!options_.log_progress) return;
+  std::fprintf(stderr,
+               "cuda backend: pipeline of %d stages, linked by %s; the engine's KV pool is the "
+               "smallest stage's, %d blocks\n",
+               num_stages(), links_->name(), info_.num_kv_blocks);
+  for (int s = 0; s < num_stages(); ++s) {
+    const PipelineStage& st = pipeline_->stage(s);
+    if (!st.here()) {
+      std::fprintf(stderr, "cuda backend: stage %d in another process (rank %d)\n", s, s + 1);
+      continue;
+    }
+    const ModelStage& ms = st.model->stage();
+    std::fprintf(stderr,
+                 "cuda backend: stage %d on device %d: layers [%d, %d)%s%s, %.2f GiB of weights "
+                 "read per step, %d KV blocks\n",
+                 s, st.device, ms.first_layer, ms.first_layer + ms.num_layers,
+                 ms.has_embedding ? ", embedding" : "", ms.has_head ? ", head" : "",
+                 static_cast<double>(st.model->step_weight_bytes()) / (1 << 30),
+                 st.model->plan().shape.num_kv_blocks);
+  }
+}
+
 absl::StatusOr<std::unique_ptr<graphs::GraphCache>> CudaBackend::BuildGraphs(
-    CudaModel& model, int device, cudaStream_t stream) const {
+    const CudaBackendOptions& options, CudaModel& model, int device, cudaStream_t stream) {
   // One decode graph per bucket. The regime's max_context_len picks each bucket's attention
   // split count; attention_num_splits (the smallest bucket's count) caps it, so the regime
   // value that changes is what the exec update carries.
-  const int32_t bound = RegimeBound(1);
+  // Every stage starts in the regime of the shortest contexts, and a pipeline's stages change it
+  // together (UpdateRegimeAll).
+  const int32_t bound = std::min(128, model.max_context());
   graphs::GraphCacheOptions g;
-  g.buckets = options_.buckets;
+  g.buckets = options.buckets;
   g.device = device;
-  g.initial_regime = RegimeFor(bound);
-  g.log_progress = options_.log_progress;
+  g.initial_regime = {.attention_num_splits = model.NumSplits(options.buckets.front(), bound),
+                      .max_context_len = bound};
+  g.log_progress = options.log_progress;
   CudaModel* m = &model;
   g.capture = [m](const graphs::CaptureContext& ctx, cudaStream_t s) -> absl::Status {
     const int32_t splits =
@@ -232,7 +259,7 @@ absl::StatusOr<std::unique_ptr<graphs::GraphCache>> CudaBackend::BuildGraphs(
   };
   auto cache = std::make_unique<graphs::GraphCache>(std::move(g));
   TS_RETURN_IF_ERROR(cache->Build(stream));
-  if (options_.log_progress) {
+  if (options.log_progress) {
     const graphs::BuildStats& st = cache->build_stats();
     std::fprintf(stderr,
                  "cuda backend: %d decode graphs on device %d, %lld nodes, capture %.1f ms, "
@@ -467,7 +494,7 @@ absl::Status CudaBackend::CheckErrorFlag(const char* where) const {
 
 absl::StatusOr<std::vector<std::pair<std::string, float>>> CudaBackend::ProfileStep() {
   if (options_.device_loop) return absl::FailedPreconditionError("ProfileStep: host-driven only");
-  if (!upstream_.empty()) return absl::FailedPreconditionError("ProfileStep: one stage only");
+  if (pipeline_ != nullptr) return absl::FailedPreconditionError("ProfileStep: one stage only");
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
   TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
   if (index < 0) return absl::FailedPreconditionError("ProfileStep: no active slot");
@@ -500,6 +527,9 @@ absl::StatusOr<std::vector<float>> CudaBackend::PromptLogits(std::span<const int
   if (need > info_.num_kv_blocks) return absl::InvalidArgumentError("PromptLogits: too long");
   std::vector<int32_t> table(need);
   for (int32_t i = 0; i < need; ++i) table[i] = i;
+  if (ring_ != nullptr) {
+    return absl::FailedPreconditionError("PromptLogits: not across processes");
+  }
   if (!upstream_.empty()) {
     // One chunk through the stages before the last, whose PromptLogits runs it on from there.
     if (tokens.size() > static_cast<size_t>(model_->plan().shape.prefill_rows)) {

@@ -44,6 +44,8 @@
 #include "engine/cuda/cuda_model.h"
 #include "engine/cuda/loop_policy.h"
 #include "engine/cuda/stage_link.h"
+#include "engine/cuda/stage_pipeline.h"
+#include "engine/pipeline/stage_transport.h"
 #include "engine/prefill_queue.h"
 #include "engine/slot_table.h"
 #include "graphs/graph_cache.h"
@@ -57,6 +59,18 @@ class DeviceLoop;
 struct CudaStageOptions {
   ModelStage stage;
   int device = 0;
+};
+
+// A CUDA pipeline across processes (docs/pipeline.md, Across processes; cuda_ranks.h): one
+// stage per process. world_size 1 is one process.
+struct CudaRankOptions {
+  int32_t rank = 0;
+  int32_t world_size = 1;
+  // Rank 0 listens there for the others' rendezvous (port 0 picks one, see on_listening).
+  std::string leader_host = "127.0.0.1";
+  int32_t leader_port = 0;
+  std::function<void(int32_t port)> on_listening;
+  std::function<void(const std::string& line)> log;  // the startup lines; null: stderr
 };
 
 struct CudaBackendOptions {
@@ -89,8 +103,12 @@ struct CudaBackendOptions {
   // `device`. Host-driven only (device_loop = false). gpu_memory_fraction applies to each GPU.
   std::vector<CudaStageOptions> stages;
   // Bounds NCCL's setup, each NCCL call between the stages and each host-driven step's wait
-  // (StageLinks).
+  // (StageLinks); across processes also the ranks' rendezvous and each message between them.
   std::chrono::milliseconds link_timeout{60000};
+  // world_size > 1: this process is rank 0 of a pipeline across processes, holding the last
+  // stage of a plan over world_size stages on `device` (stages stays empty); ranks 1.. run
+  // RunCudaWorker (cuda_ranks.h). Host-driven only.
+  CudaRankOptions ranks;
 };
 
 // A pipeline's stages: contiguous layer ranges from layer 0 through the model's last, at least
@@ -134,9 +152,13 @@ class CudaBackend : public Backend {
 
   // For benchmarks and tests. model() is the last stage of a pipeline (its slot table).
   CudaModel& model() { return *model_; }
-  int32_t num_stages() const { return static_cast<int32_t>(upstream_.size()) + 1; }
-  // Bytes of weights one decode step reads, summed over the stages (CudaModel::step_weight_bytes).
+  int32_t num_stages() const { return pipeline_ != nullptr ? pipeline_->num_stages() : 1; }
+  // Bytes of weights one decode step reads, summed over this process's stages
+  // (CudaModel::step_weight_bytes).
   size_t step_weight_bytes() const;
+  // Across processes: OK while every link to the other ranks is up, else why not (thread-safe;
+  // for the server's health loop, since a rank that dies while nothing runs fails no call).
+  absl::Status pipeline_health() const;
   cudaStream_t stream() const { return stream_; }
   const graphs::GraphCache& graph_cache() const { return *graphs_; }
   int32_t num_active() const;
@@ -182,6 +204,7 @@ class CudaBackend : public Backend {
     std::unique_ptr<graphs::GraphCache> graphs;
   };
   using LoadWeights = std::function<absl::Status(CudaModel&, cudaStream_t)>;
+  friend absl::Status RunCudaWorker(const CudaBackendOptions& options);
 
   explicit CudaBackend(const CudaBackendOptions& options);
   // Create and CreateRandom: every stage's model, loaded by `load`, then Init.
@@ -189,8 +212,18 @@ class CudaBackend : public Backend {
                                                            const ModelConfig& config,
                                                            const LoadWeights& load);
   // The decode graphs of one stage's model: the whole step, or the stage's part of it.
-  absl::StatusOr<std::unique_ptr<graphs::GraphCache>> BuildGraphs(CudaModel& model, int device,
-                                                                  cudaStream_t stream) const;
+  static absl::StatusOr<std::unique_ptr<graphs::GraphCache>> BuildGraphs(
+      const CudaBackendOptions& options, CudaModel& model, int device, cudaStream_t stream);
+  static CudaModelOptions StageModelOptions(const CudaBackendOptions& options,
+                                            const ModelConfig& config,
+                                            const CudaStageOptions& stage);
+  void LogStages() const;  // a pipeline's stages, one line each, for the startup log
+  // Across processes: joins the other ranks (cuda_ranks.cc) once this rank's stage is built.
+  absl::Status ConnectRanks(const std::vector<CudaStageOptions>& plan);
+  // Across processes: tells every worker what to run next (the leader's side of RunCudaWorker).
+  absl::Status SendControl(pipeline::StageMessage m);
+  // Across processes: sends the shutdown round the ring and waits for it to come back.
+  void ShutdownRanks();
   // Host-driven: enqueues bucket `index`'s step over the row list in host().row_slots: through
   // every stage of a pipeline (the last stage's prepare, the rows' inputs to the others, each
   // stage's graph with the hidden state moved between them), or the whole model's graph.
@@ -261,7 +294,11 @@ class CudaBackend : public Backend {
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<graphs::GraphCache> graphs_;
   std::vector<Upstream> upstream_;
-  std::unique_ptr<StageLinks> links_;  // between the stages of a pipeline
+  // Across processes: the ring to the other ranks (control, and the host links' bytes).
+  std::unique_ptr<pipeline::StageTransport> ring_;
+  std::unique_ptr<StageLinks> links_;        // between the stages of a pipeline
+  std::unique_ptr<StagePipeline> pipeline_;  // a pipeline's launches and moves; null: one stage
+  uint64_t control_id_ = 0;                  // the last control message's id, across processes
   cudaStream_t stream_ = nullptr;
   cudaStream_t clock_stream_ = nullptr;  // CalibrateClock's
   uint64_t* clock_sample_ = nullptr;     // [1] device

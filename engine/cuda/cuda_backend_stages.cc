@@ -8,15 +8,16 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_ranks.h"
 #include "engine/pipeline/stage_plan.h"
 #include "graphs/device_guard.h"
 #include "kernels/cuda_check.h"
 
 namespace ts {
-namespace {
 
-CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& config,
-                              const CudaStageOptions& stage) {
+CudaModelOptions CudaBackend::StageModelOptions(const CudaBackendOptions& o,
+                                                const ModelConfig& config,
+                                                const CudaStageOptions& stage) {
   CudaModelOptions m;
   m.config = config;
   m.stage = stage.stage;
@@ -34,8 +35,6 @@ CudaModelOptions ModelOptions(const CudaBackendOptions& o, const ModelConfig& co
   m.step_stamps = o.step_stamps;
   return m;
 }
-
-}  // namespace
 
 absl::Status ValidateStages(std::span<const CudaStageOptions> stages, int32_t num_layers) {
   if (stages.empty()) return absl::OkStatus();  // the whole model
@@ -110,9 +109,15 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Make(const CudaBackend
                                                                const ModelConfig& config,
                                                                const LoadWeights& load) {
   TS_RETURN_IF_ERROR(ValidateStages(o.stages, config.num_layers));
-  const std::vector<CudaStageOptions> stages =
+  std::vector<CudaStageOptions> stages =
       o.stages.empty() ? std::vector<CudaStageOptions>{{.stage = {}, .device = o.device}}
                        : o.stages;
+  std::vector<CudaStageOptions> rank_plan;  // across processes: every rank's stage
+  if (o.ranks.world_size > 1) {
+    const std::vector<int> devices(o.ranks.world_size, o.device);
+    TS_ASSIGN_OR_RETURN(rank_plan, PlanCudaStages(config, devices, o.kv_block_size, nullptr));
+    stages = {rank_plan.back()};  // rank 0 holds the last stage: the slot table and sampling
+  }
   std::unique_ptr<CudaBackend> b(new CudaBackend(o));
   // Each stage's model holds only its tensors (CudaModelOptions::stage). A failed Make destroys
   // the backend with each stage's device current (the destructor's guards); the caller's current
@@ -122,47 +127,42 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Make(const CudaBackend
     Upstream& u = b->upstream_.emplace_back();
     u.device = stages[s].device;
     TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&u.stream, cudaStreamNonBlocking));
-    TS_ASSIGN_OR_RETURN(u.model, CudaModel::Create(ModelOptions(o, config, stages[s])));
+    TS_ASSIGN_OR_RETURN(u.model, CudaModel::Create(StageModelOptions(o, config, stages[s])));
     TS_RETURN_IF_ERROR(load(*u.model, u.stream));
   }
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(b->options_.device));
   TS_RETURN_IF_ERROR(b->CreateStream());
   TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
-                      CudaModel::Create(ModelOptions(o, config, stages.back())));
+                      CudaModel::Create(StageModelOptions(o, config, stages.back())));
   TS_RETURN_IF_ERROR(load(*model, b->stream_));
   TS_RETURN_IF_ERROR(b->Init(std::move(model)));
+  if (!rank_plan.empty()) TS_RETURN_IF_ERROR(b->ConnectRanks(rank_plan));
   return b;
 }
 
 absl::Status CudaBackend::EnqueuePrefillStages(std::span<const PrefillSeq> seqs) {
-  const int last = static_cast<int>(upstream_.size());
   for (const std::vector<PrefillPiece>& pieces :
        ChunkPrefill(seqs, model_->plan().shape.prefill_rows)) {
+    if (pipeline_ == nullptr) {
+      TS_RETURN_IF_ERROR(model_->EnqueuePrefillChunk(pieces, FirstTokens{}, stream_));
+      continue;
+    }
     int32_t rows = 0;
     for (const PrefillPiece& p : pieces) rows += p.len;
-    for (int s = 0; s < last; ++s) {
-      Upstream& u = upstream_[s];
-      {
-        TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(u.device));
-        TS_RETURN_IF_ERROR(u.model->EnqueuePrefillChunk(pieces, FirstTokens{}, u.stream));
-      }
-      CudaModel& next = s + 1 < last ? *upstream_[s + 1].model : *model_;
-      const DeviceBytes from = u.model->PrefillHidden(rows);
-      const DeviceBytes to = next.PrefillHidden(rows);
-      TS_RETURN_IF_ERROR(links_->Move(s, s + 1, {&from, 1}, {&to, 1}));
+    if (ring_ != nullptr) {
+      pipeline::StageMessage m;
+      PackPrefillChunk(pieces, &m);
+      TS_RETURN_IF_ERROR(SendControl(std::move(m)));
     }
-    TS_RETURN_IF_ERROR(model_->EnqueuePrefillChunk(pieces, FirstTokens{}, stream_));
+    TS_RETURN_IF_ERROR(pipeline_->PrefillChunk(pieces, rows));
   }
   return absl::OkStatus();
 }
 
 absl::Status CudaBackend::UpdateRegimeAll(const graphs::Regime& regime) {
-  // Every stage's graphs take the same split counts, flipped on its own stream.
-  for (Upstream& u : upstream_) {
-    TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(u.device));
-    TS_RETURN_IF_ERROR(u.graphs->UpdateRegime(regime, u.stream));
-  }
-  return graphs_->UpdateRegime(regime, stream_);
+  if (pipeline_ == nullptr) return graphs_->UpdateRegime(regime, stream_);
+  if (ring_ != nullptr) TS_RETURN_IF_ERROR(SendControl(RegimeMessage(regime)));
+  return pipeline_->UpdateRegime(regime);
 }
 
 absl::Status CudaBackend::LaunchStep(int32_t index) {
@@ -170,27 +170,9 @@ absl::Status CudaBackend::LaunchStep(int32_t index) {
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(model_->dev().decode_head.row_slots,
                                           model_->host().row_slots, bucket * sizeof(int32_t),
                                           cudaMemcpyHostToDevice, stream_));
-  if (upstream_.empty()) return graphs_->Launch(index, stream_);
-  const int last = static_cast<int>(upstream_.size());
-  TS_RETURN_IF_ERROR(model_->EnqueueDecodePrepare(bucket, stream_));
-  const std::vector<DeviceBytes> inputs = model_->DecodeRowInputs(bucket);
-  for (int s = 0; s < last; ++s) {
-    TS_RETURN_IF_ERROR(links_->Move(last, s, inputs, upstream_[s].model->DecodeRowInputs(bucket)));
-  }
-  for (int s = 0; s < last; ++s) {
-    Upstream& u = upstream_[s];
-    if (s > 0) {
-      const DeviceBytes from = upstream_[s - 1].model->DecodeHidden(bucket);
-      const DeviceBytes to = u.model->DecodeHidden(bucket);
-      TS_RETURN_IF_ERROR(links_->Move(s - 1, s, {&from, 1}, {&to, 1}));
-    }
-    TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(u.device));
-    TS_RETURN_IF_ERROR(u.graphs->Launch(index, u.stream));
-  }
-  const DeviceBytes from = upstream_.back().model->DecodeHidden(bucket);
-  const DeviceBytes to = model_->DecodeHidden(bucket);
-  TS_RETURN_IF_ERROR(links_->Move(last - 1, last, {&from, 1}, {&to, 1}));
-  return graphs_->Launch(index, stream_);
+  if (pipeline_ == nullptr) return graphs_->Launch(index, stream_);
+  if (ring_ != nullptr) TS_RETURN_IF_ERROR(SendControl(DecodeMessage(index)));
+  return pipeline_->Decode(index, bucket);
 }
 
 }  // namespace ts

@@ -3,12 +3,18 @@
 // stage, which owns the slot table, to the others. Each stage is a CudaModel working on a stream
 // of its own, usually on a GPU of its own.
 //
-// Two ways, fixed by where the stages are:
+// In one process, two ways, fixed by where the stages are:
 //   - every stage on its own GPU: NCCL send/recv over one communicator per stage, created in one
 //     process as a group (NcclComm::CreateGroup, engine/pipeline/nccl_comm.h);
 //   - two stages or more sharing a GPU (NCCL refuses two ranks on one device): copies on the
 //     receiving stage's stream (cudaMemcpyPeerAsync, which is a plain device copy on one GPU),
 //     with peer access enabled between the GPUs that allow it.
+// Across processes (docs/pipeline.md, Across processes), each process holds one stage and does
+// its half of every move:
+//   - every rank on its own GPU: NCCL send/recv over one communicator of all the ranks;
+//   - ranks sharing a GPU: the bytes through the host, over the ranks' TCP ring (a D2H copy, a
+//     message, an H2D copy; the host waits for each). That is for testing the protocol on one GPU,
+//     not for speed.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,10 +30,26 @@
 
 namespace ts {
 
-// Where one stage works.
+namespace pipeline {
+class NcclComm;
+class StageTransport;
+}  // namespace pipeline
+
+// Where one stage works. Across processes, stream is null for the stages other processes hold.
 struct StageQueue {
   int device = 0;
   cudaStream_t stream = nullptr;
+};
+
+// One process's side of a pipeline across processes.
+struct RankLinkOptions {
+  int32_t rank = 0;
+  std::vector<int32_t> stage_ranks;  // [stages] the rank that holds each stage
+  // The ranks' ring: host links carry the bytes on it; NCCL links watch its health, so that a
+  // peer that died ends a wait at once. Outlives the links.
+  pipeline::StageTransport* transport = nullptr;
+  std::unique_ptr<pipeline::NcclComm> comm;  // over all the ranks; null: host links
+  std::chrono::milliseconds timeout{60000};  // each NCCL call, each message of a host link
 };
 
 class StageLinks {
@@ -35,6 +57,10 @@ class StageLinks {
   // `timeout` bounds NCCL's setup and each of its calls (a communicator that fails is aborted).
   static absl::StatusOr<std::unique_ptr<StageLinks>> Create(const std::vector<StageQueue>& stages,
                                                             std::chrono::milliseconds timeout);
+  // This process's stages have a stream in `stages`; the others are held by other processes,
+  // which run the same moves in the same order.
+  static absl::StatusOr<std::unique_ptr<StageLinks>> CreateAcrossProcesses(
+      const std::vector<StageQueue>& stages, RankLinkOptions options);
   virtual ~StageLinks() = default;
 
   // Moves src[i] (in stage `from`'s device memory) into dst[i] (in stage `to`'s), as many bytes
@@ -43,7 +69,9 @@ class StageLinks {
   //   - work enqueued on `to`'s stream after this call sees the copy;
   //   - work enqueued on `from`'s stream after this call may overwrite src, and work on `to`'s
   //     stream before this call may still read dst: neither races with the copy.
-  // Enqueues only; never waits on the host for the GPU.
+  // Enqueues only; never waits on the host for the GPU (but host links do, see above).
+  // Across processes, src is empty where `from` is another process's stage and dst where `to`
+  // is: each process does its half, and the halves' buffers have the same sizes.
   virtual absl::Status Move(int from, int to, std::span<const DeviceBytes> src,
                             std::span<const DeviceBytes> dst) = 0;
   // Waits on the host for everything enqueued on `stream` (a stage's), however long the copies
@@ -51,7 +79,7 @@ class StageLinks {
   // communicator (which releases kernels stuck in a transfer) and fails this and every later
   // call.
   virtual absl::Status Wait(cudaStream_t stream, std::chrono::milliseconds timeout) = 0;
-  virtual const char* name() const = 0;  // "nccl" or "copy", for the startup log
+  virtual const char* name() const = 0;  // "nccl", "copy" or "host", for the startup log
 };
 
 }  // namespace ts

@@ -21,7 +21,15 @@ namespace ts::pipeline {
 enum class StageOp : uint32_t {
   kForward = 1,   // a micro-batch: run it (unless it carries an error) and pass it on
   kShutdown = 2,  // the leader is stopping cleanly: pass it on, then exit 0
+  // The CUDA pipeline across processes (engine/cuda/cuda_ranks.h): what the leader's backend
+  // decided, for every worker to run its part of, and the bytes of a move between stages that
+  // share a GPU.
+  kCudaPrefill = 3,  // one prefill chunk's pieces
+  kCudaDecode = 4,   // a decode step of one bucket
+  kCudaRegime = 5,   // the attention regime of every stage's graphs
+  kCudaData = 6,     // one move's bytes (host links), in `data`
 };
+inline constexpr uint32_t kLastStageOp = 6;
 
 // One micro-batch on its way round the ring, with the chunks flattened so it can cross a wire:
 // chunk i runs tokens [token_offset(i), +lengths[i]) from start_pos starts[i] over block ids

@@ -377,8 +377,7 @@ void TcpTransport::ReadLoop() {
     absl::Status s = recv(&h, sizeof(h));
     if (s.ok() && (h.magic != kFrameMagic || h.chunks > kMaxChunks || h.tokens > kMaxInts ||
                    h.blocks > kMaxInts || h.message > kMaxMessage || h.data > kMaxData ||
-                   (h.op != static_cast<uint32_t>(StageOp::kForward) &&
-                    h.op != static_cast<uint32_t>(StageOp::kShutdown)))) {
+                   h.op < static_cast<uint32_t>(StageOp::kForward) || h.op > kLastStageOp)) {
       s = absl::DataLossError(absl::StrCat(links_->context, ": ", peer, " sent a malformed frame"));
     }
     StageMessage m;

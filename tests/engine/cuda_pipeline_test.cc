@@ -7,6 +7,11 @@
 //     graphs are the whole model's bit for bit.
 //   - On two GPUs (skipped on one), the same lockstep over NCCL, on a fixture and, given
 //     TS_LLAMA8B_DIR, on the Llama-3.1-8B shape with 32 requests.
+//   - Across processes (cuda_ranks.h), with the ranks as threads of this process on one GPU (so
+//     the links go through the host): rank 0's backend decodes the whole model's tokens in the
+//     same lockstep, over 2 and 3 ranks, and every worker returns OK after rank 0's shutdown. A
+//     worker that disagrees on the options fails startup on every rank. (A worker killed
+//     mid-request is server_cuda_e2e_test's.)
 //   - The links keep their ordering promise both ways (a receiver held busy, a sender that
 //     overwrites its buffer at once), by copies on one GPU and by NCCL on two (skipped on one).
 #include <cuda_runtime.h>
@@ -16,6 +21,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
+#include <future>
 #include <memory>
 #include <random>
 #include <string>
@@ -23,6 +30,7 @@
 #include <vector>
 
 #include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_ranks.h"
 #include "engine/cuda/stage_link.h"
 #include "tests/common/test_paths.h"
 #include "tests/engine/script_driver.h"
@@ -277,6 +285,100 @@ TEST(CudaPipelineTest, TheDeviceLoopAndProfilingRefuseAPipeline) {
   // A pipeline's PromptLogits runs one prefill chunk.
   const std::vector<int32_t> long_prompt(o.prefill_chunk_tokens + 1, 5);
   EXPECT_EQ(piped->PromptLogits(long_prompt).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A pipeline across processes, its ranks as threads here: rank 0's backend (made on this
+// thread) and a thread per worker running RunCudaWorker with `worker_options(rank)`.
+struct Ranks {
+  std::unique_ptr<CudaBackend> leader;
+  absl::Status leader_status;
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> workers;  // [world] each worker's return; [0] unused
+  ~Ranks() {
+    leader.reset();  // the shutdown round the ring
+    for (std::thread& t : threads) t.join();
+  }
+};
+
+void StartRanks(Ranks* r, const std::string& fixture, int32_t world,
+                const std::function<void(int32_t, CudaBackendOptions*)>& tweak = {}) {
+  CudaBackendOptions lead = Options(fixture, {});
+  lead.ranks.world_size = world;
+  lead.link_timeout = std::chrono::seconds(20);
+  lead.ranks.log = [](const std::string&) {};
+  std::promise<int32_t> port;
+  lead.ranks.on_listening = [&port](int32_t p) { port.set_value(p); };
+  std::future<absl::StatusOr<std::unique_ptr<CudaBackend>>> made =
+      std::async(std::launch::async, [lead] { return CudaBackend::Create(lead); });
+  std::future<int32_t> listening = port.get_future();
+  r->workers.assign(world, absl::OkStatus());
+  if (listening.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    r->leader_status = made.get().status();
+    ADD_FAILURE() << "rank 0 never listened: " << r->leader_status;
+    return;
+  }
+  const int32_t p = listening.get();
+  for (int32_t rank = 1; rank < world; ++rank) {
+    CudaBackendOptions w = Options(fixture, {});
+    w.link_timeout = lead.link_timeout;
+    w.ranks = {.rank = rank,
+               .world_size = world,
+               .leader_host = "127.0.0.1",
+               .leader_port = p,
+               .on_listening = {},
+               .log = [](const std::string&) {}};
+    if (tweak) tweak(rank, &w);
+    r->threads.emplace_back([r, rank, w] { r->workers[rank] = RunCudaWorker(w); });
+  }
+  absl::StatusOr<std::unique_ptr<CudaBackend>> b = made.get();
+  r->leader_status = b.status();
+  if (b.ok()) r->leader = *std::move(b);
+}
+
+TEST(CudaRanksTest, RanksAcrossProcessesDecodeTheWholeModelsTokensStepForStep) {
+  for (const Case& c : kCases) {
+    for (int32_t world = 2; world <= std::min(3, c.layers); ++world) {
+      SCOPED_TRACE(::testing::Message() << c.fixture << ", " << world << " ranks");
+      auto whole = Make(Options(c.fixture, {}));
+      ASSERT_NE(whole, nullptr);
+      Ranks r;
+      StartRanks(&r, c.fixture, world);
+      ASSERT_TRUE(r.leader_status.ok()) << r.leader_status;
+      EXPECT_EQ(r.leader->num_stages(), world);
+      EXPECT_TRUE(r.leader->pipeline_health().ok());
+      std::vector<GenerateRequest> reqs = RandomRequests(12, 41 + world, c.vocab);
+      for (GenerateRequest& q : reqs) q.stop.max_new_tokens = 1 + q.stop.max_new_tokens % 150;
+      ExpectLockstep(*whole, *r.leader, reqs, 13 + world);
+      // Teacher-forced logits through the decode graphs of every rank.
+      std::mt19937 rng(5);
+      std::vector<std::vector<int32_t>> prompts(2);
+      for (auto& q : prompts) {
+        for (int t = 0; t < 90; ++t) q.push_back(3 + static_cast<int32_t>(rng() % (c.vocab - 3)));
+      }
+      const auto da = whole->DecodeLogits(prompts, 70);
+      const auto db = r.leader->DecodeLogits(prompts, 70);
+      ASSERT_TRUE(da.ok()) << da.status();
+      ASSERT_TRUE(db.ok()) << db.status();
+      EXPECT_EQ(*da, *db);
+      r.leader.reset();
+      for (std::thread& t : r.threads) t.join();
+      r.threads.clear();
+      for (int32_t k = 1; k < world; ++k)
+        EXPECT_TRUE(r.workers[k].ok()) << k << ": " << r.workers[k];
+    }
+  }
+}
+
+TEST(CudaRanksTest, AWorkerWithOtherOptionsFailsStartupOnEveryRank) {
+  Ranks r;
+  StartRanks(&r, "tiny-gqa-untied", 2, [](int32_t, CudaBackendOptions* o) {
+    o->buckets = {1, 2, 8};
+  });
+  ASSERT_FALSE(r.leader_status.ok());
+  EXPECT_EQ(r.leader_status.code(), absl::StatusCode::kFailedPrecondition) << r.leader_status;
+  for (std::thread& t : r.threads) t.join();
+  r.threads.clear();
+  EXPECT_FALSE(r.workers[1].ok());
 }
 
 // The ordering StageLinks::Move promises, checked where a missing fence would show: the receiver's

@@ -1,12 +1,17 @@
 // GPU end to end: the real `tailserve` binary with --backend=cuda and with --backend=cpu, each a
 // child process on a loopback port, called through a real gRPC client. On every fixture model, the
 // greedy streams of the CUDA server equal the CPU server's and the Hugging Face reference, and so
-// do those of a CUDA pipeline of two stages.
+// do those of a CUDA pipeline of two stages in one process and of two ranks in two processes
+// (docs/pipeline.md, Across processes). A rank killed mid-request fails it, and the other rank
+// exits 1 within the timeout.
 // TS_TAILSERVE_BIN overrides the binary path (the GPU machine runs a carried bundle).
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -138,6 +143,102 @@ TEST_P(CudaServerE2ETest, TwoPipelineStagesServeTransformersGreedyStreams) {
   }
   EXPECT_TRUE(piped->process->Signal(SIGTERM));
   EXPECT_EQ(piped->process->WaitExit(60s), std::optional<int>(0)) << piped->process->Output();
+}
+
+// A port nobody listens on now, for the leader's address; rank 0 binds it a moment later.
+int32_t FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), len), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::vector<std::string> RankFlags(int32_t rank, int32_t port) {
+  return {"--world_size=2", absl::StrCat("--rank=", rank),
+          absl::StrCat("--leader_address=127.0.0.1:", port), "--pipeline_timeout_ms=10000"};
+}
+
+// Rank 1 of two (stage 0) on device 0, beside rank 0 on the same GPU: the links go through the
+// host.
+std::unique_ptr<ChildProcess> StartCudaWorker(const std::string& model, int32_t port) {
+  std::vector<std::string> argv = {Binary(), "--backend=cuda",
+                                   absl::StrCat("--model_dir=", (FixtureDir() / model).string()),
+                                   "--max_batch=4", "--gpu_memory_fraction=0.2"};
+  for (std::string& f : RankFlags(1, port)) argv.push_back(std::move(f));
+  auto child = ChildProcess::Start(argv);
+  EXPECT_TRUE(child.ok()) << child.status();
+  return child.ok() ? *std::move(child) : nullptr;
+}
+
+TEST_P(CudaServerE2ETest, TwoRanksAcrossProcessesServeTransformersGreedyStreams) {
+  const std::string model = GetParam();
+  const auto [prompts, greedy] = LoadReference(model);
+  ASSERT_FALSE(prompts.empty()) << model;
+  const int32_t port = FreePort();
+  auto worker = StartCudaWorker(model, port);
+  ASSERT_NE(worker, nullptr);
+  auto leader = Launch("cuda", model, RankFlags(0, port));
+  ASSERT_NE(leader, nullptr) << worker->Output();
+  EXPECT_TRUE(leader->process->WaitForLine("linked by host", 1s).ok()) << leader->process->Output();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << model << " prompt " << i);
+    EXPECT_EQ(Greedy(*leader->stub, prompts[i], static_cast<int32_t>(greedy[i].size())), greedy[i]);
+  }
+  EXPECT_TRUE(leader->process->Signal(SIGTERM));
+  EXPECT_EQ(leader->process->WaitExit(60s), std::optional<int>(0)) << leader->process->Output();
+  EXPECT_EQ(worker->WaitExit(30s), std::optional<int>(0)) << worker->Output();
+  EXPECT_TRUE(worker->WaitForLine("the leader shut the pipeline down", 1s).ok())
+      << worker->Output();
+}
+
+// The multi-GPU issue's failure run, on one GPU: a worker killed while a stream decodes fails the
+// stream, and rank 0 exits 1 well within its timeout; rank 0 killed makes the worker exit 1.
+TEST(CudaRanksE2ETest, AKilledRankEndsTheOtherWithExitOne) {
+  const std::string model = "tiny-gqa-untied";
+  const auto [prompts, greedy] = LoadReference(model);
+  ASSERT_FALSE(prompts.empty());
+  {
+    const int32_t port = FreePort();
+    auto worker = StartCudaWorker(model, port);
+    ASSERT_NE(worker, nullptr);
+    std::vector<std::string> flags = RankFlags(0, port);
+    flags.push_back("--debug_step_delay_ms=20");  // a stream long enough to kill a rank under
+    auto leader = Launch("cuda", model, flags);
+    ASSERT_NE(leader, nullptr) << worker->Output();
+    pb::GenerateRequest req;
+    for (int32_t t : prompts[0]) req.mutable_prompt_token_ids()->add_ids(t);
+    req.mutable_sampling()->set_temperature(0.0f);
+    req.mutable_stop()->set_max_new_tokens(200);
+    req.mutable_stop()->set_ignore_eos(true);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 60s);
+    auto reader = leader->stub->Generate(&ctx, req);
+    pb::GenerateResponse msg;
+    ASSERT_TRUE(reader->Read(&msg));
+    const auto killed = std::chrono::steady_clock::now();
+    ASSERT_TRUE(worker->Signal(SIGKILL));
+    size_t tokens = msg.token_ids_size();
+    while (reader->Read(&msg)) tokens += msg.token_ids_size();
+    const grpc::Status s = reader->Finish();
+    EXPECT_FALSE(s.ok()) << "the stream ended OK after " << tokens << " tokens";
+    EXPECT_LT(tokens, 200u);
+    EXPECT_EQ(leader->process->WaitExit(30s), std::optional<int>(1)) << leader->process->Output();
+    EXPECT_LT(std::chrono::steady_clock::now() - killed, 10s);  // within --pipeline_timeout_ms
+  }
+  {
+    const int32_t port = FreePort();
+    auto worker = StartCudaWorker(model, port);
+    ASSERT_NE(worker, nullptr);
+    auto leader = Launch("cuda", model, RankFlags(0, port));
+    ASSERT_NE(leader, nullptr) << worker->Output();
+    ASSERT_TRUE(leader->process->Signal(SIGKILL));
+    EXPECT_EQ(worker->WaitExit(20s), std::optional<int>(1)) << worker->Output();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaServerE2ETest,

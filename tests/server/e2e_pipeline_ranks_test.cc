@@ -211,8 +211,13 @@ TEST(PipelineRanksTest, FlagsThatCannotWorkAreRefused) {
   };
   refused({"--world_size=2", "--rank=2", "--leader_address=127.0.0.1:1"}, "outside [0, 2)");
   refused({"--world_size=2"}, "needs the leader's address");
-  refused({"--backend=cuda", "--world_size=2", "--leader_address=127.0.0.1:1"},
-          "runs on --backend cpu");
+  // A CUDA pipeline is host-driven, on every rank.
+  refused(
+      {"--backend=cuda", "--world_size=2", "--leader_address=127.0.0.1:1", "--decode_loop=loop"},
+      "runs host-driven steps");
+  refused({"--backend=cuda", "--world_size=2", "--rank=1", "--leader_address=127.0.0.1:1",
+           "--decode_loop=loop"},
+          "runs host-driven steps");
   refused({"--world_size=2", "--pipeline_stages=3", "--leader_address=127.0.0.1:1",
            "--pipeline_timeout_ms=100"},
           "one stage per process");
