@@ -59,12 +59,12 @@ ABSL_FLAG(std::string, pipeline_devices, "",
           "0..N-1. Stages that share a GPU pass their buffers by device copies instead of NCCL.");
 // The multi-process pipeline (docs/pipeline.md, Processes): unset, each comes from TS_* or LWS_*.
 ABSL_FLAG(int32_t, rank, -1,
-          "This process's rank in a multi-process pipeline: 0 is the leader (scheduler, gRPC, "
-          "stage 0), the others each run one stage and serve no port. Default: TS_RANK, "
-          "LWS_WORKER_INDEX, else 0.");
+          "This process's rank in a multi-process pipeline: 0 is the leader (scheduler, gRPC; "
+          "stage 0 on cpu, the last stage on cuda), the others each run one stage and serve no "
+          "port. Default: TS_RANK, LWS_WORKER_INDEX, else 0.");
 ABSL_FLAG(int32_t, world_size, 0,
-          "Processes in the pipeline, one stage each (--backend cpu). Default: TS_WORLD_SIZE, "
-          "LWS_GROUP_SIZE, else 1 (a single process).");
+          "Processes in the pipeline, one stage each (cuda: on each rank's --device, NCCL "
+          "between them). Default: TS_WORLD_SIZE, LWS_GROUP_SIZE, else 1 (a single process).");
 ABSL_FLAG(std::string, leader_address, "",
           "host[:port] where rank 0 meets the others (port 29500 by default); rank 0 listens "
           "there. Default: TS_LEADER_ADDRESS, LWS_LEADER_ADDRESS.");
