@@ -300,11 +300,13 @@ struct Ranks {
   }
 };
 
-void StartRanks(Ranks* r, const std::string& fixture, int32_t world,
+// `tweak(rank, options)` adjusts each rank's options, rank 0's included.
+void StartRanks(Ranks* r, const std::filesystem::path& fixture, int32_t world,
                 const std::function<void(int32_t, CudaBackendOptions*)>& tweak = {}) {
   CudaBackendOptions lead = Options(fixture, {});
-  lead.ranks.world_size = world;
   lead.link_timeout = std::chrono::seconds(20);
+  if (tweak) tweak(0, &lead);
+  lead.ranks.world_size = world;
   lead.ranks.log = [](const std::string&) {};
   std::promise<int32_t> port;
   lead.ranks.on_listening = [&port](int32_t p) { port.set_value(p); };
@@ -379,6 +381,40 @@ TEST(CudaRanksTest, AWorkerWithOtherOptionsFailsStartupOnEveryRank) {
   for (std::thread& t : r.threads) t.join();
   r.threads.clear();
   EXPECT_FALSE(r.workers[1].ok());
+}
+
+// The same over NCCL, each rank on its own GPU (the multi-GPU issue runs it; one GPU skips): a
+// fixture, and given TS_LLAMA8B_DIR the Llama-3.1-8B shape with 32 requests.
+TEST(CudaRanksTest, RanksOnTwoGpusOverNcclDecodeOneGpusTokens) {
+  int count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  if (count < 2) GTEST_SKIP() << "needs two GPUs (the multi-GPU run, issue #16)";
+  std::vector<std::filesystem::path> models = {"tiny-gqa-untied"};
+  if (const char* dir = std::getenv("TS_LLAMA8B_DIR"); dir != nullptr && *dir != '\0') {
+    models.push_back(std::filesystem::absolute(dir));
+  }
+  for (const std::filesystem::path& model : models) {
+    SCOPED_TRACE(model.string());
+    const bool big = model.is_absolute();
+    CudaBackendOptions one = Options(model, {});
+    if (big) one.gpu_memory_fraction = 0.3;
+    auto whole = Make(one);
+    ASSERT_NE(whole, nullptr);
+    Ranks r;
+    StartRanks(&r, model, 2, [big](int32_t rank, CudaBackendOptions* o) {
+      o->device = rank;  // rank 0 (the head) on GPU 0, rank 1 on GPU 1
+      if (big) o->gpu_memory_fraction = 0.3;
+    });
+    ASSERT_TRUE(r.leader_status.ok()) << r.leader_status;
+    std::vector<GenerateRequest> reqs =
+        RandomRequests(big ? 32 : 12, 43, whole->info().model.vocab_size);
+    for (GenerateRequest& q : reqs) q.stop.max_new_tokens = 1 + q.stop.max_new_tokens % 150;
+    ExpectLockstep(*whole, *r.leader, reqs, 17);
+    r.leader.reset();
+    for (std::thread& t : r.threads) t.join();
+    r.threads.clear();
+    EXPECT_TRUE(r.workers[1].ok()) << r.workers[1];
+  }
 }
 
 // The ordering StageLinks::Move promises, checked where a missing fence would show: the receiver's

@@ -5,6 +5,7 @@
 // (docs/pipeline.md, Across processes). A rank killed mid-request fails it, and the other rank
 // exits 1 within the timeout.
 // TS_TAILSERVE_BIN overrides the binary path (the GPU machine runs a carried bundle).
+#include <cuda_runtime.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -163,12 +164,16 @@ std::vector<std::string> RankFlags(int32_t rank, int32_t port) {
           absl::StrCat("--leader_address=127.0.0.1:", port), "--pipeline_timeout_ms=10000"};
 }
 
-// Rank 1 of two (stage 0) on device 0, beside rank 0 on the same GPU: the links go through the
-// host.
-std::unique_ptr<ChildProcess> StartCudaWorker(const std::string& model, int32_t port) {
-  std::vector<std::string> argv = {Binary(), "--backend=cuda",
+// Rank 1 of two (stage 0) on `device`. Beside rank 0 on device 0 the links go through the host;
+// on device 1, NCCL.
+std::unique_ptr<ChildProcess> StartCudaWorker(const std::string& model, int32_t port,
+                                              int device = 0) {
+  std::vector<std::string> argv = {Binary(),
+                                   "--backend=cuda",
                                    absl::StrCat("--model_dir=", (FixtureDir() / model).string()),
-                                   "--max_batch=4", "--gpu_memory_fraction=0.2"};
+                                   "--max_batch=4",
+                                   "--gpu_memory_fraction=0.2",
+                                   absl::StrCat("--device=", device)};
   for (std::string& f : RankFlags(1, port)) argv.push_back(std::move(f));
   auto child = ChildProcess::Start(argv);
   EXPECT_TRUE(child.ok()) << child.status();
@@ -196,15 +201,17 @@ TEST_P(CudaServerE2ETest, TwoRanksAcrossProcessesServeTransformersGreedyStreams)
       << worker->Output();
 }
 
-// The multi-GPU issue's failure run, on one GPU: a worker killed while a stream decodes fails the
-// stream, and rank 0 exits 1 well within its timeout; rank 0 killed makes the worker exit 1.
-TEST(CudaRanksE2ETest, AKilledRankEndsTheOtherWithExitOne) {
+// The multi-GPU issue's failure run: a worker killed while a stream decodes fails the stream, and
+// rank 0 exits 1 well within its timeout; rank 0 killed makes the worker exit 1. With the worker
+// on GPU 0 beside rank 0 (host links), and where there are two GPUs on GPU 1 (NCCL).
+void ExpectAKilledRankEndsTheOther(int worker_device) {
+  SCOPED_TRACE(::testing::Message() << "worker on device " << worker_device);
   const std::string model = "tiny-gqa-untied";
   const auto [prompts, greedy] = LoadReference(model);
   ASSERT_FALSE(prompts.empty());
   {
     const int32_t port = FreePort();
-    auto worker = StartCudaWorker(model, port);
+    auto worker = StartCudaWorker(model, port, worker_device);
     ASSERT_NE(worker, nullptr);
     std::vector<std::string> flags = RankFlags(0, port);
     flags.push_back("--debug_step_delay_ms=20");  // a stream long enough to kill a rank under
@@ -232,13 +239,44 @@ TEST(CudaRanksE2ETest, AKilledRankEndsTheOtherWithExitOne) {
   }
   {
     const int32_t port = FreePort();
-    auto worker = StartCudaWorker(model, port);
+    auto worker = StartCudaWorker(model, port, worker_device);
     ASSERT_NE(worker, nullptr);
     auto leader = Launch("cuda", model, RankFlags(0, port));
     ASSERT_NE(leader, nullptr) << worker->Output();
     ASSERT_TRUE(leader->process->Signal(SIGKILL));
     EXPECT_EQ(worker->WaitExit(20s), std::optional<int>(1)) << worker->Output();
   }
+}
+
+int DeviceCount() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+}
+
+TEST(CudaRanksE2ETest, AKilledRankEndsTheOtherWithExitOne) {
+  ExpectAKilledRankEndsTheOther(0);
+  if (DeviceCount() >= 2) ExpectAKilledRankEndsTheOther(1);
+}
+
+// Two ranks on two GPUs, over NCCL (the multi-GPU issue runs it; one GPU skips).
+TEST(CudaRanksE2ETest, TwoRanksOnTwoGpusServeTransformersGreedyStreams) {
+  if (DeviceCount() < 2) GTEST_SKIP() << "needs two GPUs (the multi-GPU run, issue #16)";
+  const std::string model = "tiny-gqa-untied";
+  const auto [prompts, greedy] = LoadReference(model);
+  ASSERT_FALSE(prompts.empty());
+  const int32_t port = FreePort();
+  auto worker = StartCudaWorker(model, port, 1);
+  ASSERT_NE(worker, nullptr);
+  auto leader = Launch("cuda", model, RankFlags(0, port));
+  ASSERT_NE(leader, nullptr) << worker->Output();
+  EXPECT_TRUE(leader->process->WaitForLine("linked by nccl", 1s).ok()) << leader->process->Output();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "prompt " << i);
+    EXPECT_EQ(Greedy(*leader->stub, prompts[i], static_cast<int32_t>(greedy[i].size())), greedy[i]);
+  }
+  EXPECT_TRUE(leader->process->Signal(SIGTERM));
+  EXPECT_EQ(leader->process->WaitExit(60s), std::optional<int>(0)) << leader->process->Output();
+  EXPECT_EQ(worker->WaitExit(30s), std::optional<int>(0)) << worker->Output();
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaServerE2ETest,
