@@ -5,6 +5,7 @@
 #include "common/status.h"
 #include "kernels/bf16_vec.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/pdl.cuh"
 
 namespace ts::kernels {
 namespace {
@@ -30,6 +31,16 @@ __global__ void RmsNormKernel(RmsNormParams p) {
   __shared__ float scratch[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * p.hidden;
   const int vecs = p.hidden / 8;
+  // The weight is independent of the kernel before us, so its loads overlap that kernel's drain
+  // under PDL (kernels/pdl.cuh); everything else waits.
+  Bf16x8 w[kVecsPerThread];
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < vecs) w[i] = LoadBf16x8(p.weight + v * 8);
+  }
+  GridDepWait();
+  GridDepLaunchDependents();
   Bf16x8 r[kVecsPerThread];
   float sum_sq = 0.0f;
 #pragma unroll
@@ -55,12 +66,11 @@ __global__ void RmsNormKernel(RmsNormParams p) {
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     if (v >= vecs) continue;
-    const Bf16x8 w = LoadBf16x8(p.weight + v * 8);
     Bf16x8 o;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       o.h[j] = __float2bfloat16_rn(
-          RmsNormScale(__bfloat162float(r[i].h[j]), inv_rms, __bfloat162float(w.h[j])));
+          RmsNormScale(__bfloat162float(r[i].h[j]), inv_rms, __bfloat162float(w[i].h[j])));
     }
     StoreBf16x8(p.out + base + v * 8, o);
   }
@@ -89,8 +99,8 @@ absl::Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
   const int vecs = p.hidden / 8;
   const int threads_needed = (vecs + kVecsPerThread - 1) / kVecsPerThread;
   const int threads = (threads_needed + 31) / 32 * 32;
-  RmsNormKernel<<<p.rows, threads, 0, stream>>>(p);
-  TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  TS_CUDA_RETURN_IF_ERROR(
+      LaunchWithPdl(RmsNormKernel, dim3(p.rows), dim3(threads), 0, stream, p.pdl, p));
   return absl::OkStatus();
 }
 

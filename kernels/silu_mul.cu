@@ -5,6 +5,7 @@
 #include "common/status.h"
 #include "kernels/bf16_vec.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/pdl.cuh"
 
 namespace ts::kernels {
 namespace {
@@ -14,6 +15,8 @@ constexpr int kThreads = 256;
 // grid: (rows, ceil(intermediate / 8 / kThreads)); one 16-byte output vector per thread.
 __global__ void __launch_bounds__(kThreads) SiluMulKernel(SiluMulParams p) {
   const int32_t vec = blockIdx.y * kThreads + threadIdx.x;
+  GridDepWait();
+  GridDepLaunchDependents();
   if (vec >= p.intermediate / 8) return;
   const __nv_bfloat16* gate = p.in + static_cast<int64_t>(blockIdx.x) * 2 * p.intermediate;
   const Bf16x8 g = LoadBf16x8(gate + vec * 8);
@@ -35,8 +38,7 @@ absl::Status LaunchSiluMul(const SiluMulParams& p, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(RequirePointer("silu_mul.in", p.in));
   TS_RETURN_IF_ERROR(RequirePointer("silu_mul.out", p.out));
   const dim3 grid(p.rows, (p.intermediate / 8 + kThreads - 1) / kThreads);
-  SiluMulKernel<<<grid, kThreads, 0, stream>>>(p);
-  TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  TS_CUDA_RETURN_IF_ERROR(LaunchWithPdl(SiluMulKernel, grid, dim3(kThreads), 0, stream, p.pdl, p));
   return absl::OkStatus();
 }
 

@@ -17,6 +17,9 @@ struct SiluMulParams {
   __nv_bfloat16* out = nullptr;       // [rows, intermediate]; must not overlap `in`
   int32_t rows = 0;                   // >= 0; 0 launches nothing
   int32_t intermediate = 0;           // multiple of 8 (16-byte vectors)
+  // Programmatic dependent launch (kernels/pdl.cuh): may start while the kernel before it (the
+  // gate_up GEMM) drains, and waits for it before reading `in` or writing `out`.
+  bool pdl = false;
 };
 
 // Validates params (InvalidArgument naming the field) and enqueues the kernel on `stream`.

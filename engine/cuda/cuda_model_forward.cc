@@ -253,7 +253,8 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                                .out = f.xn,
                                .rows = rows,
                                .hidden = d.hidden,
-                               .eps = eps},
+                               .eps = eps,
+                               .pdl = true},
                               stream);
     });
   };
@@ -284,9 +285,12 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                           stream);
     }));
     TS_RETURN_IF_ERROR(RunOp(observer, "silu_mul", stream, [&] {
-      return k::LaunchSiluMul(
-          {.in = f.gate_up, .out = f.act, .rows = rows, .intermediate = d.intermediate_padded},
-          stream);
+      return k::LaunchSiluMul({.in = f.gate_up,
+                               .out = f.act,
+                               .rows = rows,
+                               .intermediate = d.intermediate_padded,
+                               .pdl = true},
+                              stream);
     }));
     TS_RETURN_IF_ERROR(RunOp(observer, "down_gemm", stream, [&] {
       return LaunchLinear(gemm,
@@ -318,7 +322,8 @@ absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, 
                              .out = head.normed,
                              .rows = padded_rows,
                              .hidden = d.hidden,
-                             .eps = config_.rms_norm_eps},
+                             .eps = config_.rms_norm_eps,
+                             .pdl = true},
                             stream);
   }));
   return RunOp(observer, "lm_head_gemm", stream, [&] {

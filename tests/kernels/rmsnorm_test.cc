@@ -141,6 +141,67 @@ TEST(RmsNormTest, CapturesInGraph) {
             kMaxRelErr);
 }
 
+// With pdl the kernel may start while the one before it runs, and must read x and residual only
+// after griddepcontrol.wait. Here the one before is a large rmsnorm that writes this one's x; x is
+// poisoned (NaN) on the graph's stream before every replay, so a read before the wait shows as a
+// wrong output. The outputs must equal the same graph's without pdl, bit for bit.
+TEST(RmsNormTest, PdlReadsItsInputsOnlyAfterTheWait) {
+  constexpr int kRows = 8192, kHidden = 4096;  // several waves of CTAs
+  const size_t n = size_t(kRows) * kHidden;
+  GuardedBuffer<__nv_bfloat16> x0(n), res0(n), w0(kHidden), mid(n), res1(n), w1(kHidden), out(n);
+  x0.Upload(testing::ToBf16(testing::RandomFloats(n, -2, 2, 21)));
+  const std::vector<__nv_bfloat16> residual0 = testing::ToBf16(testing::RandomFloats(n, -2, 2, 22));
+  const std::vector<__nv_bfloat16> residual1 = testing::ToBf16(testing::RandomFloats(n, -2, 2, 23));
+  w0.Upload(testing::ToBf16(testing::RandomFloats(kHidden, 0.5f, 1.5f, 24)));
+  w1.Upload(testing::ToBf16(testing::RandomFloats(kHidden, 0.5f, 1.5f, 25)));
+  cudaStream_t stream;
+  TS_ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<__nv_bfloat16> want;
+  for (bool pdl : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "pdl " << pdl);
+    const RmsNormParams first{.x = x0.get(),
+                              .residual = res0.get(),
+                              .weight = w0.get(),
+                              .out = mid.get(),
+                              .rows = kRows,
+                              .hidden = kHidden,
+                              .eps = 1e-5f};
+    RmsNormParams second{.x = mid.get(),
+                         .residual = res1.get(),
+                         .weight = w1.get(),
+                         .out = out.get(),
+                         .rows = kRows,
+                         .hidden = kHidden,
+                         .eps = 1e-5f};
+    second.pdl = pdl;
+    cudaGraph_t graph = nullptr;
+    TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    absl::Status st = LaunchRmsNorm(first, stream);
+    if (st.ok()) st = LaunchRmsNorm(second, stream);
+    TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    TS_ASSERT_OK(st);
+    cudaGraphExec_t exec = nullptr;
+    TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 10; ++replay) {
+      // Both residuals are updated in place, so each replay starts from the same ones.
+      TS_ASSERT_CUDA_OK(cudaMemcpyAsync(res0.get(), residual0.data(), n * sizeof(__nv_bfloat16),
+                                        cudaMemcpyHostToDevice, stream));
+      TS_ASSERT_CUDA_OK(cudaMemcpyAsync(res1.get(), residual1.data(), n * sizeof(__nv_bfloat16),
+                                        cudaMemcpyHostToDevice, stream));
+      TS_ASSERT_CUDA_OK(cudaMemsetAsync(mid.get(), 0xFF, n * sizeof(__nv_bfloat16), stream));
+      TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
+      TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
+      const std::vector<__nv_bfloat16> got = out.Download();
+      if (want.empty()) want = got;
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(__nv_bfloat16)), 0)
+          << "replay " << replay;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+}
+
 TEST(RmsNormTest, RejectsBadParams) {
   Buffers b(2, 64);
   const RmsNormParams good{b.x.get(), b.residual.get(), b.weight.get(), b.out.get(), 2, 64, 1e-6f};

@@ -7,8 +7,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
+#include "kernels/rmsnorm.cuh"
 #include "kernels/silu_mul.cuh"
 #include "tests/kernels/kernel_test_util.h"
 
@@ -77,6 +79,53 @@ TEST(SiluMulTest, CapturesInGraph) {
   EXPECT_LE(testing::MaxScaledError(testing::FromBf16(d_out.Download()),
                                     Reference(in, kRows, kInter), 1e-6),
             1.0 / 120);
+}
+
+// With pdl the kernel may start while the one before it runs, and must read its input only after
+// griddepcontrol.wait. The one before here is an rmsnorm writing that input, poisoned (NaN) on the
+// graph's stream before every replay: the outputs must equal the same graph's without pdl, bit for
+// bit.
+TEST(SiluMulTest, PdlReadsItsInputOnlyAfterTheWait) {
+  constexpr int kRows = 1024, kInter = 8192;
+  const size_t n = size_t(kRows) * 2 * kInter;
+  GuardedBuffer<__nv_bfloat16> residual(n), weight(2 * kInter), in(n), out(size_t(kRows) * kInter);
+  residual.Upload(testing::ToBf16(testing::RandomFloats(n, -2, 2, 31)));
+  weight.Upload(testing::ToBf16(testing::RandomFloats(2 * kInter, 0.5f, 1.5f, 32)));
+  cudaStream_t stream;
+  TS_ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<__nv_bfloat16> want;
+  for (bool pdl : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "pdl " << pdl);
+    const RmsNormParams norm{.x = nullptr,
+                             .residual = residual.get(),
+                             .weight = weight.get(),
+                             .out = in.get(),
+                             .rows = kRows,
+                             .hidden = 2 * kInter,
+                             .eps = 1e-5f};
+    SiluMulParams p{.in = in.get(), .out = out.get(), .rows = kRows, .intermediate = kInter};
+    p.pdl = pdl;
+    cudaGraph_t graph = nullptr;
+    TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    absl::Status st = LaunchRmsNorm(norm, stream);
+    if (st.ok()) st = LaunchSiluMul(p, stream);
+    TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    TS_ASSERT_OK(st);
+    cudaGraphExec_t exec = nullptr;
+    TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 10; ++replay) {
+      TS_ASSERT_CUDA_OK(cudaMemsetAsync(in.get(), 0xFF, n * sizeof(__nv_bfloat16), stream));
+      TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
+      TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
+      const std::vector<__nv_bfloat16> got = out.Download();
+      if (want.empty()) want = got;
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(__nv_bfloat16)), 0)
+          << "replay " << replay;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
 }
 
 TEST(SiluMulTest, RejectsBadParams) {
