@@ -26,8 +26,8 @@ struct RmsNormParams {
   int32_t hidden = 0;                     // multiple of 8, <= kRmsNormMaxHidden
   float eps = 1e-6f;                      // > 0
   // Programmatic dependent launch (kernels/pdl.cuh): the kernel may start while the one before it
-  // drains. It loads its weight row first (nothing in a step writes weights) and waits before it
-  // touches x, residual or out.
+  // drains. It prefetches its weight row first (nothing in a step writes weights) and waits
+  // before it touches x, residual or out.
   bool pdl = false;
 };
 
