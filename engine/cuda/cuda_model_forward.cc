@@ -245,7 +245,12 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   // cuBLASLt path (prefill, larger batches). o_proj and down_proj write their bf16 output to xn
   // and the next rmsnorm adds it into the residual (x), as transformers rounds: bf16(h +
   // bf16(o)). down_proj's output is added by the next layer's attn_norm.
+  // PDL (kernels/pdl.cuh) only behind a kernel of this sequence: a later pipeline stage's first
+  // norm follows the copy of its input, which PDL would not wait for.
+  bool behind_kernel = stage().has_embedding;
   auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
+    const bool pdl = behind_kernel;
+    behind_kernel = true;
     return RunOp(observer, name, stream, [&] {
       return k::LaunchRmsNorm({.x = pending,
                                .residual = f.h,
@@ -254,7 +259,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                                .rows = rows,
                                .hidden = d.hidden,
                                .eps = eps,
-                               .pdl = true},
+                               .pdl = pdl},
                               stream);
     });
   };
@@ -322,8 +327,7 @@ absl::Status CudaModel::EnqueueLogits(bf16* hidden_in, const HeadBuffers& head, 
                              .out = head.normed,
                              .rows = padded_rows,
                              .hidden = d.hidden,
-                             .eps = config_.rms_norm_eps,
-                             .pdl = true},
+                             .eps = config_.rms_norm_eps},
                             stream);
   }));
   return RunOp(observer, "lm_head_gemm", stream, [&] {
