@@ -373,8 +373,8 @@ TEST(CudaRanksTest, RanksAcrossProcessesDecodeTheWholeModelsTokensStepForStep) {
 
 TEST(CudaRanksTest, AWorkerWithOtherOptionsFailsStartupOnEveryRank) {
   Ranks r;
-  StartRanks(&r, "tiny-gqa-untied", 2, [](int32_t, CudaBackendOptions* o) {
-    o->buckets = {1, 2, 8};
+  StartRanks(&r, "tiny-gqa-untied", 2, [](int32_t rank, CudaBackendOptions* o) {
+    if (rank == 1) o->buckets = {1, 2, 8};
   });
   ASSERT_FALSE(r.leader_status.ok());
   EXPECT_EQ(r.leader_status.code(), absl::StatusCode::kFailedPrecondition) << r.leader_status;
