@@ -245,8 +245,9 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   // cuBLASLt path (prefill, larger batches). o_proj and down_proj write their bf16 output to xn
   // and the next rmsnorm adds it into the residual (x), as transformers rounds: bf16(h +
   // bf16(o)). down_proj's output is added by the next layer's attn_norm.
-  // PDL (kernels/pdl.cuh) only behind a kernel of this sequence: a later pipeline stage's first
-  // norm follows the copy of its input, which PDL would not wait for.
+  // PDL (kernels/pdl.cuh) only behind a kernel of this sequence: its overlap and its wait are
+  // defined against the kernel before, and a later pipeline stage's first norm follows the copy
+  // of its input instead.
   bool behind_kernel = stage().has_embedding;
   auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
     const bool pdl = behind_kernel;
