@@ -2,9 +2,9 @@
 // ring: rank r sends to rank (r + 1) % world and receives from rank (r - 1) % world. Rank 0 sends
 // each micro-batch's chunks and stage 0's hidden state to rank 1, every stage passes its own hidden
 // state on, and the last rank sends its output (logits) back to rank 0. A shutdown travels the
-// same way. TcpTransport (tcp_transport.h) is the implementation between processes on the CPU;
-// the NCCL transport between GPUs is meant to plug in behind the same interface
-// (docs/pipeline.md, Processes).
+// same way. TcpTransport (tcp_transport.h) is the implementation between processes. The CUDA
+// pipeline across processes (engine/cuda/cuda_ranks.h) sends its control messages over it, and
+// moves its data over NCCL, or over it too where two ranks share a GPU (docs/pipeline.md).
 #pragma once
 
 #include <chrono>

@@ -1,11 +1,14 @@
 // The CUDA pipeline across processes, what needs no GPU (engine/cuda/cuda_ranks.h): the control
-// messages survive the ring's wire format (TcpTransport's frame) and come back as the same calls,
-// malformed ones are refused, every stage has its rank, and the ranks' check string changes with
-// everything that sizes a stage. The ranks themselves run in engine_cuda_pipeline_test (GPU).
+// messages cross a loopback ring of two TcpTransports and come back as the same calls, malformed
+// ones are refused, every stage has its rank, and the ranks' check string changes with everything
+// that sizes a stage. The ranks themselves run in engine_cuda_pipeline_test (GPU).
 #include "engine/cuda/cuda_ranks.h"
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <future>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -15,6 +18,39 @@ namespace ts::testing {
 namespace {
 
 using pipeline::StageMessage;
+using pipeline::TcpTransport;
+using TransportOr = absl::StatusOr<std::unique_ptr<TcpTransport>>;
+
+// Ranks 0 and 1 on loopback, as CudaBackend and RunCudaWorker join them.
+std::vector<std::unique_ptr<TcpTransport>> Pair() {
+  auto port = std::make_shared<std::promise<int32_t>>();
+  std::future<int32_t> listening = port->get_future();
+  std::future<TransportOr> leader = std::async(std::launch::async, [port] {
+    return TcpTransport::Connect({.rank = 0,
+                                  .world_size = 2,
+                                  .timeout = std::chrono::seconds(10),
+                                  .check = "cuda",
+                                  .payload = "",
+                                  .on_listening = [port](int32_t p) { port->set_value(p); }});
+  });
+  std::vector<std::unique_ptr<TcpTransport>> out;
+  if (listening.wait_for(std::chrono::seconds(10)) != std::future_status::ready) return out;
+  const int32_t p = listening.get();
+  TransportOr worker = TcpTransport::Connect({.rank = 1,
+                                              .world_size = 2,
+                                              .leader_port = p,
+                                              .timeout = std::chrono::seconds(10),
+                                              .check = "cuda",
+                                              .payload = "",
+                                              .on_listening = {}});
+  TransportOr lead = leader.get();
+  EXPECT_TRUE(lead.ok()) << lead.status();
+  EXPECT_TRUE(worker.ok()) << worker.status();
+  if (!lead.ok() || !worker.ok()) return out;
+  out.push_back(*std::move(lead));
+  out.push_back(*std::move(worker));
+  return out;
+}
 
 TEST(CudaRanksMessagesTest, StageRanksPutTheLastStageOnRankZero) {
   EXPECT_EQ(StageRanks(2), (std::vector<int32_t>{1, 0}));
@@ -22,6 +58,8 @@ TEST(CudaRanksMessagesTest, StageRanksPutTheLastStageOnRankZero) {
 }
 
 TEST(CudaRanksMessagesTest, PrefillChunksComeBackAsTheSamePieces) {
+  const std::vector<std::unique_ptr<TcpTransport>> ring = Pair();
+  ASSERT_EQ(ring.size(), 2u);
   std::mt19937 rng(7);
   for (int trial = 0; trial < 50; ++trial) {
     const int n = 1 + static_cast<int>(rng() % 5);
@@ -40,11 +78,12 @@ TEST(CudaRanksMessagesTest, PrefillChunksComeBackAsTheSamePieces) {
                    .len = rows,
                    .head_row = start + rows == len ? i : -1};
     }
+    StageMessage sent;
+    PackPrefillChunk(pieces, &sent);
+    // Across the ring and back into pieces, as a worker reads them.
+    ASSERT_TRUE(ring[0]->Send(sent).ok());
     StageMessage m;
-    PackPrefillChunk(pieces, &m);
-    // Through the wire format and back, as a worker reads it.
-    const absl::StatusOr<std::string> frame = pipeline::wire::Frame(m);
-    ASSERT_TRUE(frame.ok()) << frame.status();
+    ASSERT_TRUE(ring[1]->Recv(&m, std::chrono::seconds(10)).ok());
     ReceivedChunk got;
     ASSERT_TRUE(UnpackPrefillChunk(m, &got).ok());
     ASSERT_EQ(got.pieces.size(), pieces.size());
@@ -64,6 +103,30 @@ TEST(CudaRanksMessagesTest, PrefillChunksComeBackAsTheSamePieces) {
     }
     EXPECT_EQ(got.rows, rows);
   }
+}
+
+TEST(CudaRanksMessagesTest, DecodeStepsRegimesAndBytesCrossTheRing) {
+  const std::vector<std::unique_ptr<TcpTransport>> ring = Pair();
+  ASSERT_EQ(ring.size(), 2u);
+  StageMessage data;
+  data.op = pipeline::StageOp::kCudaData;
+  data.data = {1.5f, -2.0f, 3.25f};
+  const graphs::Regime regime{.attention_num_splits = 4, .max_context_len = 1024};
+  for (const StageMessage& m : {DecodeMessage(5), RegimeMessage(regime), data}) {
+    ASSERT_TRUE(ring[0]->Send(m).ok());
+  }
+  StageMessage got;
+  ASSERT_TRUE(ring[1]->Recv(&got, std::chrono::seconds(10)).ok());
+  absl::StatusOr<int32_t> index = UnpackDecode(got, 9);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(*index, 5);
+  ASSERT_TRUE(ring[1]->Recv(&got, std::chrono::seconds(10)).ok());
+  absl::StatusOr<graphs::Regime> r = UnpackRegime(got);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, regime);
+  ASSERT_TRUE(ring[1]->Recv(&got, std::chrono::seconds(10)).ok());
+  EXPECT_EQ(got.op, pipeline::StageOp::kCudaData);
+  EXPECT_EQ(got.data, data.data);
 }
 
 TEST(CudaRanksMessagesTest, MalformedMessagesAreRefused) {
