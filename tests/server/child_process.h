@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -51,5 +52,9 @@ class ChildProcess {
   bool eof_ = false;                // guarded by mu_
   std::optional<int> exit_code_;    // guarded by mu_
 };
+
+// A loopback port nobody listens on now, for an address a child binds a moment later (a
+// pipeline leader's, which its workers must know before either starts).
+int32_t FreeLoopbackPort();
 
 }  // namespace ts::testing

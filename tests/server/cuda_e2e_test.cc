@@ -9,10 +9,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -146,19 +143,6 @@ TEST_P(CudaServerE2ETest, TwoPipelineStagesServeTransformersGreedyStreams) {
   EXPECT_EQ(piped->process->WaitExit(60s), std::optional<int>(0)) << piped->process->Output();
 }
 
-// A port nobody listens on now, for the leader's address; rank 0 binds it a moment later.
-int32_t FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), len), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 std::vector<std::string> RankFlags(int32_t rank, int32_t port) {
   return {"--world_size=2", absl::StrCat("--rank=", rank),
           absl::StrCat("--leader_address=127.0.0.1:", port), "--pipeline_timeout_ms=10000"};
@@ -184,7 +168,7 @@ TEST_P(CudaServerE2ETest, TwoRanksAcrossProcessesServeTransformersGreedyStreams)
   const std::string model = GetParam();
   const auto [prompts, greedy] = LoadReference(model);
   ASSERT_FALSE(prompts.empty()) << model;
-  const int32_t port = FreePort();
+  const int32_t port = FreeLoopbackPort();
   auto worker = StartCudaWorker(model, port);
   ASSERT_NE(worker, nullptr);
   auto leader = Launch("cuda", model, RankFlags(0, port));
@@ -210,7 +194,7 @@ void ExpectAKilledRankEndsTheOther(int worker_device) {
   const auto [prompts, greedy] = LoadReference(model);
   ASSERT_FALSE(prompts.empty());
   {
-    const int32_t port = FreePort();
+    const int32_t port = FreeLoopbackPort();
     auto worker = StartCudaWorker(model, port, worker_device);
     ASSERT_NE(worker, nullptr);
     std::vector<std::string> flags = RankFlags(0, port);
@@ -238,7 +222,7 @@ void ExpectAKilledRankEndsTheOther(int worker_device) {
     EXPECT_LT(std::chrono::steady_clock::now() - killed, 10s);  // within --pipeline_timeout_ms
   }
   {
-    const int32_t port = FreePort();
+    const int32_t port = FreeLoopbackPort();
     auto worker = StartCudaWorker(model, port, worker_device);
     ASSERT_NE(worker, nullptr);
     auto leader = Launch("cuda", model, RankFlags(0, port));
@@ -264,7 +248,7 @@ TEST(CudaRanksE2ETest, TwoRanksOnTwoGpusServeTransformersGreedyStreams) {
   const std::string model = "tiny-gqa-untied";
   const auto [prompts, greedy] = LoadReference(model);
   ASSERT_FALSE(prompts.empty());
-  const int32_t port = FreePort();
+  const int32_t port = FreeLoopbackPort();
   auto worker = StartCudaWorker(model, port, 1);
   ASSERT_NE(worker, nullptr);
   auto leader = Launch("cuda", model, RankFlags(0, port));

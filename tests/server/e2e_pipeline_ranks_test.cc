@@ -5,11 +5,7 @@
 // the leader exits non-zero; a leader killed ends its worker with a message; a rank alone fails
 // startup within
 // --pipeline_timeout_ms naming the one missing. Every wait is bounded, so a hang fails the test.
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <memory>
 #include <string>
@@ -22,20 +18,6 @@ namespace ts::testing {
 namespace {
 
 constexpr auto kExitTimeout = 30s;
-
-// A port nobody listens on now, for the leader's address. The leader binds it a moment later
-// (SO_REUSEADDR); the worker must know it before either starts.
-int32_t FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), len), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 std::vector<std::string> RankFlags(int32_t rank, int32_t port, const std::string& timeout_ms,
                                    int32_t world = 2) {
@@ -64,7 +46,7 @@ struct Pipeline {
 
 Pipeline StartPipeline(std::vector<std::string> leader_flags = {}, int32_t world = 2) {
   Pipeline p;
-  const int32_t port = FreePort();
+  const int32_t port = FreeLoopbackPort();
   // The workers first: they retry until the leader listens, as pods started early would.
   p.worker = StartWorker(port, "30000", 1, world);
   if (p.worker == nullptr) return p;
@@ -177,7 +159,7 @@ TEST(PipelineRanksTest, ALeaderAloneExitsWithinTheTimeoutNamingRank1) {
   std::vector<std::string> argv = {
       TS_TAILSERVE_BINARY, "--backend=cpu", "--port=0",
       absl::StrCat("--model_dir=", (FixtureDir() / "tiny-gqa-untied").string()), "--threads=1"};
-  for (std::string& f : RankFlags(0, FreePort(), "2000")) argv.push_back(std::move(f));
+  for (std::string& f : RankFlags(0, FreeLoopbackPort(), "2000")) argv.push_back(std::move(f));
   absl::StatusOr<std::unique_ptr<ChildProcess>> leader = ChildProcess::Start(argv);
   ASSERT_TRUE(leader.ok()) << leader.status();
   EXPECT_EQ((*leader)->WaitExit(kExitTimeout), 1) << (*leader)->Output();
@@ -188,7 +170,7 @@ TEST(PipelineRanksTest, ALeaderAloneExitsWithinTheTimeoutNamingRank1) {
 
 TEST(PipelineRanksTest, AWorkerAloneExitsWithinTheTimeoutNamingTheLeader) {
   const auto start = std::chrono::steady_clock::now();
-  const int32_t port = FreePort();
+  const int32_t port = FreeLoopbackPort();
   std::unique_ptr<ChildProcess> worker = StartWorker(port, "2000");
   ASSERT_NE(worker, nullptr);
   EXPECT_EQ(worker->WaitExit(kExitTimeout), 1) << worker->Output();
