@@ -88,12 +88,6 @@ CudaBackend::~CudaBackend() {
     u.model.reset();
     if (u.stream != nullptr) cudaStreamDestroy(u.stream);
   }
-  if (feed_stream_ != nullptr) cudaStreamSynchronize(feed_stream_);
-  for (Group& g : groups_) {
-    if (g.done != nullptr) cudaEventDestroy(g.done);
-  }
-  if (group_staging_ != nullptr) cudaFreeHost(group_staging_);
-  if (feed_stream_ != nullptr) cudaStreamDestroy(feed_stream_);
   graphs_.reset();
   timer_.reset();
   model_.reset();
@@ -213,8 +207,6 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
     LogStages();
   }
   if (options_.device_loop) TS_RETURN_IF_ERROR(InitLoop());
-  // Across processes the pipeline exists only once the ranks have joined (ConnectRanks).
-  if (options_.ranks.world_size <= 1) TS_RETURN_IF_ERROR(InitGroups());
   return absl::OkStatus();
 }
 
@@ -373,8 +365,6 @@ absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
       }
     }
   }
-  // No step may be in flight while slots are staged and the stream prefills.
-  if (grouped()) TS_RETURN_IF_ERROR(SettleGroups());
   for (const SlotInit& in : inits) ResetSlotHost(in.slot);
   if (options_.device_loop) {
     QueuePrefills(inits);  // Run(kLoop) prefills them between decode steps
@@ -454,12 +444,6 @@ absl::Status CudaBackend::Run(RunMode mode) {
     }
     return RunLoop();
   }
-  if (grouped()) {
-    do {
-      TS_RETURN_IF_ERROR(RunGroups());
-    } while (mode == RunMode::kLoop && last_.active > 0);
-    return absl::OkStatus();
-  }
   TS_RETURN_IF_ERROR(MaybeCalibrateClock());  // after the last step's sync: the GPU is idle
   do {
     TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
@@ -512,7 +496,6 @@ absl::StatusOr<std::vector<std::pair<std::string, float>>> CudaBackend::ProfileS
   if (options_.device_loop) return absl::FailedPreconditionError("ProfileStep: host-driven only");
   if (pipeline_ != nullptr) return absl::FailedPreconditionError("ProfileStep: one stage only");
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
-  if (grouped()) TS_RETURN_IF_ERROR(SettleGroups());
   TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
   if (index < 0) return absl::FailedPreconditionError("ProfileStep: no active slot");
   const int32_t bucket = options_.buckets[index];
@@ -677,7 +660,6 @@ void CudaBackend::Release(SlotId slot) {
   // The device row is left as the GPU last wrote it: a slot that is not ACTIVE on the host is
   // never put in a row list, so the GPU does not touch it until the next Prefill rewrites it.
   slots_[slot] = Slot{};
-  if (!group_of_.empty()) group_of_[slot] = -1;
   table_->ResetForRequest(slot);
   std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
   table_->set_state(slot, SlotState::kFree);

@@ -3,9 +3,8 @@
 // On one GPU the stages share the device and pass their buffers by copies; on several, NCCL.
 //   - Stages on one GPU decode exactly the tokens of the whole model, step for step, with
 //     requests arriving and cancelled at random steps, on untied and tied embeddings, 2 and 3
-//     stages, greedy and seeded, in one row group and in one per stage (the whole model in the
-//     same groups); the teacher-forced logits through prefill and through the decode graphs are
-//     the whole model's bit for bit.
+//     stages, greedy and seeded; the teacher-forced logits through prefill and through the decode
+//     graphs are the whole model's bit for bit.
 //   - On two GPUs (skipped on one), the same lockstep over NCCL, on a fixture and, given
 //     TS_LLAMA8B_DIR, on the Llama-3.1-8B shape with 32 requests.
 //   - Across processes (cuda_ranks.h), with the ranks as threads of this process on one GPU (so
@@ -41,12 +40,10 @@ namespace {
 
 constexpr int32_t kContext = 256;
 
-// Stage s on devices[s % devices.size()] (every stage on device 0 by default), decoding in
-// `groups` row groups (CudaBackendOptions::decode_groups; 0: one per stage). A lockstep gives both
-// backends the same groups, so that their steps hold the same rows.
+// Stage s on devices[s % devices.size()] (every stage on device 0 by default).
 CudaBackendOptions Options(const std::filesystem::path& model,
                            const std::vector<ModelStage>& stages,
-                           const std::vector<int>& devices = {0}, int32_t groups = 0) {
+                           const std::vector<int>& devices = {0}) {
   CudaBackendOptions o;
   o.model_dir = model.is_absolute() ? model : FixtureDir() / model;
   o.max_slots = 8;
@@ -57,7 +54,6 @@ CudaBackendOptions Options(const std::filesystem::path& model,
   o.prefill_chunk_tokens = 64;  // prompts of up to 90 tokens take two chunks through the stages
   o.ring_capacity = 256;
   o.log_progress = false;
-  o.decode_groups = groups;
   for (size_t s = 0; s < stages.size(); ++s) {
     o.stages.push_back({.stage = stages[s], .device = devices[s % devices.size()]});
   }
@@ -185,41 +181,25 @@ TEST(CudaPipelineTest, StagesOnOneGpuDecodeTheWholeModelsTokensStepForStep) {
   for (const Case& c : kCases) {
     for (int32_t n = 2; n <= c.layers; ++n) {
       for (const std::vector<ModelStage>& split : Splits(c.layers, n)) {
-        for (const int32_t groups : {1, n}) {
-          SCOPED_TRACE(::testing::Message()
-                       << c.fixture << ", " << n << " stages, the first " << split[0].num_layers
-                       << " layer(s) on stage 0, " << groups << " row groups");
-          // A fresh whole model each time: the attention regime (split counts, and so the last
-          // bits of attention) shrinks only some steps after the contexts do, so a backend that
-          // ran another script first may decode this one in other regimes.
-          auto whole = Make(Options(c.fixture, {}, {0}, groups));
-          auto piped = Make(Options(c.fixture, split, {0}, groups));
-          ASSERT_NE(whole, nullptr);
-          ASSERT_NE(piped, nullptr);
-          EXPECT_EQ(piped->num_stages(), n);
-          EXPECT_EQ(piped->decode_groups(), groups);
-          EXPECT_LE(piped->info().num_kv_blocks, piped->model().plan().shape.num_kv_blocks);
-          // Long enough generations that contexts cross 128, where the attention regime (every
-          // stage's graphs at once) changes.
-          std::vector<GenerateRequest> reqs = RandomRequests(14, 31 + n, c.vocab);
-          for (GenerateRequest& r : reqs) r.stop.max_new_tokens = 1 + r.stop.max_new_tokens % 150;
-          ExpectLockstep(*whole, *piped, reqs, 7 + n);
-        }
+        SCOPED_TRACE(::testing::Message() << c.fixture << ", " << n << " stages, the first "
+                                          << split[0].num_layers << " layer(s) on stage 0");
+        // A fresh whole model each time: the attention regime (split counts, and so the last
+        // bits of attention) shrinks only some steps after the contexts do, so a backend that
+        // ran another script first may decode this one in other regimes.
+        auto whole = Make(Options(c.fixture, {}));
+        auto piped = Make(Options(c.fixture, split));
+        ASSERT_NE(whole, nullptr);
+        ASSERT_NE(piped, nullptr);
+        EXPECT_EQ(piped->num_stages(), n);
+        EXPECT_LE(piped->info().num_kv_blocks, piped->model().plan().shape.num_kv_blocks);
+        // Long enough generations that contexts cross 128, where the attention regime (every
+        // stage's graphs at once) changes.
+        std::vector<GenerateRequest> reqs = RandomRequests(14, 31 + n, c.vocab);
+        for (GenerateRequest& r : reqs) r.stop.max_new_tokens = 1 + r.stop.max_new_tokens % 150;
+        ExpectLockstep(*whole, *piped, reqs, 7 + n);
       }
     }
   }
-}
-
-// By default a pipeline decodes in one row group per stage, and a whole model in one.
-TEST(CudaPipelineTest, APipelineDecodesInOneRowGroupPerStage) {
-  auto whole = Make(Options("tiny-gqa-untied", {}));
-  auto piped = Make(Options("tiny-gqa-untied", Splits(3, 3).front()));
-  ASSERT_NE(whole, nullptr);
-  ASSERT_NE(piped, nullptr);
-  EXPECT_EQ(whole->decode_groups(), 1);
-  EXPECT_EQ(piped->decode_groups(), 3);
-  CudaBackendOptions bad = Options("tiny-gqa-untied", {}, {0}, -1);
-  EXPECT_EQ(CudaBackend::Create(bad).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // The same on two GPUs, where NCCL links the stages (the multi-GPU issue runs it; one GPU skips).
@@ -230,8 +210,8 @@ TEST(CudaPipelineTest, StagesOnTwoGpusOverNcclDecodeTheWholeModelsTokens) {
   const Case& c = kCases[0];
   for (const std::vector<int>& devices : {std::vector<int>{0, 1}, std::vector<int>{1, 0}}) {
     SCOPED_TRACE(::testing::Message() << "stage 0 on device " << devices[0]);
-    auto whole = Make(Options(c.fixture, {}, {0}, 2));
-    auto piped = Make(Options(c.fixture, Splits(c.layers, 2).front(), devices, 2));
+    auto whole = Make(Options(c.fixture, {}));
+    auto piped = Make(Options(c.fixture, Splits(c.layers, 2).front(), devices));
     ASSERT_NE(whole, nullptr);
     ASSERT_NE(piped, nullptr);
     std::vector<GenerateRequest> reqs = RandomRequests(14, 33, c.vocab);
@@ -251,12 +231,12 @@ TEST(CudaPipelineTest, The8BShapeOnTwoGpusDecodesOneGpusTokens) {
     GTEST_SKIP() << "needs two GPUs and TS_LLAMA8B_DIR (the multi-GPU run, issue #16)";
   }
   const std::filesystem::path model = std::filesystem::absolute(dir);
-  CudaBackendOptions one = Options(model, {}, {0}, 2);
+  CudaBackendOptions one = Options(model, {});
   one.gpu_memory_fraction = 0.3;
   auto whole = Make(one);
   ASSERT_NE(whole, nullptr);
   const int32_t layers = whole->info().model.num_layers;
-  CudaBackendOptions two = Options(model, Splits(layers, 2)[layers / 2 - 1], {0, 1}, 2);
+  CudaBackendOptions two = Options(model, Splits(layers, 2)[layers / 2 - 1], {0, 1});
   two.gpu_memory_fraction = 0.3;
   auto piped = Make(two);
   ASSERT_NE(piped, nullptr);
@@ -361,7 +341,7 @@ TEST(CudaRanksTest, RanksAcrossProcessesDecodeTheWholeModelsTokensStepForStep) {
   for (const Case& c : kCases) {
     for (int32_t world = 2; world <= std::min(3, c.layers); ++world) {
       SCOPED_TRACE(::testing::Message() << c.fixture << ", " << world << " ranks");
-      auto whole = Make(Options(c.fixture, {}, {0}, world));  // rank 0 decodes in world groups
+      auto whole = Make(Options(c.fixture, {}));
       ASSERT_NE(whole, nullptr);
       Ranks r;
       StartRanks(&r, c.fixture, world);
@@ -416,7 +396,7 @@ TEST(CudaRanksTest, RanksOnTwoGpusOverNcclDecodeOneGpusTokens) {
   for (const std::filesystem::path& model : models) {
     SCOPED_TRACE(model.string());
     const bool big = model.is_absolute();
-    CudaBackendOptions one = Options(model, {}, {0}, 2);
+    CudaBackendOptions one = Options(model, {});
     if (big) one.gpu_memory_fraction = 0.3;
     auto whole = Make(one);
     ASSERT_NE(whole, nullptr);
