@@ -105,7 +105,9 @@ ABSL_FLAG(int32_t, stream_buffer_tokens, 4096,
 ABSL_FLAG(int32_t, threads, 0, "CPU backend threads; 0 = all hardware threads.");
 ABSL_FLAG(double, gpu_memory_fraction, 0.9,
           "CUDA backend: fraction of device memory for weights, KV pool, activations and graphs.");
-ABSL_FLAG(int32_t, device, 0, "CUDA backend: device ordinal.");
+ABSL_FLAG(int32_t, device, 0,
+          "CUDA backend: device ordinal (with --world_size, this rank's GPU; a one-process "
+          "pipeline uses --pipeline_devices instead).");
 ABSL_FLAG(int32_t, stats_interval_s, 60, "Log a one-line stats summary this often; 0 = off.");
 ABSL_FLAG(int32_t, watchdog_s, 30,
           "Report NOT_SERVING while requests wait and the engine completes nothing (no decode "
