@@ -77,6 +77,14 @@ CudaBackendOptions OptionsFor(const CudaServeFlags& f, std::vector<CudaStageOpti
                                                      }}};
 }
 
+// Every rank of a pipeline, in one process or several, refuses the device loop the same way.
+absl::Status HostDrivenOnly(const CudaServeFlags& f) {
+  if (!f.device_loop) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      "--decode_loop: a CUDA pipeline runs host-driven steps (NCCL's work cannot be launched "
+      "from the device loop's graphs, docs/pipeline.md); use --decode_loop host or auto");
+}
+
 absl::Status Named(const absl::Status& s) {
   return absl::Status(s.code(), absl::StrCat("--backend cuda: ", s.message()));
 }
@@ -86,11 +94,7 @@ absl::Status Named(const absl::Status& s) {
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(
     const ModelConfig& config, const CudaServeFlags& f,
     std::function<absl::Status()>* pipeline_health) {
-  if ((f.pipeline_stages > 1 || f.world_size > 1) && f.device_loop) {
-    return absl::InvalidArgumentError(
-        "--decode_loop: a CUDA pipeline runs host-driven steps (NCCL's work cannot be launched "
-        "from the device loop's graphs, docs/pipeline.md); use --decode_loop host or auto");
-  }
+  if (f.pipeline_stages > 1 || f.world_size > 1) TS_RETURN_IF_ERROR(HostDrivenOnly(f));
   std::vector<CudaStageOptions> stage_options;
   if (f.world_size <= 1) {
     TS_ASSIGN_OR_RETURN(stage_options, CudaStages(config, f));
@@ -115,10 +119,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(
 }
 
 absl::Status RunCudaWorkerFromFlags(const CudaServeFlags& flags) {
-  if (flags.device_loop) {
-    return absl::InvalidArgumentError(
-        "--decode_loop: a CUDA pipeline runs host-driven steps; use --decode_loop host or auto");
-  }
+  TS_RETURN_IF_ERROR(HostDrivenOnly(flags));
   CudaServeFlags f = flags;
   if (f.max_context <= 0) {
     // As rank 0 resolves it, so the ranks' checks agree.
