@@ -15,9 +15,6 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-// The split-K tile reduction gives each (row of A, column of the tile) pair one thread.
-static_assert(kGemvMaxM * kGemvTileN <= kThreads);
-static_assert(kGemvMaxM <= 16, "GemvKernel instantiates kNb = 1 and 2 blocks of 8 rows");
 // One k-step: the 4 threads of an MMA group each load 8 consecutive k (16 bytes) of a row.
 constexpr int kStepK = 32;
 // k-steps per batch: 8 batches x 2 rows x 16 bytes = 256 bytes of W in flight per thread.
@@ -113,19 +110,17 @@ __device__ __forceinline__ void StageNormWeight(const GemvParams& p, __nv_bfloat
 
 // The rows of A the CTA multiplies, normalised into shared memory (LlamaRMSNorm, see the header).
 // Row i lives at a_s[i * stride]; all threads take part (two __syncthreads). w_s: norm_weight
-// staged by StageNormWeight, or nullptr to read it from global memory. m <= kMaxM (the kernel
-// instance's rows: a bound the compiler sees keeps the sums in registers).
-template <int kMaxM>
+// staged by StageNormWeight, or nullptr to read it from global memory.
 __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride,
                            const __nv_bfloat16* w_s) {
-  __shared__ float partial[kWarps][kMaxM];
-  __shared__ float inv_rms[kMaxM];
+  __shared__ float partial[kWarps][kGemvMaxM];
+  __shared__ float inv_rms[kGemvMaxM];
   const int vecs = p.k / 8;
-  float ss[kMaxM];
+  float ss[kGemvMaxM];
 #pragma unroll
-  for (int i = 0; i < kMaxM; ++i) ss[i] = 0.f;
+  for (int i = 0; i < kGemvMaxM; ++i) ss[i] = 0.f;
 #pragma unroll
-  for (int i = 0; i < kMaxM; ++i) {
+  for (int i = 0; i < kGemvMaxM; ++i) {
     if (i >= p.m) break;
     for (int v = threadIdx.x; v < vecs; v += kThreads) {
       const Bf16x8 x = LoadBf16x8Coherent(p.a + static_cast<int64_t>(i) * p.k + v * 8);
@@ -139,14 +134,14 @@ __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride,
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int i = 0; i < kMaxM; ++i) {
+  for (int i = 0; i < kGemvMaxM; ++i) {
     const float s = WarpSum(ss[i]);
     if (lane == 0) partial[warp][i] = s;
   }
   // This thread's weight copies have landed; the barrier shows everyone's to the whole CTA.
   if (w_s != nullptr) asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
-  if (threadIdx.x < kMaxM) {
+  if (threadIdx.x < kGemvMaxM) {
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) s += partial[w][threadIdx.x];
@@ -201,13 +196,8 @@ __host__ __device__ __forceinline__ bool StagesNormWeight(int m, int k) {
 // and streams all of K itself, so no tile needs the CTA's barrier and shared-memory reduction:
 // thread (g, t) holds the finished sums of W rows g and g + 8 for A rows 2t and 2t + 1 and stores
 // them directly. Chosen when tiles are plentiful (ChooseGemvWarpTiles; split_k = 1).
-//
-// kNb = ceil(m / 8) blocks of 8 rows of A: each W fragment feeds kNb pairs of MMAs, one per block,
-// so W is still streamed once whatever m is. Thread (g, t) loads A rows g, g + 8, ... (clamped to
-// row 0 past m). kNb = 2 holds twice the A fragments and accumulators, so it runs one CTA per SM
-// (255 registers allowed) where kNb = 1 runs two.
-template <bool kWarpTiles, int kNb>
-__global__ void __launch_bounds__(kThreads, kNb == 1 ? 2 : 1) GemvKernel(GemvParams p) {
+template <bool kWarpTiles>
+__global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* a_s = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [m][NormStride(k)]
   const int a_stride = NormStride(p.k);
@@ -224,14 +214,9 @@ __global__ void __launch_bounds__(kThreads, kNb == 1 ? 2 : 1) GemvKernel(GemvPar
   const int32_t rope_tiles_per_head = rope ? p.rope.layout.head_dim / 16 : 1;
   const int32_t tile_cols = swiglu ? 8 : kGemvTileN;
   const int32_t tiles = (p.n + tile_cols - 1) / tile_cols;
-  const __nv_bfloat16* a_row[kNb];    // this thread's rows of A, global
-  const __nv_bfloat16* a_row_s[kNb];  // and normalised in shared memory
-#pragma unroll
-  for (int j = 0; j < kNb; ++j) {
-    const int row = 8 * j + g < p.m ? 8 * j + g : 0;
-    a_row[j] = p.a + row * k + t * 8;
-    a_row_s[j] = a_s + row * a_stride + t * 8;
-  }
+  const int a_row_index = g < p.m ? g : 0;
+  const __nv_bfloat16* a_row = p.a + a_row_index * k + t * 8;
+  const __nv_bfloat16* a_row_s = a_s + a_row_index * a_stride + t * 8;
 
   const int32_t num_batches = (p.k + kBatchK - 1) / kBatchK;
   const int32_t split = blockIdx.y;
@@ -293,43 +278,33 @@ __global__ void __launch_bounds__(kThreads, kNb == 1 ? 2 : 1) GemvKernel(GemvPar
   // Warp tiles end without a CTA-wide point; the trigger only lets the next kernel's CTAs launch
   // (they wait for our completion before reading anything).
   if constexpr (kWarpTiles) GridDepLaunchDependents();
-  if (norm) NormalizeA<8 * kNb>(p, a_s, a_stride, w_s);
+  if (norm) NormalizeA(p, a_s, a_stride, w_s);
 
-  __shared__ float red[kWarps][8 * kNb * kGemvTileN];
+  __shared__ float red[kWarps][kGemvMaxM * kGemvTileN];
   for (; tile < tiles; tile += tile_step) {
     // Two accumulators (first and second half of each 16-byte load) halve the MMA dependency
     // chain.
-    float acc0[kNb][4], acc1[kNb][4];
-#pragma unroll
-    for (int j = 0; j < kNb; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc0[j][e] = acc1[j][e] = 0.f;
-    }
+    float acc0[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc1[4] = {0.f, 0.f, 0.f, 0.f};
     while (b < b_end) {
       const int64_t off = static_cast<int64_t>(b) * kBatchK;
       const bool full = off + kBatchK <= k;
-      uint4 av[kNb][kUnroll];
+      uint4 av[kUnroll];
 #pragma unroll
-      for (int j = 0; j < kNb; ++j) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const bool in = full || off + u * kStepK + t * 8 < k;
-          if (!in) {
-            av[j][u] = make_uint4(0, 0, 0, 0);
-          } else if (norm) {
-            av[j][u] = *reinterpret_cast<const uint4*>(a_row_s[j] + off + u * kStepK);
-          } else {
-            av[j][u] = LoadCached(a_row[j] + off + u * kStepK);
-          }
+      for (int u = 0; u < kUnroll; ++u) {
+        const bool in = full || off + u * kStepK + t * 8 < k;
+        if (!in) {
+          av[u] = make_uint4(0, 0, 0, 0);
+        } else if (norm) {
+          av[u] = *reinterpret_cast<const uint4*>(a_row_s + off + u * kStepK);
+        } else {
+          av[u] = LoadCached(a_row + off + u * kStepK);
         }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int j = 0; j < kNb; ++j) {
-          Mma16816(acc0[j], wl[u].x, wh[u].x, wl[u].y, wh[u].y, av[j][u].x, av[j][u].y);
-          Mma16816(acc1[j], wl[u].z, wh[u].z, wl[u].w, wh[u].w, av[j][u].z, av[j][u].w);
-        }
+        Mma16816(acc0, wl[u].x, wh[u].x, wl[u].y, wh[u].y, av[u].x, av[u].y);
+        Mma16816(acc1, wl[u].z, wh[u].z, wl[u].w, wh[u].w, av[u].z, av[u].w);
       }
       b += b_step;
       if (b < b_end) load_w(b);
@@ -345,13 +320,11 @@ __global__ void __launch_bounds__(kThreads, kNb == 1 ? 2 : 1) GemvKernel(GemvPar
       GridDepLaunchDependents();
     }
     if constexpr (kWarpTiles) {
-      // d layout of block j: {(row g, A row 8j + 2t), (g, 8j + 2t + 1), (g + 8, 8j + 2t),
-      // (g + 8, 8j + 2t + 1)}.
+      // d layout: {(row g, A row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)}.
 #pragma unroll
-      for (int jh = 0; jh < 2 * kNb; ++jh) {
-        const int j = jh / 2, h = jh % 2;
-        const int i = 8 * j + 2 * t + h;
-        const float lo = acc0[j][h] + acc1[j][h], hi = acc0[j][2 + h] + acc1[j][2 + h];
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * t + h;
+        const float lo = acc0[h] + acc1[h], hi = acc0[2 + h] + acc1[2 + h];
         if (i >= p.m) continue;
         if (swiglu) {
           const int32_t col = cur * 8 + g;
@@ -368,59 +341,56 @@ __global__ void __launch_bounds__(kThreads, kNb == 1 ? 2 : 1) GemvKernel(GemvPar
           if (col + 8 < p.n) StoreOutput(p, static_cast<int64_t>(i) * p.n + col + 8, hi);
         }
       }
-    } else {
-      // Fixed-order sum over the 8 warps. red[warp][i * 16 + r] = partial of row r of the tile.
+      continue;
+    }
+
+    // Fixed-order sum over the 8 warps. red[warp][i * 16 + r] = partial of row r of the tile.
+    red[warp][(2 * t) * kGemvTileN + g] = acc0[0] + acc1[0];
+    red[warp][(2 * t + 1) * kGemvTileN + g] = acc0[1] + acc1[1];
+    red[warp][(2 * t) * kGemvTileN + g + 8] = acc0[2] + acc1[2];
+    red[warp][(2 * t + 1) * kGemvTileN + g + 8] = acc0[3] + acc1[3];
+    __syncthreads();
+    const int i = threadIdx.x / kGemvTileN, r = threadIdx.x % kGemvTileN;
+    if (threadIdx.x < kGemvMaxM * kGemvTileN && i < p.m) {
+      if (swiglu) {
+        const int32_t col = cur * 8 + r;
+        if (r < 8 && col < p.n) {
+          float gate = 0.f, up = 0.f;
 #pragma unroll
-      for (int j = 0; j < kNb; ++j) {
-        const int i0 = 8 * j + 2 * t;
-        red[warp][i0 * kGemvTileN + g] = acc0[j][0] + acc1[j][0];
-        red[warp][(i0 + 1) * kGemvTileN + g] = acc0[j][1] + acc1[j][1];
-        red[warp][i0 * kGemvTileN + g + 8] = acc0[j][2] + acc1[j][2];
-        red[warp][(i0 + 1) * kGemvTileN + g + 8] = acc0[j][3] + acc1[j][3];
-      }
-      __syncthreads();
-      const int i = threadIdx.x / kGemvTileN, r = threadIdx.x % kGemvTileN;
-      if (threadIdx.x < 8 * kNb * kGemvTileN && i < p.m) {
-        if (swiglu) {
-          const int32_t col = cur * 8 + r;
-          if (r < 8 && col < p.n) {
-            float gate = 0.f, up = 0.f;
-#pragma unroll
-            for (int w = 0; w < kWarps; ++w) {
-              gate += red[w][threadIdx.x];
-              up += red[w][threadIdx.x + 8];
-            }
-            // gate_proj and up_proj each round their output to bf16 first.
-            p.c[static_cast<int64_t>(i) * p.n + col] =
-                __float2bfloat16_rn(SiluMul(RoundBf16(gate), RoundBf16(up)));
+          for (int w = 0; w < kWarps; ++w) {
+            gate += red[w][threadIdx.x];
+            up += red[w][threadIdx.x + 8];
           }
-        } else if (rope) {
-          if (r < 8) {
-            float x1 = 0.f, x2 = 0.f;
+          // gate_proj and up_proj each round their output to bf16 first.
+          p.c[static_cast<int64_t>(i) * p.n + col] =
+              __float2bfloat16_rn(SiluMul(RoundBf16(gate), RoundBf16(up)));
+        }
+      } else if (rope) {
+        if (r < 8) {
+          float x1 = 0.f, x2 = 0.f;
 #pragma unroll
-            for (int w = 0; w < kWarps; ++w) {
-              x1 += red[w][threadIdx.x];
-              x2 += red[w][threadIdx.x + 8];
-            }
-            RopeEpilogue(p, i, cur / rope_tiles_per_head, (cur % rope_tiles_per_head) * 8 + r, x1,
-                         x2);
+          for (int w = 0; w < kWarps; ++w) {
+            x1 += red[w][threadIdx.x];
+            x2 += red[w][threadIdx.x + 8];
           }
-        } else {
-          const int32_t col = cur * kGemvTileN + r;
-          if (col < p.n) {
-            float v = 0.f;
+          RopeEpilogue(p, i, cur / rope_tiles_per_head, (cur % rope_tiles_per_head) * 8 + r, x1,
+                       x2);
+        }
+      } else {
+        const int32_t col = cur * kGemvTileN + r;
+        if (col < p.n) {
+          float v = 0.f;
 #pragma unroll
-            for (int w = 0; w < kWarps; ++w) v += red[w][threadIdx.x];
-            if (p.split_k > 1) {
-              p.workspace[(static_cast<int64_t>(split) * p.m + i) * p.n + col] = v;
-            } else {
-              StoreOutput(p, static_cast<int64_t>(i) * p.n + col, v);
-            }
+          for (int w = 0; w < kWarps; ++w) v += red[w][threadIdx.x];
+          if (p.split_k > 1) {
+            p.workspace[(static_cast<int64_t>(split) * p.m + i) * p.n + col] = v;
+          } else {
+            StoreOutput(p, static_cast<int64_t>(i) * p.n + col, v);
           }
         }
       }
-      __syncthreads();  // red is rewritten by the next tile
     }
+    __syncthreads();  // red is rewritten by the next tile
   }
 }
 
@@ -536,13 +506,10 @@ absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
       p.norm_weight == nullptr
           ? 0
           : NormSmemBytes(p.m, p.k) + (StagesNormWeight(p.m, p.k) ? size_t{2} * p.k : 0);
-  const bool two_blocks = p.m > 8;
-  auto* split_kernel = two_blocks ? GemvKernel<false, 2> : GemvKernel<false, 1>;
-  auto* warp_kernel = two_blocks ? GemvKernel<true, 2> : GemvKernel<true, 1>;
   if (smem > 48 * 1024) {
     // Opt in beyond the default 48 KB on the current device (a function attribute, not a stream
     // operation: legal while a graph is being captured).
-    for (auto* kernel : {split_kernel, warp_kernel}) {
+    for (auto* kernel : {GemvKernel<false>, GemvKernel<true>}) {
       TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvMaxNormSmemBytes));
     }
@@ -554,7 +521,7 @@ absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
   TS_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   TS_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   TS_CUDA_RETURN_IF_ERROR(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split_kernel, kThreads, smem));
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GemvKernel<false>, kThreads, smem));
   const int32_t resident = std::max(1, sms * per_sm);
   const bool warp_tiles =
       p.split_k == 1 &&
@@ -562,10 +529,10 @@ absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
        (p.warp_tiles == GemvWarpTiles::kAuto && ChooseGemvWarpTiles(tiles, resident)));
   if (warp_tiles) {
     const int32_t ctas = std::min(resident, (tiles + kWarps - 1) / kWarps);
-    return Launch(warp_kernel, dim3(ctas), p, smem, stream);
+    return Launch(GemvKernel<true>, dim3(ctas), p, smem, stream);
   }
   const dim3 grid(std::min(tiles, resident), p.split_k);
-  TS_RETURN_IF_ERROR(Launch(split_kernel, grid, p, smem, stream));
+  TS_RETURN_IF_ERROR(Launch(GemvKernel<false>, grid, p, smem, stream));
   if (p.split_k > 1) {
     const int64_t total = static_cast<int64_t>(p.m) * p.n;
     TS_RETURN_IF_ERROR(Launch(GemvSplitReduceKernel,

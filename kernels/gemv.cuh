@@ -3,7 +3,7 @@
 //   gate_up, or RoPE + paged K/V write of a fused qkv), optionally with A RMS-normalised first
 //   (GemvParams::norm_weight)
 // row-major bf16, W laid out like a Hugging Face Linear weight [out_features, in_features], fp32
-// accumulation. For m <= 16 the time is the time to stream W once from HBM; cuBLASLt was measured
+// accumulation. For m <= 8 the time is the time to stream W once from HBM; cuBLASLt was measured
 // at 39-56% of that roof on the small Llama-1B projections (docs/gpu-facts.md, cuBLAS at decode
 // shapes), this kernel aims at ~90%.
 //
@@ -11,11 +11,10 @@
 // more than fit on the GPU at once) and its 8 warps split the K range between them. Each thread
 // streams its rows with 16-byte loads (8 batches of them in flight, L1 bypassed) and feeds them,
 // with the matching 16 bytes of A, straight into tensor-core mma.m16n8k16 (W rows as the MMA's M,
-// each block of up to 8 rows of A as its N): the k-order inside a thread's 16 bytes is free, so no
-// shuffles or conversions are needed and m = 1..8 all cost the same instructions. m = 9..16 runs a
-// second instance that feeds each W fragment to two MMAs, one per block of 8 rows, so W is still
-// read once (the decode bucket of 16 rows gets the fused layer too). The warps' partial sums are
-// added in a fixed order through shared memory, so results are bitwise reproducible.
+// the up-to-8 rows of A as its N): the k-order inside a thread's 16 bytes is free, so no shuffles
+// or conversions are needed and m = 1..8 all cost the same instructions (one kernel instance serves
+// every m, nothing is templated on m). The warps' partial sums are added in a fixed order through
+// shared memory, so results are bitwise reproducible.
 //
 // Split-K (split_k > 1): when n / 16 CTAs leave most SMs idle, CTAs also split K. Each writes its
 // fp32 partial to workspace [split_k, m, n] and a second small kernel adds the split_k partials in
@@ -41,14 +40,12 @@
 
 namespace ts::kernels {
 
-inline constexpr int32_t kGemvMaxM = 16;       // rows of A one launch handles
+inline constexpr int32_t kGemvMaxM = 8;        // rows of A one launch handles
 inline constexpr int32_t kGemvMaxSplitK = 64;  // upper bound on split_k
 inline constexpr int32_t kGemvTileN = 16;      // rows of W per CTA (kSiluMul: 8 gate + 8 up)
-// Shared memory for the normalised A (m rows of k + 32 bf16; the pad staggers the rows' banks),
-// with room for the staged norm weight: hidden sizes up to 8192 at m = 8 and 4096 at m = 16 (one
-// CTA per SM there; two up to 4096 at m = 8). 200 KB leaves the tile reduction's static shared
-// memory inside the H200's 227 KB opt-in.
-inline constexpr int32_t kGemvMaxNormSmemBytes = 200 * 1024;
+// Shared memory for the normalised A (m rows of k + 32 bf16; the pad staggers the rows' banks):
+// hidden sizes up to 8192 at m = 8 (one CTA per SM there; two up to 4096).
+inline constexpr int32_t kGemvMaxNormSmemBytes = 8 * (8192 + 32) * 2;
 
 // What the kernel does with each output value v = (A W^T)[i, col] (fp32).
 enum class GemvEpilogue : int32_t {

@@ -45,12 +45,9 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
   // Measured on the H200 (bench/results/2026-11-29-h200.md, tailserve-gemv-bench): at m <= 8 the
   // GEMV streams the 8-50 MB matrices (qkv, o, down) 10-35% faster than cuBLASLt, while
   // cuBLASLt stays at the roof on the large ones (gate_up of 8B, lm_head), so only small W moves.
-  // Above 8 rows this unfused path (prefill chunks, shapes the fused layer cannot take) keeps
-  // cuBLASLt: the GEMV was measured against it only up to 8.
   constexpr int64_t kGemvMaxWeightBytes = int64_t{64} << 20;
-  constexpr int32_t kLinearGemvMaxM = 8;
   const int64_t weight_bytes = int64_t{p.n} * p.k * 2;
-  if (p.m <= kLinearGemvMaxM && weight_bytes <= kGemvMaxWeightBytes && p.k % 8 == 0 &&
+  if (p.m <= k::kGemvMaxM && weight_bytes <= kGemvMaxWeightBytes && p.k % 8 == 0 &&
       k::ChooseGemvSplitK(p.m, p.n, p.k, num_sms_) == 1) {
     // pdl: the GEMV starts streaming W while the kernel before it finishes; nothing in the step
     // writes weights, and A and C are touched only after griddepcontrol.wait.
@@ -185,7 +182,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   };
 
   if (fused) {
-    // Decode at m <= 16: four GEMV nodes per layer carry the norms, the residual adds, SwiGLU and
+    // Decode at m <= 8: four GEMV nodes per layer carry the norms, the residual adds, SwiGLU and
     // (head_dim a multiple of 16) RoPE with the K/V write, so a layer is 6 graph nodes with the
     // attention's split and combine, instead of 10 (each node costs ~1.7 us at batch 1,
     // docs/gpu-facts.md, Per-step launch cost). Each fusion was measured against the separate

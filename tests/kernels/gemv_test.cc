@@ -127,8 +127,7 @@ std::vector<int> Splits(int m, int n, int k) {
 TEST(GemvTest, Bf16OutputMatchesReferenceOverShapeGrid) {
   for (const auto& [n, k] : kShapes) {
     const Weights wt(n, k, n * 7 + k);
-    // 9..16: the two-block instance (the first block full, the second partial or full).
-    for (int m : {1, 2, 3, 5, 8, 9, 13, 16}) {
+    for (int m : {1, 2, 3, 5, 8}) {
       Problem pr(wt, m, m * 131 + n + k);
       const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, n, k);
       for (int split : Splits(m, n, k)) {
@@ -149,7 +148,7 @@ TEST(GemvTest, Fp32OutputIsTighter) {
   for (const auto& [n, k] :
        std::vector<std::pair<int, int>>{{24, 40}, {1000, 520}, {2048, 8192}, {4096, 14336}}) {
     const Weights wt(n, k, n + 3 * k);
-    for (int m : {1, 5, 8, 12, 16}) {
+    for (int m : {1, 5, 8}) {
       Problem pr(wt, m, m + n);
       std::vector<double> abs_sum;
       const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, n, k, &abs_sum);
@@ -168,7 +167,7 @@ TEST(GemvTest, Fp32OutputIsTighter) {
 
 TEST(GemvTest, AccumulateAddsIntoC) {
   const Weights wt(2048, 1000, 91);
-  for (int m : {1, 3, 8, 10, 16}) {
+  for (int m : {1, 3, 8}) {
     Problem pr(wt, m, 17 * m);
     std::vector<double> abs_sum;
     const std::vector<double> product = Reference(pr.a, wt.w, nullptr, m, 2048, 1000, &abs_sum);
@@ -283,7 +282,7 @@ TEST(GemvTest, RejectsBadParams) {
     return LaunchGemv(q, nullptr);
   };
   TS_EXPECT_INVALID(with([](GemvParams& q) { q.m = 0; }), "gemv.m");
-  TS_EXPECT_INVALID(with([](GemvParams& q) { q.m = kGemvMaxM + 1; }), "gemv.m");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.m = 9; }), "gemv.m");
   TS_EXPECT_INVALID(with([](GemvParams& q) { q.n = 0; }), "gemv.n");
   TS_EXPECT_INVALID(with([](GemvParams& q) { q.k = 60; }), "gemv.k");
   TS_EXPECT_INVALID(with([](GemvParams& q) { q.k = 0; }), "gemv.k");
@@ -351,11 +350,7 @@ TEST(GemvTest, NormPrologueMatchesRmsNormThenGemv) {
     const auto nw = testing::RandomFloats(k, 0.5f, 1.5f, k);
     GuardedBuffer<__nv_bfloat16> dnw(k);
     dnw.Upload(testing::ToBf16(nw));
-    for (int m : {1, 3, 8, 11, 16}) {
-      if (k == 8192 && m > 8) {  // 16 normalised rows of 8192 do not fit
-        EXPECT_FALSE(GemvCanFuseNorm(m, k));
-        continue;
-      }
+    for (int m : {1, 3, 8}) {
       ASSERT_TRUE(GemvCanFuseNorm(m, k));
       Problem pr(wt, m, m * 7 + n);
       const std::vector<double> ref =
@@ -374,9 +369,7 @@ TEST(GemvTest, NormPrologueMatchesRmsNormThenGemv) {
       }
     }
   }
-  EXPECT_TRUE(GemvCanFuseNorm(16, 6368));  // 16 rows of 6368: 199 KB of the 200
-  EXPECT_FALSE(GemvCanFuseNorm(16, 6376));
-  EXPECT_FALSE(GemvCanFuseNorm(kGemvMaxM + 1, 64));
+  EXPECT_FALSE(GemvCanFuseNorm(8, 8256));
   EXPECT_TRUE(GemvCanFuseNorm(1, 65536));
 }
 
@@ -389,7 +382,7 @@ TEST(GemvTest, SiluMulEpilogueMatchesGateUpThenSiluMul) {
     const auto nw = testing::RandomFloats(k, 0.5f, 1.5f, k + 1);
     GuardedBuffer<__nv_bfloat16> dnw(k);
     dnw.Upload(testing::ToBf16(nw));
-    for (int m : {1, 3, 8, 14, 16}) {
+    for (int m : {1, 3, 8}) {
       for (int variant = 0; variant < 4; ++variant) {
         const bool norm = variant & 1;
         const int split = variant >> 1;  // 0: warp tiles, 1: shared tiles
@@ -567,7 +560,7 @@ TEST(GemvTest, RopeKvEpilogueMatchesGemvThenRopeKv) {
   // Llama-1B and 8B attention, the fixtures' head_dim 16, an odd k; slots out of order.
   for (const RopeCase& rc : {RopeCase{32, 8, 64, 2048}, RopeCase{32, 8, 128, 4096},
                              RopeCase{4, 2, 16, 64}, RopeCase{6, 2, 128, 520}}) {
-    for (int m : {1, 3, 8, 16}) {
+    for (int m : {1, 3, 8}) {
       std::vector<int32_t> slots;
       for (int i = 0; i < m; ++i) slots.push_back(i == 1 ? -1 : (i * 29 + 7) % 96);
       for (bool norm : {false, true}) {
