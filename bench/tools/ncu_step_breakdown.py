@@ -9,7 +9,11 @@ launch gaps excluded, so (graph step time - sum) is what the graph's node-to-nod
   ncu --graph-profiling node --clock-control none --cache-control none \\
       --metrics gpu__time_duration.sum --csv --page raw \\
       tailserve-bench --shapes 1b --batches 1 --new_tokens 16 > ncu.csv
-  python3 bench/tools/ncu_step_breakdown.py ncu.csv
+  python3 bench/tools/ncu_step_breakdown.py ncu.csv [--skip_steps N]
+
+--skip_steps N leaves out every kernel up to and including the N-th PostprocessKernel (the
+prefill's sampling pass ends with one too, so N = 2 drops the prefill and the first decode step),
+so the table is decode steps alone.
 """
 import collections
 import csv
@@ -18,7 +22,13 @@ import sys
 
 
 def main():
-    rows = list(csv.reader(open(sys.argv[1], errors="replace")))
+    args = sys.argv[1:]
+    skip = 0
+    if "--skip_steps" in args:
+        i = args.index("--skip_steps")
+        skip = int(args[i + 1])
+        del args[i:i + 2]
+    rows = list(csv.reader(open(args[0], errors="replace")))
     head = next(i for i, r in enumerate(rows) if "Kernel Name" in r and "gpu__time_duration.sum" in r)
     cols = rows[head]
     name_i, t_i = cols.index("Kernel Name"), cols.index("gpu__time_duration.sum")
@@ -26,6 +36,7 @@ def main():
     scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1e-3)
     total = collections.defaultdict(float)
     count = collections.Counter()
+    seen = 0  # PostprocessKernels so far
     for r in rows[head + 2:]:
         if len(r) <= max(name_i, t_i):
             continue
@@ -36,6 +47,9 @@ def main():
         # "void ts::kernels::(anonymous namespace)::GemvKernel(...)" -> "GemvKernel"
         m = re.search(r"(\w+)\s*(?:<[^()]*>)?\s*\(", r[name_i].replace("(anonymous namespace)", ""))
         name = m.group(1) if m else r[name_i][:40]
+        if seen < skip:
+            seen += name == "PostprocessKernel"
+            continue
         total[name] += us
         count[name] += 1
     steps = max(1, count.get("PostprocessKernel", 1))
