@@ -578,6 +578,139 @@ TEST(DecodeAttentionTest, PdlReadsTheCurrentTokenOnlyAfterTheWait) {
   }
 }
 
+// RoPE inside the attention kernel (DecodeAttentionParams::rope) against rope_kv followed by the
+// plain kernel, on the same unrotated qkv rows at real positions: the output and the whole cache
+// must be bitwise equal, in every mode, for each head_dim (16 rotates across lanes, 64 and 128
+// within one) and GQA groups of 1, 4 and 8. The new token's cache entries are poisoned before each
+// launch, so a tile that read them before writing them, or a missing write, shows. Sequence 2 is
+// a padding row (context 0, kNoKvWrite) and writes nothing; a bad slot is flagged and skipped.
+TEST(DecodeAttentionTest, RopeInTheKernelIsBitwiseRopeKvThenAttention) {
+  struct Case {
+    Heads heads;
+    int d;
+  };
+  for (const Case& c : {Case{{32, 8}, 128}, Case{{8, 8}, 64}, Case{{16, 2}, 64}, Case{{4, 2}, 16},
+                        Case{{64, 8}, 128}}) {
+    const Heads heads = c.heads;
+    const int d = c.d;
+    SCOPED_TRACE(absl::StrCat("q heads ", heads.q, ", kv heads ", heads.kv, ", head_dim ", d));
+    const std::vector<int32_t> ctx = {1, 17, 0, 300, 1000, 64, 4000};
+    const DecodeHarness h(heads, d, ctx, 31 + d + heads.q);
+    const PagedKv& kv = h.kv();
+    const int n = h.num_seqs(), width = (heads.q + 2 * heads.kv) * d;
+    // Unrotated rows, as the qkv GEMM leaves them; positions far from 0 so the rotation matters.
+    const std::vector<float> qkv = HashedValues(size_t(n) * width, 97 + d, 2.f);
+    std::vector<int32_t> positions(n), slots(n);
+    for (int s = 0; s < n; ++s) {
+      const int cur = ctx[s] - 1;
+      positions[s] = cur < 0 ? 0 : cur + 37 * s;  // any position: RoPE only needs it per row
+      slots[s] =
+          cur < 0 ? kNoKvWrite
+                  : kv.tables[size_t(s) * kv.max_blocks_per_seq + cur / kBlockSize] * kBlockSize +
+                        cur % kBlockSize;
+    }
+    GuardedBuffer<__nv_bfloat16> dqkv(qkv.size());
+    GuardedBuffer<int32_t> dpos(n), dslots(n);
+    ModelConfig config;
+    config.head_dim = d;
+    config.rope_theta = 500000.0f;
+    const absl::StatusOr<std::vector<float>> inv = ts::RopeInvFreq(config);
+    ASSERT_TRUE(inv.ok()) << inv.status();
+    GuardedBuffer<float> dinv(inv->size());
+    dqkv.Upload(ToBf16(qkv));
+    dpos.Upload(positions);
+    dslots.Upload(slots);
+    dinv.Upload(*inv);
+    RopeKvParams rope;
+    rope.qkv = dqkv.get();
+    rope.q_out = h.q_device();
+    rope.positions = dpos.get();
+    rope.slot_mapping = dslots.get();
+    rope.inv_freq = dinv.get();
+    rope.k_cache = h.k_device();
+    rope.v_cache = h.v_device();
+    rope.layout = KvLayout{kv.num_blocks, heads.kv, kBlockSize, d};
+    rope.rows = n;
+    rope.num_q_heads = heads.q;
+    ASSERT_TRUE(DecodeAttentionCanApplyRope(heads.q, heads.kv));
+
+    auto poison_new_tokens = [&] {
+      for (int s = 0; s < n; ++s) {
+        if (ctx[s] == 0) continue;
+        for (int kvh = 0; kvh < heads.kv; ++kvh) {
+          const size_t off = kv.Offset(s, kvh, ctx[s] - 1);
+          ASSERT_EQ(cudaMemset(h.k_device() + off, 0xFF, d * sizeof(__nv_bfloat16)), cudaSuccess);
+          ASSERT_EQ(cudaMemset(h.v_device() + off, 0xFF, d * sizeof(__nv_bfloat16)), cudaSuccess);
+        }
+      }
+    };
+    const size_t cache = kv.k.size();
+    auto download = [&](__nv_bfloat16* p) {
+      std::vector<uint16_t> v(cache);
+      EXPECT_EQ(cudaMemcpy(v.data(), p, cache * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      return v;
+    };
+    std::vector<uint16_t> want_k;  // the cache after the last mode's rope_kv
+    for (const ModeConfig& m : AllModes(h)) {
+      SCOPED_TRACE(m.Name());
+      // rope_kv, then the plain kernel.
+      poison_new_tokens();
+      h.Poison(nullptr);
+      ASSERT_TRUE(LaunchRopeKv(rope, nullptr).ok());
+      ASSERT_TRUE(LaunchDecodeAttention(h.Params(m), nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> want = h.Output();
+      want_k = download(h.k_device());
+      const std::vector<uint16_t> want_v = download(h.v_device());
+      // The kernel alone, from the unrotated rows.
+      poison_new_tokens();
+      h.Poison(nullptr);
+      DecodeAttentionParams p = h.Params(m);
+      p.q = nullptr;
+      p.rope = {.qkv = dqkv.get(),
+                .positions = dpos.get(),
+                .slot_mapping = dslots.get(),
+                .inv_freq = dinv.get()};
+      p.pdl = true;
+      ASSERT_TRUE(LaunchDecodeAttention(p, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> got = h.Output();
+      ASSERT_EQ(got.size(), want.size());
+      size_t diff = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        diff += std::memcmp(&got[i], &want[i], sizeof(float)) != 0;
+      }
+      EXPECT_EQ(diff, 0u) << "output elements differ from rope_kv + attention";
+      EXPECT_TRUE(download(h.k_device()) == want_k) << "k cache differs";
+      EXPECT_TRUE(download(h.v_device()) == want_v) << "v cache differs";
+      EXPECT_EQ(h.Flag(), 0);
+    }
+    // A slot outside the pool is flagged and nothing is written for it: sequence 1's new token
+    // keeps its poison, every other row gets rope_kv's bits.
+    std::vector<int32_t> bad = slots;
+    bad[1] = kv.num_blocks * kBlockSize;
+    dslots.Upload(bad);
+    DecodeAttentionParams p = h.Params({DecodeAttentionMode::kStaticSplit, 3});
+    p.q = nullptr;
+    p.rope = {.qkv = dqkv.get(),
+              .positions = dpos.get(),
+              .slot_mapping = dslots.get(),
+              .inv_freq = dinv.get()};
+    poison_new_tokens();
+    ASSERT_TRUE(LaunchDecodeAttention(p, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(h.Flag(), 1);
+    std::vector<uint16_t> expect_k = want_k;
+    for (int kvh = 0; kvh < heads.kv; ++kvh) {
+      std::fill_n(expect_k.begin() + kv.Offset(1, kvh, ctx[1] - 1), d, uint16_t{0xFFFF});
+    }
+    EXPECT_TRUE(download(h.k_device()) == expect_k) << "wrong K cache after a bad slot";
+    h.ResetFlag();
+    h.ExpectGuards();
+    EXPECT_TRUE(dqkv.GuardsIntact());
+  }
+}
+
 // Every test above pads the tables with kInvalidKvBlock and checks that the flag stays 0: no entry
 // past a context is even looked up. Here an invalid id (padding, a negative id, one past the pool)
 // sits inside sequence 0's context, as an engine off-by-one would leave it: the kernel must flag
