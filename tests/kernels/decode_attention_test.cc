@@ -662,7 +662,8 @@ TEST(DecodeAttentionTest, RopeInTheKernelIsBitwiseRopeKvThenAttention) {
       const std::vector<float> want = h.Output();
       want_k = download(h.k_device());
       const std::vector<uint16_t> want_v = download(h.v_device());
-      // The kernel alone, from the unrotated rows.
+      // The kernel alone, from the unrotated rows (rope_kv rotated k in place).
+      dqkv.Upload(ToBf16(qkv));
       poison_new_tokens();
       h.Poison(nullptr);
       DecodeAttentionParams p = h.Params(m);
@@ -690,6 +691,7 @@ TEST(DecodeAttentionTest, RopeInTheKernelIsBitwiseRopeKvThenAttention) {
     std::vector<int32_t> bad = slots;
     bad[1] = kv.num_blocks * kBlockSize;
     dslots.Upload(bad);
+    dqkv.Upload(ToBf16(qkv));
     DecodeAttentionParams p = h.Params({DecodeAttentionMode::kStaticSplit, 3});
     p.q = nullptr;
     p.rope = {.qkv = dqkv.get(),
