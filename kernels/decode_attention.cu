@@ -79,23 +79,25 @@ struct MergeSmem {
 
 // Loads kWords 32-bit words of one row for this lane from element `off` of `row`: one or two
 // words in a single load, otherwise 16-byte pieces kStride elements apart. Zeros when !valid
-// (nothing is read). Cached in L2 only (ld.global.cg): each K/V element is read once per tile,
-// and unlike the read-only path (ld.global.nc) these loads see stores made earlier in this kernel
-// by the same CTA (the new token's K/V, with RoPE in the kernel), after a CTA barrier.
+// (nothing is read). Ordinary loads, cached in L1: unlike the read-only path (ld.global.nc) they
+// see stores made earlier in this kernel by the same CTA (the new token's K/V, with RoPE in the
+// kernel), after a CTA barrier. L1 matters: a row's four 64-byte pieces share 128-byte lines, and
+// caching only in L2 (ld.global.cg) measured 6-7% slower at 64 x 160 and 32 x 100-4000 tokens
+// (bench/results/2026-12-02b-h200.md).
 template <int kWords, int kStride>
 __device__ __forceinline__ void LoadWords(const __nv_bfloat16* row, int off, bool valid,
                                           uint32_t (&w)[kWords]) {
   if constexpr (kWords == 1) {
-    w[0] = valid ? __ldcg(reinterpret_cast<const unsigned int*>(row + off)) : 0u;
+    w[0] = valid ? *reinterpret_cast<const uint32_t*>(row + off) : 0u;
   } else if constexpr (kWords == 2) {
-    const uint2 v = valid ? __ldcg(reinterpret_cast<const uint2*>(row + off)) : make_uint2(0, 0);
+    const uint2 v = valid ? *reinterpret_cast<const uint2*>(row + off) : make_uint2(0, 0);
     w[0] = v.x;
     w[1] = v.y;
   } else {
 #pragma unroll
     for (int i = 0; i < kWords / 4; ++i) {
-      const uint4 v = valid ? __ldcg(reinterpret_cast<const uint4*>(row + kStride * i + off))
-                            : make_uint4(0, 0, 0, 0);
+      const uint4 v =
+          valid ? *reinterpret_cast<const uint4*>(row + kStride * i + off) : make_uint4(0, 0, 0, 0);
       w[4 * i] = v.x;
       w[4 * i + 1] = v.y;
       w[4 * i + 2] = v.z;
