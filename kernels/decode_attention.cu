@@ -77,27 +77,35 @@ struct MergeSmem {
   RopeCosSin rope[D / 2];  // the tile's sequence's angles (rope only)
 };
 
+// The read-only path (ld.global.nc), except for `fresh` rows: the new token's K/V, which this
+// CTA stored itself earlier in the kernel (RoPE in the kernel), need an ordinary load to be seen
+// after the CTA barrier. Per row, not per tile: ordinary loads for a whole range measured 6-15%
+// slower (tailserve-attn-bench, 64 x 160 and 32 x 100-4000 tokens;
+// bench/results/2026-12-02b-h200.md).
+template <typename T>
+__device__ __forceinline__ T LoadRow(const T* p, bool fresh) {
+  return fresh ? *p : __ldg(p);
+}
+
 // Loads kWords 32-bit words of one row for this lane from element `off` of `row`: one or two
 // words in a single load, otherwise 16-byte pieces kStride elements apart. Zeros when !valid
-// (nothing is read). Ordinary loads, cached in L1: unlike the read-only path (ld.global.nc) they
-// see stores made earlier in this kernel by the same CTA (the new token's K/V, with RoPE in the
-// kernel), after a CTA barrier. L1 matters: a row's four 64-byte pieces share 128-byte lines, and
-// caching only in L2 (ld.global.cg) measured 6-7% slower at 64 x 160 and 32 x 100-4000 tokens
-// (bench/results/2026-12-02b-h200.md).
+// (nothing is read).
 template <int kWords, int kStride>
 __device__ __forceinline__ void LoadWords(const __nv_bfloat16* row, int off, bool valid,
-                                          uint32_t (&w)[kWords]) {
+                                          uint32_t (&w)[kWords], bool fresh = false) {
   if constexpr (kWords == 1) {
-    w[0] = valid ? *reinterpret_cast<const uint32_t*>(row + off) : 0u;
+    w[0] = valid ? LoadRow(reinterpret_cast<const uint32_t*>(row + off), fresh) : 0u;
   } else if constexpr (kWords == 2) {
-    const uint2 v = valid ? *reinterpret_cast<const uint2*>(row + off) : make_uint2(0, 0);
+    const uint2 v =
+        valid ? LoadRow(reinterpret_cast<const uint2*>(row + off), fresh) : make_uint2(0, 0);
     w[0] = v.x;
     w[1] = v.y;
   } else {
 #pragma unroll
     for (int i = 0; i < kWords / 4; ++i) {
-      const uint4 v =
-          valid ? *reinterpret_cast<const uint4*>(row + kStride * i + off) : make_uint4(0, 0, 0, 0);
+      const uint4 v = valid
+                          ? LoadRow(reinterpret_cast<const uint4*>(row + kStride * i + off), fresh)
+                          : make_uint4(0, 0, 0, 0);
       w[4 * i] = v.x;
       w[4 * i + 1] = v.y;
       w[4 * i + 2] = v.z;
@@ -113,8 +121,8 @@ __device__ __forceinline__ void LoadWords(const __nv_bfloat16* row, int off, boo
 // load: 16-byte piece i of lane t covers dims [32i + 8t, 32i + 8t + 8).
 template <int D>
 __device__ __forceinline__ void LoadKRow(const __nv_bfloat16* row, int t, bool valid,
-                                         uint32_t (&w)[D / 8]) {
-  LoadWords<D / 8, 32>(row, (D == 16 ? 4 : 8) * t, valid, w);
+                                         uint32_t (&w)[D / 8], bool fresh = false) {
+  LoadWords<D / 8, 32>(row, (D == 16 ? 4 : 8) * t, valid, w, fresh);
 }
 
 // The rotation of rope_kv.cuh on a q row held in LoadKRow's layout: lane t's words are dims
@@ -169,8 +177,8 @@ __host__ __device__ __forceinline__ int VDim(int g, int j) {
 
 template <int D>
 __device__ __forceinline__ void LoadVRow(const __nv_bfloat16* row, int g, bool valid,
-                                         uint32_t (&w)[D / 16]) {
-  LoadWords<D / 16, 64>(row, (D == 16 ? 2 : 8) * g, valid, w);
+                                         uint32_t (&w)[D / 16], bool fresh = false) {
+  LoadWords<D / 16, 64>(row, (D == 16 ? 2 : 8) * g, valid, w, fresh);
 }
 
 // The new token of `seq`: k rotated as kernels/rope_kv.cuh rotates it, and v, into the cache at
@@ -198,7 +206,7 @@ __device__ __forceinline__ void WriteNewToken(const DecodeArgs& a, int seq, int 
       a.v_cache[at + i + D / 2] = v_new[i + D / 2];
     }
   }
-  __syncthreads();  // the stores are visible to the whole CTA's (coherent) loads after it
+  __syncthreads();  // the stores are visible to the whole CTA (LoadRow with fresh) after it
 }
 
 // One tile: query heads [hc*kHeads, hc*kHeads + nh) of kv head `kvh`'s group, tokens of split
@@ -236,7 +244,7 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
   const int64_t head_stride = static_cast<int64_t>(D) << a.block_shift;
   const int64_t block_stride = head_stride * a.num_kv_heads;
   // The tile that holds the new token writes its K/V (rope only; one tile per kv head and split,
-  // DecodeAttentionCanApplyRope) before it reads its range (LoadWords sees the stores).
+  // DecodeAttentionCanApplyRope) before it reads its range (LoadRow sees the stores).
   const bool writes_new = rope && t_begin <= ctx - 1 && ctx - 1 < t_end;
   const __nv_bfloat16* q_row = a.q + static_cast<int64_t>(seq) * a.q_row_stride;
   if (rope) {
@@ -252,6 +260,7 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
   LoadKRow<D>(q_row + static_cast<int64_t>(q_head) * D, t, g < nh, qb);
   if (rope) RotateQ<D>(qb, t, sm.rope);
 
+  const int fresh_tok = writes_new ? ctx - 1 : -1;  // the token this CTA has just written
   const int32_t* bt = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
   const __nv_bfloat16* kbase = a.k_cache + kvh * head_stride;
   const __nv_bfloat16* vbase = a.v_cache + kvh * head_stride;
@@ -290,13 +299,13 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int tok = base + krow[r];
-      LoadKRow<D>(kbase + row_at(kblk[r], tok), t, tok < t_end, kw[r]);
+      LoadKRow<D>(kbase + row_at(kblk[r], tok), t, tok < t_end, kw[r], tok == fresh_tok);
     }
     uint32_t vw[4][D / 16];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int tok = base + vrow[r];
-      LoadVRow<D>(vbase + row_at(vblk[r], tok), g, tok < t_end, vw[r]);
+      LoadVRow<D>(vbase + row_at(vblk[r], tok), g, tok < t_end, vw[r], tok == fresh_tok);
     }
     const int next = base + kStride;
 #pragma unroll
