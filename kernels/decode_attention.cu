@@ -8,9 +8,7 @@
 #include "common/status.h"
 #include "kernels/attention_combine.cuh"
 #include "kernels/attention_common.cuh"
-#include "kernels/bf16_vec.cuh"
 #include "kernels/cuda_check.h"
-#include "kernels/kv_layout.cuh"
 #include "kernels/pdl.cuh"
 
 namespace ts::kernels {
@@ -34,21 +32,16 @@ constexpr size_t kCounterBytes = kDecodeAttentionCounterBytes;
 constexpr int kMaxWorkQueueSeqs = 4096;
 
 struct DecodeArgs {
-  // [num_seqs, q_row_stride]: q rows, or with rope the fused qkv rows (q heads first)
-  const __nv_bfloat16* q;
-  int64_t q_row_stride;         // num_q_heads * D, or (num_q_heads + 2 num_kv_heads) * D
-  __nv_bfloat16* k_cache;       // [num_blocks, num_kv_heads, block_size, D]
-  __nv_bfloat16* v_cache;       // [num_blocks, num_kv_heads, block_size, D]
-  const int32_t* positions;     // [num_seqs], rope only (nullptr: q is already rotated)
-  const int32_t* slot_mapping;  // [num_seqs], rope only
-  const float* inv_freq;        // [D / 2], rope only
-  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
-  const int32_t* context_lens;  // [num_seqs]
-  __nv_bfloat16* out;           // [num_seqs, num_q_heads, D]; written here at one split
-  float* partial_out;           // [num_seqs, num_q_heads, max_splits, D]
-  float* partial_lse;           // [num_seqs, num_q_heads, max_splits]
-  uint32_t* counters;           // [2]: next tile, CTAs finished
-  int32_t* error_flag;          // [1] or nullptr: a table entry within a context is invalid
+  const __nv_bfloat16* q;        // [num_seqs, num_q_heads, D]
+  const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, D]
+  const __nv_bfloat16* v_cache;  // [num_blocks, num_kv_heads, block_size, D]
+  const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq]
+  const int32_t* context_lens;   // [num_seqs]
+  __nv_bfloat16* out;            // [num_seqs, num_q_heads, D]; written here at one split
+  float* partial_out;            // [num_seqs, num_q_heads, max_splits, D]
+  float* partial_lse;            // [num_seqs, num_q_heads, max_splits]
+  uint32_t* counters;            // [2]: next tile, CTAs finished
+  int32_t* error_flag;           // [1] or nullptr: a table entry within a context is invalid
   int32_t num_blocks;
   int32_t num_seqs;
   int32_t num_q_heads;
@@ -74,38 +67,25 @@ struct MergeSmem {
   float m[kWarps][kHeads];
   float l[kWarps][kHeads];
   float acc[kWarps][kHeads][D];
-  RopeCosSin rope[D / 2];  // the tile's sequence's angles (rope only)
 };
-
-// The read-only path (ld.global.nc), except for `fresh` rows: the new token's K/V, which this
-// CTA stored itself earlier in the kernel (RoPE in the kernel), need an ordinary load to be seen
-// after the CTA barrier. Per row, not per tile: ordinary loads for a whole range measured 6-15%
-// slower (tailserve-attn-bench, 64 x 160 and 32 x 100-4000 tokens;
-// bench/results/2026-12-02b-h200.md).
-template <typename T>
-__device__ __forceinline__ T LoadRow(const T* p, bool fresh) {
-  return fresh ? *p : __ldg(p);
-}
 
 // Loads kWords 32-bit words of one row for this lane from element `off` of `row`: one or two
 // words in a single load, otherwise 16-byte pieces kStride elements apart. Zeros when !valid
 // (nothing is read).
 template <int kWords, int kStride>
 __device__ __forceinline__ void LoadWords(const __nv_bfloat16* row, int off, bool valid,
-                                          uint32_t (&w)[kWords], bool fresh = false) {
+                                          uint32_t (&w)[kWords]) {
   if constexpr (kWords == 1) {
-    w[0] = valid ? LoadRow(reinterpret_cast<const uint32_t*>(row + off), fresh) : 0u;
+    w[0] = valid ? __ldg(reinterpret_cast<const uint32_t*>(row + off)) : 0u;
   } else if constexpr (kWords == 2) {
-    const uint2 v =
-        valid ? LoadRow(reinterpret_cast<const uint2*>(row + off), fresh) : make_uint2(0, 0);
+    const uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(row + off)) : make_uint2(0, 0);
     w[0] = v.x;
     w[1] = v.y;
   } else {
 #pragma unroll
     for (int i = 0; i < kWords / 4; ++i) {
-      const uint4 v = valid
-                          ? LoadRow(reinterpret_cast<const uint4*>(row + kStride * i + off), fresh)
-                          : make_uint4(0, 0, 0, 0);
+      const uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(row + kStride * i + off))
+                            : make_uint4(0, 0, 0, 0);
       w[4 * i] = v.x;
       w[4 * i + 1] = v.y;
       w[4 * i + 2] = v.z;
@@ -121,46 +101,8 @@ __device__ __forceinline__ void LoadWords(const __nv_bfloat16* row, int off, boo
 // load: 16-byte piece i of lane t covers dims [32i + 8t, 32i + 8t + 8).
 template <int D>
 __device__ __forceinline__ void LoadKRow(const __nv_bfloat16* row, int t, bool valid,
-                                         uint32_t (&w)[D / 8], bool fresh = false) {
-  LoadWords<D / 8, 32>(row, (D == 16 ? 4 : 8) * t, valid, w, fresh);
-}
-
-// The rotation of rope_kv.cuh on a q row held in LoadKRow's layout: lane t's words are dims
-// 32 i + 8 t + [0, 8) (D >= 64), so each dim's rotation partner (d + D/2) sits in the same lane,
-// D / 64 pieces further; for D = 16 lane t holds dims 4t..4t+3 and its partner lane is t ^ 2.
-template <int D>
-__device__ __forceinline__ void RotateQ(uint32_t (&w)[D / 8], int t, const RopeCosSin* cs) {
-  auto lo = [](uint32_t x) { return __bfloat162float(__ushort_as_bfloat16(x & 0xffffu)); };
-  auto hi = [](uint32_t x) { return __bfloat162float(__ushort_as_bfloat16(x >> 16)); };
-  if constexpr (D == 16) {
-    const bool first = t < 2;  // dims < 8: the x1 of their pairs
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const uint32_t other = __shfl_xor_sync(0xffffffffu, w[j], 2);
-      const uint32_t x1 = first ? w[j] : other, x2 = first ? other : w[j];
-      const int i = 4 * (t & 1) + 2 * j;  // angle index of the word's first dim
-      float a1, a2, b1, b2;
-      RopeRotate(lo(x1), lo(x2), cs[i], a1, a2);
-      RopeRotate(hi(x1), hi(x2), cs[i + 1], b1, b2);
-      w[j] = first ? PackBf16(a1, b1) : PackBf16(a2, b2);
-    }
-  } else {
-    constexpr int kPairPieces = D / 64;  // pieces of the first half
-#pragma unroll
-    for (int piece = 0; piece < kPairPieces; ++piece) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t& x1 = w[4 * piece + j];
-        uint32_t& x2 = w[4 * (piece + kPairPieces) + j];
-        const int i = 32 * piece + 8 * t + 2 * j;
-        float a1, a2, b1, b2;
-        RopeRotate(lo(x1), lo(x2), cs[i], a1, a2);
-        RopeRotate(hi(x1), hi(x2), cs[i + 1], b1, b2);
-        x1 = PackBf16(a1, b1);
-        x2 = PackBf16(a2, b2);
-      }
-    }
-  }
+                                         uint32_t (&w)[D / 8]) {
+  LoadWords<D / 8, 32>(row, (D == 16 ? 4 : 8) * t, valid, w);
 }
 
 // O^T's rows are output dims, also permuted: lane group g owns D/8 contiguous dims of every V row
@@ -177,36 +119,8 @@ __host__ __device__ __forceinline__ int VDim(int g, int j) {
 
 template <int D>
 __device__ __forceinline__ void LoadVRow(const __nv_bfloat16* row, int g, bool valid,
-                                         uint32_t (&w)[D / 16], bool fresh = false) {
-  LoadWords<D / 16, 64>(row, (D == 16 ? 2 : 8) * g, valid, w, fresh);
-}
-
-// The new token of `seq`: k rotated as kernels/rope_kv.cuh rotates it, and v, into the cache at
-// the row's slot, by the whole CTA, then a barrier so that its loads see them.
-template <int D>
-__device__ __forceinline__ void WriteNewToken(const DecodeArgs& a, int seq, int kvh,
-                                              const __nv_bfloat16* q_row, const RopeCosSin* cs) {
-  const int32_t slot = a.slot_mapping[seq];
-  const bool slot_ok = slot >= 0 && static_cast<int64_t>(slot) <
-                                        (static_cast<int64_t>(a.num_blocks) << a.block_shift);
-  if (!slot_ok && slot != kNoKvWrite && threadIdx.x == 0 && a.error_flag != nullptr)
-    *a.error_flag = 1;
-  if (slot_ok) {
-    const int64_t head_stride = static_cast<int64_t>(D) << a.block_shift;
-    const int64_t at = (slot >> a.block_shift) * head_stride * a.num_kv_heads + kvh * head_stride +
-                       static_cast<int64_t>(slot & ((1 << a.block_shift) - 1)) * D;
-    const __nv_bfloat16* k_new = q_row + static_cast<int64_t>(a.num_q_heads + kvh) * D;
-    const __nv_bfloat16* v_new = k_new + static_cast<int64_t>(a.num_kv_heads) * D;
-    for (int i = threadIdx.x; i < D / 2; i += kThreads) {
-      float o1, o2;
-      RopeRotate(__bfloat162float(k_new[i]), __bfloat162float(k_new[i + D / 2]), cs[i], o1, o2);
-      a.k_cache[at + i] = __float2bfloat16_rn(o1);
-      a.k_cache[at + i + D / 2] = __float2bfloat16_rn(o2);
-      a.v_cache[at + i] = v_new[i];
-      a.v_cache[at + i + D / 2] = v_new[i + D / 2];
-    }
-  }
-  __syncthreads();  // the stores are visible to the whole CTA (LoadRow with fresh) after it
+                                         uint32_t (&w)[D / 16]) {
+  LoadWords<D / 16, 64>(row, (D == 16 ? 2 : 8) * g, valid, w);
 }
 
 // One tile: query heads [hc*kHeads, hc*kHeads + nh) of kv head `kvh`'s group, tokens of split
@@ -230,7 +144,6 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
   const int h_first = hc * kHeads;
   const int nh = min(kHeads, a.group_size - h_first);
   const int64_t row0 = static_cast<int64_t>(seq) * a.num_q_heads + kvh * a.group_size + h_first;
-  const bool rope = a.positions != nullptr;
   if (t_begin >= t_end) {         // CTA-uniform: nothing to attend to in this split
     if (a.geo.num_splits == 1) {  // the only split of an empty sequence: its output is zero
       for (int i = threadIdx.x; i < nh * D; i += kThreads) a.out[row0 * D + i] = 0.f;
@@ -240,28 +153,14 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
     return;
   }
 
+  // Q^T as B fragments: head g's dims in the K permutation; heads past nh are zero.
+  uint32_t qb[D / 8];
+  LoadKRow<D>(a.q + (row0 + min(g, nh - 1)) * D, t, g < nh, qb);
+
+  const int32_t* bt = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
   const int bs_mask = (1 << a.block_shift) - 1;
   const int64_t head_stride = static_cast<int64_t>(D) << a.block_shift;
   const int64_t block_stride = head_stride * a.num_kv_heads;
-  // The tile that holds the new token writes its K/V (rope only; one tile per kv head and split,
-  // DecodeAttentionCanApplyRope) before it reads its range (LoadRow sees the stores).
-  const bool writes_new = rope && t_begin <= ctx - 1 && ctx - 1 < t_end;
-  const __nv_bfloat16* q_row = a.q + static_cast<int64_t>(seq) * a.q_row_stride;
-  if (rope) {
-    const int32_t pos = a.positions[seq];
-    for (int i = threadIdx.x; i < D / 2; i += kThreads) sm.rope[i] = RopeAngle(pos, a.inv_freq[i]);
-    __syncthreads();
-    if (writes_new) WriteNewToken<D>(a, seq, kvh, q_row, sm.rope);
-  }
-
-  // Q^T as B fragments: head g's dims in the K permutation; heads past nh are zero.
-  uint32_t qb[D / 8];
-  const int q_head = kvh * a.group_size + h_first + min(g, nh - 1);
-  LoadKRow<D>(q_row + static_cast<int64_t>(q_head) * D, t, g < nh, qb);
-  if (rope) RotateQ<D>(qb, t, sm.rope);
-
-  const int fresh_tok = writes_new ? ctx - 1 : -1;  // the token this CTA has just written
-  const int32_t* bt = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
   const __nv_bfloat16* kbase = a.k_cache + kvh * head_stride;
   const __nv_bfloat16* vbase = a.v_cache + kvh * head_stride;
   // Rows this lane loads: K rows g and g+8 (its S^T rows), V rows 2t, 2t+1, 2t+8, 2t+9 (its
@@ -299,13 +198,13 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int tok = base + krow[r];
-      LoadKRow<D>(kbase + row_at(kblk[r], tok), t, tok < t_end, kw[r], tok == fresh_tok);
+      LoadKRow<D>(kbase + row_at(kblk[r], tok), t, tok < t_end, kw[r]);
     }
     uint32_t vw[4][D / 16];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int tok = base + vrow[r];
-      LoadVRow<D>(vbase + row_at(vblk[r], tok), g, tok < t_end, vw[r], tok == fresh_tok);
+      LoadVRow<D>(vbase + row_at(vblk[r], tok), g, tok < t_end, vw[r]);
     }
     const int next = base + kStride;
 #pragma unroll
@@ -521,26 +420,9 @@ absl::Status Invalid(const char* field, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat("DecodeAttentionParams.", field, " ", why));
 }
 
-absl::Status ValidateRope(const DecodeAttentionParams& p) {
-  using attention_internal::IsAligned;
-  const DecodeAttentionRope& r = p.rope;
-  if (!IsAligned(r.qkv, 16)) return Invalid("rope.qkv", "must be 16-B aligned");
-  if (r.positions == nullptr || !IsAligned(r.positions, 4))
-    return Invalid("rope.positions", "must be non-null, 4-B aligned");
-  if (r.slot_mapping == nullptr || !IsAligned(r.slot_mapping, 4))
-    return Invalid("rope.slot_mapping", "must be non-null, 4-B aligned");
-  if (r.inv_freq == nullptr || !IsAligned(r.inv_freq, 4))
-    return Invalid("rope.inv_freq", "must be non-null, 4-B aligned");
-  if (!DecodeAttentionCanApplyRope(p.num_q_heads, p.num_kv_heads))
-    return Invalid("rope", absl::StrCat("needs GQA groups of at most ", kHeads,
-                                        " query heads, got ", p.num_q_heads / p.num_kv_heads));
-  return absl::OkStatus();
-}
-
 absl::Status ValidateShape(const DecodeAttentionParams& p) {
   using attention_internal::IsAligned;
-  if (p.rope.qkv == nullptr && (p.q == nullptr || !IsAligned(p.q, 16)))
-    return Invalid("q", "must be non-null, 16-B aligned");
+  if (p.q == nullptr || !IsAligned(p.q, 16)) return Invalid("q", "must be non-null, 16-B aligned");
   if (p.k_cache == nullptr || !IsAligned(p.k_cache, 16))
     return Invalid("k_cache", "must be non-null, 16-B aligned");
   if (p.v_cache == nullptr || !IsAligned(p.v_cache, 16))
@@ -569,7 +451,6 @@ absl::Status ValidateShape(const DecodeAttentionParams& p) {
     return Invalid("error_flag", "must be 4-B aligned");
   if (p.max_splits < 1 || p.max_splits > 4096)
     return Invalid("max_splits", absl::StrCat("= ", p.max_splits, " must be in [1, 4096]"));
-  if (p.rope.qkv != nullptr) return ValidateRope(p);
   return absl::OkStatus();
 }
 
@@ -616,11 +497,6 @@ absl::Status LaunchSplitKernel(const DecodeAttentionParams& p, const DecodeArgs&
 }
 
 }  // namespace
-
-bool DecodeAttentionCanApplyRope(int32_t num_q_heads, int32_t num_kv_heads) {
-  return num_kv_heads >= 1 && num_q_heads >= num_kv_heads && num_q_heads % num_kv_heads == 0 &&
-         num_q_heads / num_kv_heads <= kHeads;
-}
 
 size_t DecodeAttentionWorkspaceBytes(int32_t num_seqs, int32_t num_q_heads, int32_t head_dim,
                                      int32_t max_splits) {
@@ -717,13 +593,7 @@ absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t 
 
   const bool queue = p.mode == DecodeAttentionMode::kWorkQueue;
   DecodeArgs a;
-  const bool rope = p.rope.qkv != nullptr;
-  a.q = rope ? p.rope.qkv : p.q;
-  a.q_row_stride =
-      static_cast<int64_t>(p.num_q_heads + (rope ? 2 * p.num_kv_heads : 0)) * p.head_dim;
-  a.positions = rope ? p.rope.positions : nullptr;
-  a.slot_mapping = rope ? p.rope.slot_mapping : nullptr;
-  a.inv_freq = rope ? p.rope.inv_freq : nullptr;
+  a.q = p.q;
   a.k_cache = p.k_cache;
   a.v_cache = p.v_cache;
   a.block_tables = p.block_tables;

@@ -12,16 +12,6 @@
 //    prefix-sums the per-sequence chunk counts itself (num_seqs is small), which saves a graph
 //    node.
 //
-// RoPE in the kernel (DecodeAttentionParams::rope): instead of reading q rotated by a rope_kv
-// kernel, each tile reads its heads of q straight from the fused QKV GEMM output and rotates them
-// itself, and the tile whose token range holds a sequence's new token (the last of its context)
-// rotates that token's k, writes k and v to the cache at the row's slot, and reads the range
-// after a CTA barrier, through coherent loads. That saves the decode step's rope_kv node per
-// layer. Rounded exactly as kernels/rope_kv.cuh, so the output and the cache are bitwise those of
-// rope_kv followed by this kernel. Needs one tile per (sequence, kv head, split), i.e. GQA groups
-// of at most 8 query heads (DecodeAttentionCanApplyRope): a second tile of the group would read
-// the new token while the first writes it.
-//
 // Graph capture: LaunchDecodeAttention enqueues exactly two kernels (split + combine; only the
 // split kernel with no_combine), allocates nothing and never reads device memory on the host. The
 // work-queue counters live in the workspace and are reset by the last CTA of each launch, so a
@@ -45,24 +35,10 @@ enum class DecodeAttentionMode : int32_t {
   kWorkQueue = 1,
 };
 
-// RoPE and the new token's K/V write inside the attention kernel (see the header comment).
-struct DecodeAttentionRope {
-  // [num_seqs, (num_q_heads + 2 num_kv_heads) head_dim], 16-B aligned: q heads, then k heads,
-  // then v heads per row, unrotated, as the fused QKV GEMM writes them. nullptr: no RoPE here.
-  const __nv_bfloat16* qkv = nullptr;
-  const int32_t* positions = nullptr;     // [num_seqs] absolute position of each row's token
-  const int32_t* slot_mapping = nullptr;  // [num_seqs] KvSlotFor; kNoKvWrite = no K/V write
-  const float* inv_freq = nullptr;        // [head_dim / 2], models/rope.h
-};
-
 struct DecodeAttentionParams {
-  // [num_seqs, num_q_heads, head_dim], RoPE applied, 16-B aligned; unused (may be null) with
-  // rope.qkv set.
-  const __nv_bfloat16* q;
-  // [num_blocks, num_kv_heads, block_size, head_dim] (kv_layout.cuh). Written only with rope.qkv
-  // set: the new token's k and v.
-  __nv_bfloat16* k_cache;
-  __nv_bfloat16* v_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
+  const __nv_bfloat16* q;        // [num_seqs, num_q_heads, head_dim], RoPE applied, 16-B aligned
+  const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, head_dim] (kv_layout.cuh)
+  const __nv_bfloat16* v_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
   // [num_seqs, max_blocks_per_seq], block ids < num_blocks for the blocks a context covers; the
   // rest is never read (the engine pads with kInvalidKvBlock).
   const int32_t* block_tables;
@@ -76,9 +52,7 @@ struct DecodeAttentionParams {
   void* workspace;
   size_t workspace_bytes = 0;
   // [1], optional: set to 1 when an entry within a context is not a block of the pool; the kernel
-  // reads block 0 for it instead (in bounds, wrong output, the step is failed). With rope.qkv, also
-  // when a slot lies outside [kNoKvWrite, num_blocks * block_size) (that token's K/V are not
-  // written), as kernels/rope_kv.cuh flags it. Never cleared.
+  // reads block 0 for it instead (in bounds, wrong output, the step is failed). Never cleared.
   int32_t* error_flag = nullptr;
 
   int32_t num_seqs = 0;
@@ -107,11 +81,7 @@ struct DecodeAttentionParams {
   // partials through the workspace). For a batch whose split count is 1 at every context length
   // (ChooseNumSplits at the longest context), so a captured graph never needs the combine node.
   bool no_combine = false;
-  DecodeAttentionRope rope{};
 };
-
-// Whether DecodeAttentionParams::rope may be used for this head layout: GQA groups of <= 8.
-bool DecodeAttentionCanApplyRope(int32_t num_q_heads, int32_t num_kv_heads);
 
 // Workspace layout: [kDecodeAttentionCounterBytes: two uint32 work-queue counters, rest padding]
 // [LSE fp32 [num_seqs, num_q_heads, max_splits], padded to 256 B]

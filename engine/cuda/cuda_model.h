@@ -276,14 +276,12 @@ class CudaModel {
   // Decode with `rows` rows runs the fused GEMV layers (norms, residual adds, SwiGLU and RoPE
   // with the K/V write inside the GEMVs) rather than rmsnorm + cuBLASLt + silu_mul nodes.
   bool FusedDecodeLayers(int32_t rows) const;
-  // `rope` (a decode step only): the attention kernel applies RoPE to f.qkv and writes the new
-  // tokens' K/V itself, in place of a rope_kv node (kernels/decode_attention.cuh).
   absl::Status EnqueueAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
-                                const Attention& attn, bool rope, cudaStream_t stream) const;
-  // Decode attention over q rows [0, rows) of f (or, with `rope`, over their unrotated qkv
-  // rows); prefill attention over the q rows from first_row on.
+                                const Attention& attn, cudaStream_t stream) const;
+  // Decode attention over q rows [0, rows) of f; prefill attention over the q rows from
+  // first_row on.
   absl::Status DecodeAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
-                               const Attention& attn, bool rope, cudaStream_t stream) const;
+                               const Attention& attn, cudaStream_t stream) const;
   absl::Status PrefillAttention(const ForwardBuffers& f, int32_t first_row,
                                 const LayerBuffers& layer, const Attention& attn,
                                 cudaStream_t stream) const;

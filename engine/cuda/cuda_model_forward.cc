@@ -73,29 +73,20 @@ bool CudaModel::FusedDecodeLayers(int32_t rows) const {
 }
 
 absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
-                                         const LayerBuffers& layer, const Attention& at, bool rope,
+                                         const LayerBuffers& layer, const Attention& at,
                                          cudaStream_t stream) const {
-  if (at.decode) return DecodeAttention(f, rows, layer, at, rope, stream);
-  if (at.decode_rows > 0) {
-    TS_RETURN_IF_ERROR(DecodeAttention(f, at.decode_rows, layer, at, false, stream));
-  }
+  if (at.decode) return DecodeAttention(f, rows, layer, at, stream);
+  if (at.decode_rows > 0) TS_RETURN_IF_ERROR(DecodeAttention(f, at.decode_rows, layer, at, stream));
   return PrefillAttention(f, at.decode_rows, layer, at, stream);
 }
 
 absl::Status CudaModel::DecodeAttention(const ForwardBuffers& f, int32_t rows,
-                                        const LayerBuffers& layer, const Attention& at, bool rope,
+                                        const LayerBuffers& layer, const Attention& at,
                                         cudaStream_t stream) const {
   const ModelDims& d = dims();
   const ArenaShape& s = plan_.shape;
   k::DecodeAttentionParams p;
   p.q = f.q;
-  if (rope) {
-    p.q = nullptr;
-    p.rope = {.qkv = f.qkv,
-              .positions = f.positions,
-              .slot_mapping = f.slot_mapping,
-              .inv_freq = dev_.inv_freq};
-  }
   p.k_cache = layer.k_cache;
   p.v_cache = layer.v_cache;
   p.block_tables = at.decode_block_tables;
@@ -185,9 +176,9 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
       return k::LaunchRopeKv(p, stream);
     });
   };
-  auto attention = [&](const LayerBuffers& layer, bool rope) {
+  auto attention = [&](const LayerBuffers& layer) {
     return RunOp(observer, "attention", stream,
-                 [&] { return EnqueueAttention(f, rows, layer, at, rope, stream); });
+                 [&] { return EnqueueAttention(f, rows, layer, at, stream); });
   };
 
   if (fused) {
@@ -226,7 +217,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
         TS_RETURN_IF_ERROR(gemv("qkv_gemm", qkv));
         TS_RETURN_IF_ERROR(rope_kv(layer));
       }
-      TS_RETURN_IF_ERROR(attention(layer, /*rope=*/false));
+      TS_RETURN_IF_ERROR(attention(layer));
       TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
                                          .w = layer.o,
                                          .c = f.h,
@@ -258,11 +249,6 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   // defined against the kernel before, and a later pipeline stage's first norm follows the copy
   // of its input instead.
   bool behind_kernel = stage().has_embedding;
-  // A decode step rotates q and k and writes the new tokens' K/V inside its attention kernel: one
-  // node a layer less than rope_kv + attention, with the same bits. Mixed and prefill steps keep
-  // rope_kv, whose rotated K the prefill attention reads.
-  const bool rope_in_attention =
-      at.decode && k::DecodeAttentionCanApplyRope(d.num_heads, d.num_kv_heads);
   auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
     const bool pdl = behind_kernel;
     behind_kernel = true;
@@ -286,8 +272,8 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
           gemm, {.a = f.xn, .w = layer.qkv, .c = f.qkv, .m = rows, .n = d.qkv_dim(), .k = d.hidden},
           stream);
     }));
-    if (!rope_in_attention) TS_RETURN_IF_ERROR(rope_kv(layer));
-    TS_RETURN_IF_ERROR(attention(layer, rope_in_attention));
+    TS_RETURN_IF_ERROR(rope_kv(layer));
+    TS_RETURN_IF_ERROR(attention(layer));
     TS_RETURN_IF_ERROR(RunOp(observer, "o_gemm", stream, [&] {
       return LaunchLinear(
           gemm, {.a = f.attn, .w = layer.o, .c = f.xn, .m = rows, .n = d.hidden, .k = d.q_dim()},
