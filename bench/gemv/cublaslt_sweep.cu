@@ -14,6 +14,12 @@
 // steps run M = 256 and up, where a GEMM also meets the tensor cores' roof, printed beside the
 // bytes' (dense bf16 at 989 TFLOP/s).
 //
+// A second table times split-K done by hand: one strided-batched GEMM over `splits` slices of K
+// that writes fp32 partials [splits, m, n] and no reduction, the heuristic's first algorithm for
+// it. A kernel of ours would then add the partials and fuse what follows (the residual add and
+// the next rmsnorm), one graph node where cuBLASLt's split-K runs its reduce kernel and then the
+// norm: it pays if batched_us stays near the heuristic's top1_us, which includes its reduce.
+//
 //   tailserve-cublaslt-sweep [M ...]
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -23,6 +29,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -92,6 +99,72 @@ std::vector<Candidate> Candidates(cublasLtHandle_t h, cublasLtMatmulDesc_t desc,
   return out;
 }
 
+// Median us of C_s = A[:, s k/splits ...] W[:, s k/splits ...]^T for s < splits, as one strided
+// batch into fp32 partials `c32` ([splits][m][n]); 0 when cuBLASLt offers no algorithm.
+float TimeBatchedSplitK(cublasLtHandle_t h, const Shape& s, int m, int splits,
+                        const __nv_bfloat16* w, size_t w_copy_elems, const __nv_bfloat16* a,
+                        float* c32, void* ws, cudaStream_t stream, cudaEvent_t e0, cudaEvent_t e1) {
+  const int64_t ks = s.k / splits;
+  cublasLtMatmulDesc_t desc;
+  CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t trans_w = CUBLAS_OP_T, trans_a = CUBLAS_OP_N;
+  CHECK(
+      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof(trans_w)));
+  CHECK(
+      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_a, sizeof(trans_a)));
+  // Column-major views of the row-major operands: W slice s is rows [s ks, s ks + ks) of the
+  // k-by-n view (leading dimension k), A slice s likewise of k-by-m; C_s is n-by-m fp32.
+  cublasLtMatrixLayout_t wl, al, cl;
+  CHECK(cublasLtMatrixLayoutCreate(&wl, CUDA_R_16BF, ks, s.n, s.k));
+  CHECK(cublasLtMatrixLayoutCreate(&al, CUDA_R_16BF, ks, m, s.k));
+  CHECK(cublasLtMatrixLayoutCreate(&cl, CUDA_R_32F, s.n, m, s.n));
+  const int32_t count = splits;
+  const int64_t c_stride = int64_t{s.n} * m;
+  for (auto [layout, stride] : {std::pair{wl, ks}, std::pair{al, ks}, std::pair{cl, c_stride}}) {
+    CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                           sizeof(count)));
+    CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                           &stride, sizeof(stride)));
+  }
+  cublasLtMatmulPreference_t pref;
+  CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  size_t ws_bytes = kWorkspaceBytes;
+  CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &ws_bytes, sizeof(ws_bytes)));
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  float median = 0.f;
+  if (cublasLtMatmulAlgoGetHeuristic(h, desc, wl, al, cl, cl, pref, 1, &res, &found) ==
+          CUBLAS_STATUS_SUCCESS &&
+      found > 0) {
+    std::vector<float> us;
+    const float alpha = 1.f, beta = 0.f;
+    for (int rep = 0; rep < 13; ++rep) {
+      const __nv_bfloat16* wp = w + size_t(rep % kCopies) * w_copy_elems;
+      CHECK(cudaEventRecord(e0, stream));
+      if (cublasLtMatmul(h, desc, &alpha, wp, wl, a, al, &beta, c32, cl, c32, cl, &res.algo, ws,
+                         kWorkspaceBytes, stream) != CUBLAS_STATUS_SUCCESS) {
+        break;
+      }
+      CHECK(cudaEventRecord(e1, stream));
+      CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (rep >= 3) us.push_back(ms * 1000);
+    }
+    if (us.size() == 10) {
+      std::sort(us.begin(), us.end());
+      median = us[us.size() / 2];
+    }
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(wl);
+  cublasLtMatrixLayoutDestroy(al);
+  cublasLtMatrixLayoutDestroy(cl);
+  cublasLtMatmulDescDestroy(desc);
+  return median;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -143,6 +216,7 @@ int main(int argc, char** argv) {
 
   std::printf("%-11s %4s %9s %9s %9s %9s %11s %s\n", "shape", "m", "top1_us", "best_us", "roof_us",
               "flop_us", "best_splits", "candidates");
+  std::vector<float> top1;  // per (m, shape), in loop order, for the second table
   for (int m : ms) {
     for (const Shape& s : shapes) {
       cublasLtMatrixLayout_t wl, al, cl;
@@ -173,6 +247,7 @@ int main(int argc, char** argv) {
       }
       const double roof =
           (double(s.n) * s.k + double(m) * (s.k + s.n)) * sizeof(__nv_bfloat16) / kRoofBytesPerUs;
+      top1.push_back(cand.empty() ? 0.f : median[0]);
       if (cand.empty()) {
         std::printf("%-11s %4d  no algorithm\n", s.name, m);
       } else {
@@ -184,6 +259,26 @@ int main(int argc, char** argv) {
       cublasLtMatrixLayoutDestroy(wl);
       cublasLtMatrixLayoutDestroy(al);
       cublasLtMatrixLayoutDestroy(cl);
+    }
+  }
+
+  constexpr int kSplits[] = {2, 4, 8};
+  float* c32;
+  CHECK(cudaMalloc(&c32, size_t{8} * kMaxM * max_n * sizeof(float)));
+  std::printf("\nsplit-K by hand: one strided-batched GEMM into fp32 partials, no reduce\n");
+  std::printf("%-11s %4s %9s %9s %9s %9s\n", "shape", "m", "top1_us", "batch2_us", "batch4_us",
+              "batch8_us");
+  size_t row = 0;
+  for (int m : ms) {
+    for (const Shape& s : shapes) {
+      std::printf("%-11s %4d %9.1f", s.name, m, top1[row++]);
+      for (int splits : kSplits) {
+        const float us = s.k % (8 * splits) == 0 ? TimeBatchedSplitK(h, s, m, splits, w, max_w, a,
+                                                                     c32, ws, stream, e0, e1)
+                                                 : 0.f;
+        std::printf(" %9.1f", us);
+      }
+      std::printf("\n");
     }
   }
   CHECK(cudaDeviceSynchronize());
