@@ -99,19 +99,32 @@ std::vector<Candidate> Candidates(cublasLtHandle_t h, cublasLtMatmulDesc_t desc,
   return out;
 }
 
+// Median us of 10 launches after 3 warm-ups, each alone between two events; launch(rep) enqueues
+// one (rotating W by rep). 0 when a launch is refused.
+template <typename Launch>
+float MedianUs(Launch launch, cudaStream_t stream, cudaEvent_t e0, cudaEvent_t e1) {
+  std::vector<float> us;
+  for (int rep = 0; rep < 13; ++rep) {
+    CHECK(cudaEventRecord(e0, stream));
+    if (launch(rep) != CUBLAS_STATUS_SUCCESS) return 0.f;
+    CHECK(cudaEventRecord(e1, stream));
+    CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (rep >= 3) us.push_back(ms * 1000);
+  }
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
 // Median us of C_s = A[:, s k/splits ...] W[:, s k/splits ...]^T for s < splits, as one strided
-// batch into fp32 partials `c32` ([splits][m][n]); 0 when cuBLASLt offers no algorithm.
-float TimeBatchedSplitK(cublasLtHandle_t h, const Shape& s, int m, int splits,
-                        const __nv_bfloat16* w, size_t w_copy_elems, const __nv_bfloat16* a,
-                        float* c32, void* ws, cudaStream_t stream, cudaEvent_t e0, cudaEvent_t e1) {
+// batch into fp32 partials `c32` ([splits][m][n]); 0 when cuBLASLt offers no algorithm. `desc` is
+// the row-major product's (the output type lives in the layouts).
+float TimeBatchedSplitK(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, const Shape& s, int m,
+                        int splits, const __nv_bfloat16* w, size_t w_copy_elems,
+                        const __nv_bfloat16* a, float* c32, void* ws, cudaStream_t stream,
+                        cudaEvent_t e0, cudaEvent_t e1) {
   const int64_t ks = s.k / splits;
-  cublasLtMatmulDesc_t desc;
-  CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t trans_w = CUBLAS_OP_T, trans_a = CUBLAS_OP_N;
-  CHECK(
-      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof(trans_w)));
-  CHECK(
-      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_a, sizeof(trans_a)));
   // Column-major views of the row-major operands: W slice s is rows [s ks, s ks + ks) of the
   // k-by-n view (leading dimension k), A slice s likewise of k-by-m; C_s is n-by-m fp32.
   cublasLtMatrixLayout_t wl, al, cl;
@@ -137,31 +150,19 @@ float TimeBatchedSplitK(cublasLtHandle_t h, const Shape& s, int m, int splits,
   if (cublasLtMatmulAlgoGetHeuristic(h, desc, wl, al, cl, cl, pref, 1, &res, &found) ==
           CUBLAS_STATUS_SUCCESS &&
       found > 0) {
-    std::vector<float> us;
     const float alpha = 1.f, beta = 0.f;
-    for (int rep = 0; rep < 13; ++rep) {
-      const __nv_bfloat16* wp = w + size_t(rep % kCopies) * w_copy_elems;
-      CHECK(cudaEventRecord(e0, stream));
-      if (cublasLtMatmul(h, desc, &alpha, wp, wl, a, al, &beta, c32, cl, c32, cl, &res.algo, ws,
-                         kWorkspaceBytes, stream) != CUBLAS_STATUS_SUCCESS) {
-        break;
-      }
-      CHECK(cudaEventRecord(e1, stream));
-      CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      if (rep >= 3) us.push_back(ms * 1000);
-    }
-    if (us.size() == 10) {
-      std::sort(us.begin(), us.end());
-      median = us[us.size() / 2];
-    }
+    median = MedianUs(
+        [&](int rep) {
+          return cublasLtMatmul(h, desc, &alpha, w + size_t(rep % kCopies) * w_copy_elems, wl, a,
+                                al, &beta, c32, cl, c32, cl, &res.algo, ws, kWorkspaceBytes,
+                                stream);
+        },
+        stream, e0, e1);
   }
   cublasLtMatmulPreferenceDestroy(pref);
   cublasLtMatrixLayoutDestroy(wl);
   cublasLtMatrixLayoutDestroy(al);
   cublasLtMatrixLayoutDestroy(cl);
-  cublasLtMatmulDescDestroy(desc);
   return median;
 }
 
@@ -227,23 +228,15 @@ int main(int argc, char** argv) {
       std::vector<float> median(cand.size(), 1e30f);
       for (size_t i = 0; i < cand.size(); ++i) {
         const float alpha = 1.f, beta = 0.f;
-        std::vector<float> us;
-        for (int rep = 0; rep < 13; ++rep) {
-          const __nv_bfloat16* wp = w + size_t(rep % kCopies) * max_w;
-          CHECK(cudaEventRecord(e0, stream));
-          if (cublasLtMatmul(h, desc, &alpha, wp, wl, a, al, &beta, c, cl, c, cl, &cand[i].algo, ws,
-                             kWorkspaceBytes, stream) != CUBLAS_STATUS_SUCCESS) {
-            break;  // a candidate the check accepted but the launch refuses: skip it
-          }
-          CHECK(cudaEventRecord(e1, stream));
-          CHECK(cudaEventSynchronize(e1));
-          float ms = 0;
-          CHECK(cudaEventElapsedTime(&ms, e0, e1));
-          if (rep >= 3) us.push_back(ms * 1000);
-        }
-        if (us.size() < 10) continue;
-        std::sort(us.begin(), us.end());
-        median[i] = us[us.size() / 2];
+        const float us = MedianUs(
+            [&](int rep) {
+              return cublasLtMatmul(h, desc, &alpha, w + size_t(rep % kCopies) * max_w, wl, a, al,
+                                    &beta, c, cl, c, cl, &cand[i].algo, ws, kWorkspaceBytes,
+                                    stream);
+            },
+            stream, e0, e1);
+        // 0: a candidate the check accepted but the launch refuses; skip it
+        if (us > 0.f) median[i] = us;
       }
       const double roof =
           (double(s.n) * s.k + double(m) * (s.k + s.n)) * sizeof(__nv_bfloat16) / kRoofBytesPerUs;
@@ -273,9 +266,10 @@ int main(int argc, char** argv) {
     for (const Shape& s : shapes) {
       std::printf("%-11s %4d %9.1f", s.name, m, top1[row++]);
       for (int splits : kSplits) {
-        const float us = s.k % (8 * splits) == 0 ? TimeBatchedSplitK(h, s, m, splits, w, max_w, a,
-                                                                     c32, ws, stream, e0, e1)
-                                                 : 0.f;
+        const float us =
+            s.k % (8 * splits) == 0
+                ? TimeBatchedSplitK(h, desc, s, m, splits, w, max_w, a, c32, ws, stream, e0, e1)
+                : 0.f;
         std::printf(" %9.1f", us);
       }
       std::printf("\n");
