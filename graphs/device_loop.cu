@@ -1,5 +1,6 @@
 #include "graphs/device_loop.cuh"
 
+#include <cstddef>
 #include <memory>
 #include <new>
 
@@ -8,6 +9,7 @@
 #include "graphs/device_graph.h"
 #include "graphs/tail_launch.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/pdl.cuh"
 
 namespace ts::graphs {
 namespace {
@@ -20,16 +22,24 @@ struct LoopKernelParams {
   DeviceLoopState* state;      // [1] host-mapped
 };
 
-__device__ void Exit(DeviceLoopState* st, int32_t reason) {
-  *static_cast<volatile int32_t*>(&st->exit_reason) = reason;
+// Thread 0 only. The next Launch's copy sets running again, stream-ordered after this loop.
+__device__ void Exit(const LoopKernelParams& p, int32_t reason) {
+  *static_cast<volatile int32_t*>(&p.state->exit_reason) = reason;
+  p.control->running = 0;
 }
 
-// One block, one thread per slot (blockDim.x a multiple of 32 covering num_slots).
+// One block, one thread per slot (blockDim.x a multiple of 32 covering num_slots). The last node
+// of every bucket's decode graph, and the only node of the start graph.
 __global__ void SchedulerKernel(LoopKernelParams p) {
   __shared__ int32_t warp_offset[kDeviceLoopMaxSlots / 32 + 1];
   __shared__ int32_t max_context;
   const DeviceLoopParams& q = p.loop;
   const int32_t tid = static_cast<int32_t>(threadIdx.x);
+  // Behind a step's postprocess: its FINISHED stores are visible after the wait.
+  kernels::GridDepWait();
+  // A decode graph the host launched itself: the host-driven mode, no loop to continue. Uniform
+  // across the block, so the barriers below are reached by all or none.
+  if (p.control->running == 0) return;
   bool active = false;
   int32_t context = 0;
   if (tid == 0) max_context = 0;
@@ -63,9 +73,7 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
   const bool pause = *static_cast<const volatile int32_t*>(&p.control->pause) != 0;
   const bool outside = max_context <= p.control->context_lo || max_context > p.control->context_hi;
   if (n == 0 || pause || outside) {
-    if (tid == 0) {
-      Exit(p.state, n == 0 ? kLoopExitIdle : pause ? kLoopExitPaused : kLoopExitContext);
-    }
+    if (tid == 0) Exit(p, n == 0 ? kLoopExitIdle : pause ? kLoopExitPaused : kLoopExitContext);
     return;
   }
   int32_t b = 0;
@@ -77,8 +85,8 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
     q.row_slots[r] = -1;
   }
   if (tid != 0) return;
-  // The tail-launched step starts after this whole grid has ended, so every row-list store above
-  // is visible to it without a barrier.
+  // The tail-launched step starts after this whole graph has ended, so every row-list store
+  // above is visible to it without a barrier.
   DeviceLoopState* st = p.state;
   // The claim is a device atomic (host-mapped memory need not support them); the host reads the
   // mirror.
@@ -86,18 +94,17 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
       atomicAdd(reinterpret_cast<unsigned long long*>(&p.control->steps), 1ull) + 1;
   *static_cast<volatile uint64_t*>(&st->steps) = step;
   *static_cast<volatile int32_t*>(&st->last_rows) = n;
-  cudaError_t err = TailLaunchBucket(q.table, q.num_buckets, b);
-  if (err == cudaSuccess)
-    err = cudaGraphLaunch(cudaGetCurrentGraphExec(), cudaStreamGraphTailLaunch);
+  // The bucket's exec ends with this kernel, which decides the step after it. When the bucket
+  // does not change, that exec is the running graph: its one pending self-launch.
+  const cudaError_t err = TailLaunchBucket(p.control->table, q.num_buckets, b);
   if (err != cudaSuccess) {
     volatile int32_t* status = &st->status;
     if (*status == 0) *status = static_cast<int32_t>(err);
-    Exit(st, kLoopExitError);
+    Exit(p, kLoopExitError);
   }
 }
 
 absl::Status Validate(const DeviceLoopParams& p) {
-  if (p.table == nullptr) return absl::InvalidArgumentError("device_loop.table is null");
   if (p.num_buckets < 1 || p.num_buckets > kDeviceLoopMaxBuckets) {
     return absl::InvalidArgumentError(absl::StrCat("device_loop.num_buckets must be in [1, ",
                                                    kDeviceLoopMaxBuckets, "], got ",
@@ -140,17 +147,30 @@ absl::StatusOr<std::unique_ptr<DeviceLoop>> DeviceLoop::Create(const DeviceLoopP
   void* staging = nullptr;
   TS_CUDA_RETURN_IF_ERROR(cudaMallocHost(&staging, sizeof(DeviceLoopControl)));
   loop->staging_ = new (staging) DeviceLoopControl();
-  const LoopKernelParams kp{
-      .loop = params, .control = loop->control_, .state = loop->state_device_};
-  const int32_t threads = (params.num_slots + 31) / 32 * 32;
-  absl::StatusOr<cudaGraphExec_t> exec = CaptureForDeviceLaunch([&](cudaStream_t s) {
-    SchedulerKernel<<<1, threads, 0, s>>>(kp);
-    return cudaGetLastError();
-  });
+  loop->params_ = params;
+  absl::StatusOr<cudaGraphExec_t> exec =
+      CaptureForDeviceLaunch([&](cudaStream_t s) { return loop->EnqueueKernel(s, /*pdl=*/false); });
   if (!exec.ok()) return exec.status();
   loop->exec_ = *exec;
   TS_CUDA_RETURN_IF_ERROR(cudaGraphUpload(loop->exec_, stream));
   return loop;
+}
+
+cudaError_t DeviceLoop::EnqueueKernel(cudaStream_t stream, bool pdl) const {
+  const LoopKernelParams kp{.loop = params_, .control = control_, .state = state_device_};
+  const int32_t threads = (params_.num_slots + 31) / 32 * 32;
+  return kernels::LaunchWithPdl(SchedulerKernel, dim3(1), dim3(threads), 0, stream, pdl, kp);
+}
+
+absl::Status DeviceLoop::EnqueueScheduler(cudaStream_t stream) const {
+  TS_CUDA_RETURN_IF_ERROR(EnqueueKernel(stream, /*pdl=*/true));
+  return absl::OkStatus();
+}
+
+absl::Status DeviceLoop::BindTable(const cudaGraphExec_t* table) {
+  if (table == nullptr) return absl::InvalidArgumentError("device_loop.table is null");
+  table_ = table;
+  return absl::OkStatus();
 }
 
 DeviceLoop::~DeviceLoop() {
@@ -165,6 +185,7 @@ DeviceLoop::~DeviceLoop() {
 }
 
 absl::Status DeviceLoop::Launch(cudaStream_t stream, int32_t context_lo, int32_t context_hi) {
+  if (table_ == nullptr) return absl::FailedPreconditionError("device loop: no table bound");
   if (Running()) return absl::FailedPreconditionError("device loop: launched while running");
   if (context_lo >= context_hi) {
     return absl::InvalidArgumentError(
@@ -172,10 +193,15 @@ absl::Status DeviceLoop::Launch(cudaStream_t stream, int32_t context_lo, int32_t
   }
   // Pinned staging, read by the copy when the stream gets there: the previous loop has exited,
   // so the previous copy has too.
+  staging_->table = table_;
   staging_->context_lo = context_lo;
   staging_->context_hi = context_hi;
-  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&control_->context_lo, &staging_->context_lo,
-                                          2 * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+  staging_->running = 1;
+  constexpr size_t kFirst = offsetof(DeviceLoopControl, table);
+  constexpr size_t kEnd = offsetof(DeviceLoopControl, running) + sizeof(int32_t);
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(reinterpret_cast<char*>(control_) + kFirst,
+                                          reinterpret_cast<const char*>(staging_) + kFirst,
+                                          kEnd - kFirst, cudaMemcpyHostToDevice, stream));
   TS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(&control_->pause, 0, sizeof(int32_t), stream));
   TS_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(exec_, stream));
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_, stream));

@@ -1,20 +1,23 @@
-// The device-resident decode loop's scheduler (docs/device-loop.md): a kernel in a device graph
-// of its own that, at every step boundary,
+// The device-resident decode loop's scheduler (docs/device-loop.md): a kernel that runs as the
+// last node of every bucket's decode graph and, at every step boundary,
 //   1. turns the slots a prefill made READY into ACTIVE (the publish point),
 //   2. compacts the ACTIVE slots, in ascending slot order, into the decode row list,
 //   3. exits when no slot is ACTIVE, the host asked for a pause, or the longest context left the
 //      window the graphs' attention regime was chosen for (it never spins idle),
 //   4. otherwise claims the step (atomicAdd on the step counter), picks the smallest bucket that
-//      holds the rows, tail-launches that bucket's current exec from the GraphCache's device
-//      table, and tail-launches itself (cudaGetCurrentGraphExec) to decide the next step.
-// Tail launches run after the launching graph ends, in enqueue order, so "step, then scheduler"
-// is exactly one decode step after another with no host call between them; a host event after
-// Launch completes once the loop has exited (graphs/tail_launch.cuh has the rules).
+//      holds the rows, and tail-launches that bucket's current exec from the GraphCache's device
+//      table, whose own last node is this kernel again.
+// A tail launch runs after the launching graph ends, so this is one decode step after another
+// with one graph boundary between two steps and no host call. The loop starts from a graph of
+// its own holding only this kernel (Launch); a host event after it completes once the loop has
+// exited (graphs/tail_launch.cuh has the rules). A decode graph the host launches itself (the
+// host-driven mode) finds the loop not running and its scheduler node returns at once.
 //
 // The loop shares only device memory with the host: the slot table's state words (the host
 // stages a slot as PREFILL, the prefill's postprocess makes it READY or FINISHED, a decode
-// step's postprocess makes it FINISHED), the pause word (written by the host with an async
-// memset on another stream) and the step counter, mirrored into host-mapped memory each step.
+// step's postprocess makes it FINISHED), the control block (written by the host with async
+// copies and memsets on another stream) and the step counter, mirrored into host-mapped memory
+// each step.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,16 +41,20 @@ inline constexpr int32_t kLoopExitPaused = 2;   // the host asked
 inline constexpr int32_t kLoopExitError = 3;    // a device-side launch failed (status says which)
 inline constexpr int32_t kLoopExitContext = 4;  // the longest context left the launch's window
 
-// Device memory, written by the host only through async memsets.
+// Device memory, written by the host only through async copies and memsets.
 struct DeviceLoopControl {
   int32_t pause = 0;  // non-zero: the loop exits at the next step boundary
   int32_t reserved = 0;
   uint64_t steps = 0;  // the step counter the scheduler claims steps on (atomicAdd)
+  // Written by Launch (one copy), cleared by the scheduler when the loop exits.
+  const cudaGraphExec_t* table = nullptr;  // [num_buckets] device: GraphCache::device_table()
   // The loop runs steps only while the longest ACTIVE context (prompt_len + generated) is in
   // (context_lo, context_hi]: the graphs' attention split counts were chosen for that window,
   // and the host re-chooses them at exactly the step where the host-driven mode would.
   int32_t context_lo = 0;
   int32_t context_hi = 0;
+  int32_t running = 0;  // 1 from Launch until the exit: a scheduler node that sees 0 does nothing
+  int32_t padding = 0;
 };
 
 // Host-mapped; written by the scheduler kernel, read by the host at any time (volatile).
@@ -60,7 +67,6 @@ struct DeviceLoopState {
 };
 
 struct DeviceLoopParams {
-  const cudaGraphExec_t* table = nullptr;       // [num_buckets] device: GraphCache::device_table()
   int32_t num_buckets = 0;                      // [1, kDeviceLoopMaxBuckets]
   int32_t buckets[kDeviceLoopMaxBuckets] = {};  // batch sizes, ascending, as the cache's
   kernels::SlotRow* slots = nullptr;            // [num_slots] device slot table
@@ -68,21 +74,31 @@ struct DeviceLoopParams {
   int32_t* row_slots = nullptr;  // [buckets.back()] device: the decode row list the step reads
 };
 
-// Owns the scheduler graph (captured once, instantiated for device launch, uploaded), the pause
-// word and the host-mapped state. One owner thread.
+// Owns the start graph (the scheduler kernel alone, captured once, instantiated for device launch,
+// uploaded), the control block and the host-mapped state. One owner thread. The order of use:
+// Create; capture each bucket's decode graph ending with EnqueueScheduler; BindTable with the
+// cache's device table; then Launch, RequestPause and Wait as often as needed.
 class DeviceLoop {
  public:
-  // Validates params (InvalidArgument naming the field) and builds the graph on `stream`.
+  // Validates params (InvalidArgument naming the field) and builds the start graph on `stream`.
   static absl::StatusOr<std::unique_ptr<DeviceLoop>> Create(const DeviceLoopParams& params,
                                                             cudaStream_t stream);
   ~DeviceLoop();
   DeviceLoop(const DeviceLoop&) = delete;
   DeviceLoop& operator=(const DeviceLoop&) = delete;
 
+  // Enqueues the scheduler kernel on `stream`, which is capturing a bucket's decode graph: it
+  // must be that graph's last node. Launched with PDL (kernels/pdl.cuh) behind the node before
+  // it, whose writes (the slot states a postprocess finished) it waits for.
+  absl::Status EnqueueScheduler(cudaStream_t stream) const;
+  // The device table the scheduler launches bucket execs from (GraphCache::device_table(), whose
+  // graphs end with EnqueueScheduler). InvalidArgument for nullptr.
+  absl::Status BindTable(const cudaGraphExec_t* table);
+
   // Starts the loop on `stream` (clearing the pause word first) for contexts in
-  // (context_lo, context_hi] (DeviceLoopControl). FailedPrecondition if the previous loop has
-  // not exited. Every bucket exec the loop can reach must be uploaded and must not be updated
-  // until the loop has exited.
+  // (context_lo, context_hi] (DeviceLoopControl). FailedPrecondition if no table is bound or the
+  // previous loop has not exited. Every bucket exec the loop can reach must be uploaded and must
+  // not be updated until the loop has exited.
   absl::Status Launch(cudaStream_t stream, int32_t context_lo = 0, int32_t context_hi = INT32_MAX);
   // Asks the running loop to exit at the next step boundary, through an async memset on
   // `control_stream` (not the loop's stream, which the loop occupies). Does not wait.
@@ -99,9 +115,12 @@ class DeviceLoop {
 
  private:
   DeviceLoop() = default;
+  cudaError_t EnqueueKernel(cudaStream_t stream, bool pdl) const;
   cudaGraphExec_t exec_ = nullptr;
-  DeviceLoopControl* control_ = nullptr;     // [1] device
-  DeviceLoopControl* staging_ = nullptr;     // [1] pinned: Launch's context window
+  const cudaGraphExec_t* table_ = nullptr;  // BindTable
+  DeviceLoopControl* control_ = nullptr;    // [1] device
+  DeviceLoopControl* staging_ = nullptr;    // [1] pinned: Launch's table, window and running
+  DeviceLoopParams params_;
   DeviceLoopState* state_host_ = nullptr;    // [1] pinned, mapped
   DeviceLoopState* state_device_ = nullptr;  // its device alias
   cudaEvent_t done_ = nullptr;

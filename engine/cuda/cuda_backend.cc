@@ -188,7 +188,9 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
     // Every stage holds KV for the same sequences under the engine's block ids.
     info_.num_kv_blocks = std::min(info_.num_kv_blocks, u.model->plan().shape.num_kv_blocks);
   }
-  TS_ASSIGN_OR_RETURN(graphs_, BuildGraphs(options_, *model_, options_.device, stream_));
+  if (options_.device_loop) TS_RETURN_IF_ERROR(InitLoop());
+  TS_ASSIGN_OR_RETURN(graphs_,
+                      BuildGraphs(options_, *model_, options_.device, stream_, loop_.get()));
   for (Upstream& u : upstream_) {
     TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(u.device));
     TS_ASSIGN_OR_RETURN(u.graphs, BuildGraphs(options_, *u.model, u.device, u.stream));
@@ -206,7 +208,7 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
     pipeline_ = std::make_unique<StagePipeline>(std::move(views), links_.get());
     LogStages();
   }
-  if (options_.device_loop) TS_RETURN_IF_ERROR(InitLoop());
+  if (options_.device_loop) TS_RETURN_IF_ERROR(BindLoop());
   return absl::OkStatus();
 }
 
@@ -234,7 +236,8 @@ void CudaBackend::LogStages() const {
 }
 
 absl::StatusOr<std::unique_ptr<graphs::GraphCache>> CudaBackend::BuildGraphs(
-    const CudaBackendOptions& options, CudaModel& model, int device, cudaStream_t stream) {
+    const CudaBackendOptions& options, CudaModel& model, int device, cudaStream_t stream,
+    const graphs::DeviceLoop* loop) {
   // One decode graph per bucket. The regime's max_context_len picks each bucket's attention
   // split count; attention_num_splits (the smallest bucket's count) caps it, so the regime
   // value that changes is what the exec update carries.
@@ -248,14 +251,19 @@ absl::StatusOr<std::unique_ptr<graphs::GraphCache>> CudaBackend::BuildGraphs(
                       .max_context_len = bound};
   g.log_progress = options.log_progress;
   CudaModel* m = &model;
-  g.capture = [m](const graphs::CaptureContext& ctx, cudaStream_t s) -> absl::Status {
+  g.capture = [m, loop](const graphs::CaptureContext& ctx, cudaStream_t s) -> absl::Status {
     const int32_t splits =
         std::max(1, std::min(ctx.regime.attention_num_splits,
                              m->NumSplits(ctx.bucket, ctx.regime.max_context_len)));
     // A pipeline stage's graph is its part of the step: the last stage's prepare runs before
     // the first stage's graph (LaunchStep).
-    if (m->whole_model()) return m->EnqueueDecodeStep(ctx.bucket, splits, s, m->capture_observer());
-    return m->EnqueueStageDecode(ctx.bucket, splits, s, m->capture_observer());
+    if (!m->whole_model())
+      return m->EnqueueStageDecode(ctx.bucket, splits, s, m->capture_observer());
+    TS_RETURN_IF_ERROR(m->EnqueueDecodeStep(ctx.bucket, splits, s, m->capture_observer()));
+    // The loop's next step is decided and launched from this step's own last node, so two steps
+    // are one graph boundary apart (docs/device-loop.md, One step boundary).
+    if (loop != nullptr) TS_RETURN_IF_ERROR(loop->EnqueueScheduler(s));
+    return absl::OkStatus();
   };
   auto cache = std::make_unique<graphs::GraphCache>(std::move(g));
   TS_RETURN_IF_ERROR(cache->Build(stream));

@@ -211,9 +211,11 @@ class CudaBackend : public Backend {
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Make(const CudaBackendOptions& options,
                                                            const ModelConfig& config,
                                                            const LoadWeights& load);
-  // The decode graphs of one stage's model: the whole step, or the stage's part of it.
+  // The decode graphs of one stage's model: the whole step, or the stage's part of it. With a
+  // device loop, each whole step ends with the loop's scheduler node.
   static absl::StatusOr<std::unique_ptr<graphs::GraphCache>> BuildGraphs(
-      const CudaBackendOptions& options, CudaModel& model, int device, cudaStream_t stream);
+      const CudaBackendOptions& options, CudaModel& model, int device, cudaStream_t stream,
+      const graphs::DeviceLoop* loop = nullptr);
   static CudaModelOptions StageModelOptions(const CudaBackendOptions& options,
                                             const ModelConfig& config,
                                             const CudaStageOptions& stage);
@@ -252,8 +254,10 @@ class CudaBackend : public Backend {
   // Host-driven: stages, prefills and samples the first tokens of `inits` on stream_ (every
   // chunk at once), then waits for it.
   absl::Status PrefillNow(std::span<const SlotInit> inits);
-  // Device loop (cuda_backend_loop.cc).
+  // Device loop (cuda_backend_loop.cc). InitLoop runs before the graphs are built (their last
+  // node is the loop's scheduler), BindLoop after.
   absl::Status InitLoop();
+  absl::Status BindLoop();
   void StopLoop();
   void QueuePrefills(std::span<const SlotInit> inits);
   // Stages and prefills the next chunk of at most max_rows prompt rows from the queue on

@@ -63,8 +63,7 @@ absl::Status CudaBackend::InitLoop() {
   TS_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&control_stream_, cudaStreamNonBlocking));
   TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&chunk_end_, cudaEventDisableTiming));
   graphs::DeviceLoopParams p;
-  p.table = graphs_->device_table();
-  p.num_buckets = graphs_->num_buckets();
+  p.num_buckets = static_cast<int32_t>(options_.buckets.size());
   if (p.num_buckets > graphs::kDeviceLoopMaxBuckets) {
     return absl::InvalidArgumentError(absl::StrCat("buckets: the device loop takes at most ",
                                                    graphs::kDeviceLoopMaxBuckets, ", got ",
@@ -77,6 +76,10 @@ absl::Status CudaBackend::InitLoop() {
   TS_ASSIGN_OR_RETURN(loop_, graphs::DeviceLoop::Create(p, stream_));
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
+}
+
+absl::Status CudaBackend::BindLoop() {
+  return loop_->BindTable(graphs_->device_table());
 }
 
 void CudaBackend::StopLoop() {

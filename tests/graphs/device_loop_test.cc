@@ -40,6 +40,17 @@ class DeviceLoopTest : public ::testing::Test {
     TS_ASSERT_CUDA_OK(cudaMalloc(&log_, kMaxSteps * (1 + kBuckets.back()) * sizeof(int32_t)));
     TS_ASSERT_CUDA_OK(cudaMalloc(&log_count_, sizeof(int32_t)));
     TS_ASSERT_CUDA_OK(cudaMemset(rows_, 0x7F, kBuckets.back() * sizeof(int32_t)));  // poison
+    // The loop first: every stand-in step graph ends with its scheduler node.
+    DeviceLoopParams p;
+    p.num_buckets = static_cast<int32_t>(kBuckets.size());
+    std::copy(kBuckets.begin(), kBuckets.end(), p.buckets);
+    p.slots = slots_;
+    p.num_slots = kSlots;
+    p.row_slots = rows_;
+    auto loop = DeviceLoop::Create(p, stream_);
+    TS_ASSERT_OK(loop.status());
+    loop_ = std::move(*loop);
+    EXPECT_FALSE(loop_->Launch(stream_).ok());  // no table bound yet
     GraphCacheOptions o;
     o.buckets = kBuckets;
     o.log_progress = false;
@@ -53,20 +64,12 @@ class DeviceLoopTest : public ::testing::Test {
                       .max_bucket = kBuckets.back(),
                       .max_steps = kMaxSteps};
       const cudaError_t e = testing::EnqueueSimStep(p, s);
-      return e == cudaSuccess ? absl::OkStatus() : absl::InternalError(cudaGetErrorString(e));
+      if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
+      return loop_->EnqueueScheduler(s);
     };
     cache_ = std::make_unique<GraphCache>(std::move(o));
     TS_ASSERT_OK(cache_->Build(stream_));
-    DeviceLoopParams p;
-    p.table = cache_->device_table();
-    p.num_buckets = static_cast<int32_t>(kBuckets.size());
-    std::copy(kBuckets.begin(), kBuckets.end(), p.buckets);
-    p.slots = slots_;
-    p.num_slots = kSlots;
-    p.row_slots = rows_;
-    auto loop = DeviceLoop::Create(p, stream_);
-    TS_ASSERT_OK(loop.status());
-    loop_ = std::move(*loop);
+    TS_ASSERT_OK(loop_->BindTable(cache_->device_table()));
   }
   void TearDown() override {
     if (loop_ != nullptr) (void)loop_->Wait();
@@ -197,6 +200,44 @@ TEST_F(DeviceLoopTest, NothingActiveExitsAtOnceAndAReadySlotRelaunches) {
   EXPECT_EQ(DeviceStates()[5], k::kSlotFinished);
 }
 
+// The host-driven mode launches the same bucket graphs, whose last node is the scheduler: with no
+// loop running it must not continue, so a host launch is exactly one step.
+TEST_F(DeviceLoopTest, AHostLaunchedStepIsOneStepBeforeAndAfterALoop) {
+  state_[4] = k::kSlotActive;
+  remaining_host_[4] = 30;
+  Upload();
+  const int32_t four = 4;
+  TS_ASSERT_CUDA_OK(cudaMemcpy(rows_, &four, sizeof(four), cudaMemcpyHostToDevice));
+  TS_ASSERT_OK(cache_->Launch(0, stream_));  // bucket 1, row list {4}
+  TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+  int32_t steps = 0;
+  Log(&steps);
+  EXPECT_EQ(steps, 1);
+  EXPECT_EQ(loop_->steps(), 0u);
+  TS_ASSERT_OK(loop_->Launch(stream_));  // the other 29
+  TS_ASSERT_OK(loop_->Wait());
+  EXPECT_EQ(loop_->exit_reason(), kLoopExitIdle);
+  EXPECT_EQ(loop_->steps(), 29u);
+  Log(&steps);
+  EXPECT_EQ(steps, 30);
+  EXPECT_EQ(DeviceStates()[4], k::kSlotFinished);
+  // After the exit, a host launch is one step again: slot 9's first of 5.
+  state_[9] = k::kSlotActive;
+  remaining_host_[9] = 5;
+  Upload();
+  const int32_t nine = 9;
+  TS_ASSERT_CUDA_OK(cudaMemcpy(rows_, &nine, sizeof(nine), cudaMemcpyHostToDevice));
+  TS_ASSERT_OK(cache_->Launch(0, stream_));
+  TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream_));
+  Log(&steps);
+  EXPECT_EQ(steps, 1);
+  EXPECT_EQ(loop_->steps(), 29u);
+  std::vector<int32_t> left(kSlots);
+  TS_ASSERT_CUDA_OK(
+      cudaMemcpy(left.data(), remaining_, kSlots * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(left[9], 4);
+}
+
 TEST_F(DeviceLoopTest, ExitsAtTheStepWhereTheLongestContextLeavesTheWindow) {
   state_[3] = k::kSlotActive;  // context 100 + generated, 50 steps
   prompt_len_[3] = 100;
@@ -261,7 +302,6 @@ TEST_F(DeviceLoopTest, PauseStopsAtABoundaryAndALaunchResumes) {
 TEST(DeviceLoopParamsTest, RejectsBadParamsNamingTheField) {
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   DeviceLoopParams good;
-  good.table = reinterpret_cast<const cudaGraphExec_t*>(0x100);
   good.num_buckets = 2;
   good.buckets[0] = 4;
   good.buckets[1] = 8;
@@ -273,7 +313,6 @@ TEST(DeviceLoopParamsTest, RejectsBadParamsNamingTheField) {
     void (*mutate)(DeviceLoopParams&);
   };
   const Case cases[] = {
-      {"device_loop.table", [](DeviceLoopParams& p) { p.table = nullptr; }},
       {"device_loop.num_buckets", [](DeviceLoopParams& p) { p.num_buckets = 0; }},
       {"device_loop.num_buckets", [](DeviceLoopParams& p) { p.num_buckets = 33; }},
       {"device_loop.buckets[1]", [](DeviceLoopParams& p) { p.buckets[1] = 4; }},
@@ -290,6 +329,11 @@ TEST(DeviceLoopParamsTest, RejectsBadParamsNamingTheField) {
     EXPECT_EQ(loop.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(loop.status().message().find(c.field), std::string::npos) << loop.status();
   }
+  auto loop = DeviceLoop::Create(good, nullptr);
+  TS_ASSERT_OK(loop.status());
+  const absl::Status bind = (*loop)->BindTable(nullptr);
+  EXPECT_EQ(bind.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bind.message().find("device_loop.table"), std::string::npos) << bind;
 }
 
 }  // namespace
