@@ -13,9 +13,11 @@
 // (one Run(kLoop); the scheduler kernel tail-launches every step). Both modes also read device
 // timestamps of each step (kernels/step_stamps.cuh): the period between two steps' starts (the
 // device's inter-token latency) and the GPU's idle gap from one step's last kernel to the next
-// one's first. --host_load k runs k busy threads per host core while the steps are timed, as a
-// loaded serving host has (gRPC streams, tokenization). --modes pipe: host-driven steps through a
-// pipeline of --pipeline_stages stages (on one GPU by default, so its cost over one stage shows).
+// one's first; in the loop, launch_us is the part of that gap from the scheduler's tail-launch
+// call to the next step's first kernel (the rest is the scheduler's own work). --host_load k runs k
+// busy threads per host core while the steps are timed, as a loaded serving host has (gRPC streams,
+// tokenization). --modes pipe: host-driven steps through a pipeline of --pipeline_stages stages (on
+// one GPU by default, so its cost over one stage shows).
 //
 // --probe_tokens N: the time from Prefill of one more N-token prompt to its first token, with
 // nothing decoding and beside each smaller batch: in the loop, the prompt rides in mixed steps
@@ -252,6 +254,7 @@ class Stamps {
     TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->dev_, sizeof(kernels::StepStamps)));
     TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->start_, capacity * sizeof(unsigned long long)));
     TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->gap_, capacity * sizeof(unsigned long long)));
+    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->launch_, capacity * sizeof(unsigned long long)));
     TS_RETURN_IF_ERROR(s->Reset());
     return s;
   }
@@ -259,25 +262,33 @@ class Stamps {
     cudaFree(dev_);
     cudaFree(start_);
     cudaFree(gap_);
+    cudaFree(launch_);
   }
   kernels::StepStamps* device() const { return dev_; }
   absl::Status Reset() {
-    const kernels::StepStamps h{.capacity = capacity_, .start_ns = start_, .gap_ns = gap_};
+    const kernels::StepStamps h{
+        .capacity = capacity_, .start_ns = start_, .gap_ns = gap_, .launch_ns = launch_};
     TS_CUDA_RETURN_IF_ERROR(cudaMemcpy(dev_, &h, sizeof(h), cudaMemcpyHostToDevice));
     return absl::OkStatus();
   }
-  // Step periods (ms, start to next start) and idle gaps (us) of the stamped steps.
-  absl::Status Read(std::vector<double>* period_ms, std::vector<double>* gap_us) const {
+  // Step periods (ms, start to next start) and idle gaps (us) of the stamped steps, and the part
+  // of each gap from the device loop's tail-launch call to the step's start (us; none for
+  // host-launched steps).
+  absl::Status Read(std::vector<double>* period_ms, std::vector<double>* gap_us,
+                    std::vector<double>* launch_us) const {
     kernels::StepStamps h;
     TS_CUDA_RETURN_IF_ERROR(cudaMemcpy(&h, dev_, sizeof(h), cudaMemcpyDeviceToHost));
     const uint32_t n = std::min(h.count, capacity_);
-    std::vector<unsigned long long> start(n), gap(n);
+    std::vector<unsigned long long> start(n), gap(n), launch(n);
     TS_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(start.data(), start_, n * sizeof(start[0]), cudaMemcpyDeviceToHost));
     TS_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(gap.data(), gap_, n * sizeof(gap[0]), cudaMemcpyDeviceToHost));
+    TS_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(launch.data(), launch_, n * sizeof(launch[0]), cudaMemcpyDeviceToHost));
     for (uint32_t i = 0; i < n; ++i) {
       gap_us->push_back(gap[i] * 1e-3);
+      if (launch[i] != 0) launch_us->push_back(launch[i] * 1e-3);
       if (i > 0) period_ms->push_back((start[i] - start[i - 1]) * 1e-6);
     }
     return absl::OkStatus();
@@ -289,6 +300,7 @@ class Stamps {
   kernels::StepStamps* dev_ = nullptr;
   unsigned long long* start_ = nullptr;
   unsigned long long* gap_ = nullptr;
+  unsigned long long* launch_ = nullptr;
 };
 
 // Publishes `batch` random prompts into slots [0, batch) with the KV blocks of slot i at
@@ -408,15 +420,15 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
   cudaEvent_t e0, e1;
   TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e0));
   TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e1));
-  std::printf("\n%-4s %-5s %6s %5s %10s %10s %10s %10s %9s %9s %12s %9s %8s\n", "shape", "mode",
+  std::printf("\n%-4s %-5s %6s %5s %10s %10s %10s %10s %9s %9s %9s %12s %9s %8s\n", "shape", "mode",
               "batch", "load", "step_ms", "p90_ms", "p99_ms", "host_ms", "gap_us", "gap_p99",
-              "tokens/s", "GB/s", "of_copy");
+              "launch_us", "tokens/s", "GB/s", "of_copy");
   for (int32_t batch : s.batches) {
     for (int32_t load : s.loads) {
       TS_RETURN_IF_ERROR(PrefillBatch(*b, s, batch, max_new, absl::GetFlag(FLAGS_seed) + batch));
       if (loop) TS_RETURN_IF_ERROR(b->WaitForPrefills());
       TS_RETURN_IF_ERROR(stamps->Reset());
-      std::vector<double> host_ms, period_ms, gap_us;
+      std::vector<double> host_ms, period_ms, gap_us, launch_us;
       const int64_t updates0 = b->graph_cache().update_count();
       TS_ASSIGN_OR_RETURN(const LoopStatus before, b->Poll());
       {
@@ -455,11 +467,15 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
         return absl::InternalError(absl::StrCat(mode, ": ", after.steps - before.steps,
                                                 " steps ran, expected ", s.new_tokens));
       }
-      TS_RETURN_IF_ERROR(stamps->Read(&period_ms, &gap_us));
+      TS_RETURN_IF_ERROR(stamps->Read(&period_ms, &gap_us, &launch_us));
       TS_RETURN_IF_ERROR(CheckAndRelease(*b, batch, static_cast<uint32_t>(max_new)));
       const double med = Quantile(period_ms, 0.5);
       double gap_mean = 0;
       for (double g : gap_us) gap_mean += g / std::max<size_t>(gap_us.size(), 1);
+      // The device loop's tail-launch call to the step's first kernel: the graph boundary, what
+      // is left of the gap once the scheduler kernel's own work is taken out.
+      double launch_mean = 0;
+      for (double g : launch_us) launch_mean += g / std::max<size_t>(launch_us.size(), 1);
       const double mean_ctx = s.prompt_len + 1 + s.new_tokens / 2.0;
       const double bytes = weight_bytes + static_cast<double>(batch) * mean_ctx * kv_per_token;
       const double gbps = bytes / (med * 1e-3) / 1e9;
@@ -478,6 +494,7 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
                         {"gap_us_mean", gap_mean},
                         {"gap_us_median", Quantile(gap_us, 0.5)},
                         {"gap_us_p99", Quantile(gap_us, 0.99)},
+                        {"launch_to_start_us_mean", launch_mean},
                         {"tokens_per_s", batch / (med * 1e-3)},
                         {"weight_bytes", weight_bytes},
                         {"kv_bytes_per_step_mean", batch * mean_ctx * kv_per_token},
@@ -491,10 +508,10 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
                         {"timing_skip", absl::GetFlag(FLAGS_timing_skip)},
                         {"attn_min_split_tokens", absl::GetFlag(FLAGS_attn_min_split_tokens)}};
       std::printf(
-          "%-4s %-5s %6d %5d %10.3f %10.3f %10.3f %10.3f %9.2f %9.2f %12.0f %9.0f %7.1f%%\n",
+          "%-4s %-5s %6d %5d %10.3f %10.3f %10.3f %10.3f %9.2f %9.2f %9.2f %12.0f %9.0f %7.1f%%\n",
           shape.c_str(), mode.c_str(), batch, load, med, Quantile(period_ms, 0.9),
           Quantile(period_ms, 0.99), Quantile(host_ms, 0.5), gap_mean, Quantile(gap_us, 0.99),
-          batch / (med * 1e-3), gbps, 100 * gbps / s.copy_gbps);
+          launch_mean, batch / (med * 1e-3), gbps, 100 * gbps / s.copy_gbps);
       std::fflush(stdout);
       if (out != nullptr) *out << row.dump() << "\n";
     }
