@@ -7,7 +7,6 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "graphs/device_graph.h"
-#include "graphs/tail_launch.cuh"
 #include "kernels/cuda_check.h"
 #include "kernels/pdl.cuh"
 
@@ -28,37 +27,59 @@ __device__ void Exit(const LoopKernelParams& p, int32_t reason) {
   p.control->running = 0;
 }
 
+template <typename T>
+__device__ __forceinline__ T LoadVolatile(const T* p) {
+  return *static_cast<const volatile T*>(p);
+}
+
 // One block, one thread per slot (blockDim.x a multiple of 32 covering num_slots). The last node
 // of every bucket's decode graph, and the only node of the start graph.
+//
+// The kernel is a chain of memory round trips between the step's postprocess and the next
+// step's first kernel, and the GPU idles for its whole length (docs/device-loop.md, One step
+// boundary). So every load is issued as early as its address is known: the control words and
+// the slot rows at once, the table entries right after the running check, and the step counter
+// is claimed with an atomic whose result nobody waits for (the scheduler is its only writer, so
+// the value read up front plus one is the claim).
 __global__ void SchedulerKernel(LoopKernelParams p) {
   __shared__ int32_t warp_offset[kDeviceLoopMaxSlots / 32 + 1];
   __shared__ int32_t max_context;
   const DeviceLoopParams& q = p.loop;
+  DeviceLoopControl* c = p.control;
   const int32_t tid = static_cast<int32_t>(threadIdx.x);
+  const int32_t warp = tid / 32, lane = tid % 32;
   // Behind a step's postprocess: its FINISHED stores are visible after the wait.
   kernels::GridDepWait();
+  const int32_t running = LoadVolatile(&c->running);
+  const int32_t pause_word = LoadVolatile(&c->pause);
+  const int32_t context_lo = c->context_lo, context_hi = c->context_hi;
+  // state, prompt_len, generated, last_token: one 16-byte load (static_asserts below).
+  int4 row = make_int4(k::kSlotFree, 0, 0, 0);
+  if (tid < q.num_slots) row = __ldcv(reinterpret_cast<const int4*>(&q.slots[tid]));
+  unsigned long long steps = 0;
+  if (tid == 0) steps = LoadVolatile(&c->steps);
   // A decode graph the host launched itself: the host-driven mode, no loop to continue. Uniform
   // across the block, so the barriers below are reached by all or none.
-  if (p.control->running == 0) return;
-  bool active = false;
-  int32_t context = 0;
+  if (running == 0) return;
+  cudaGraphExec_t exec = nullptr;  // warp 0: lane b holds bucket b's current exec
+  if (warp == 0 && lane < q.num_buckets) exec = c->table[lane];
   if (tid == 0) max_context = 0;
-  if (tid < q.num_slots) {
-    volatile int32_t* state = &q.slots[tid].state;
-    int32_t s = *state;
-    if (s == k::kSlotReady) {
-      // Pairs with the fence before the prefill postprocess's READY store: this step's kernels
-      // read the row's token, counts and KV that the prefill wrote.
-      __threadfence();
-      *state = k::kSlotActive;
-      s = k::kSlotActive;
-    }
-    active = s == k::kSlotActive;
-    if (active) context = q.slots[tid].prompt_len + q.slots[tid].generated;
+  int32_t state = row.x;
+  if (state == k::kSlotReady) {
+    // Pairs with the fence before the prefill postprocess's READY store: this step's kernels
+    // read the row's token, counts and KV that the prefill wrote, and the context is re-read
+    // after the fence.
+    __threadfence();
+    k::SlotRow& s = q.slots[tid];
+    *static_cast<volatile int32_t*>(&s.state) = k::kSlotActive;
+    state = k::kSlotActive;
+    row.y = LoadVolatile(&s.prompt_len);
+    row.z = LoadVolatile(&s.generated);
   }
+  const bool active = state == k::kSlotActive;
+  const int32_t context = active ? row.y + row.z : 0;
   // Stable compaction: ascending slot order, as the host-driven mode's row list.
   const uint32_t ballot = __ballot_sync(0xffffffffu, active);
-  const int32_t warp = tid / 32, lane = tid % 32;
   const int32_t num_warps = static_cast<int32_t>(blockDim.x) / 32;
   if (lane == 0) warp_offset[warp + 1] = __popc(ballot);
   __syncthreads();  // max_context = 0 is visible before anyone raises it
@@ -70,8 +91,8 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
   }
   __syncthreads();
   const int32_t n = warp_offset[num_warps];
-  const bool pause = *static_cast<const volatile int32_t*>(&p.control->pause) != 0;
-  const bool outside = max_context <= p.control->context_lo || max_context > p.control->context_hi;
+  const bool pause = pause_word != 0;
+  const bool outside = max_context <= context_lo || max_context > context_hi;
   if (n == 0 || pause || outside) {
     if (tid == 0) Exit(p, n == 0 ? kLoopExitIdle : pause ? kLoopExitPaused : kLoopExitContext);
     return;
@@ -84,25 +105,33 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
   for (int32_t r = n + tid; r < q.buckets[b]; r += static_cast<int32_t>(blockDim.x)) {
     q.row_slots[r] = -1;
   }
+  if (warp != 0) return;
+  exec = reinterpret_cast<cudaGraphExec_t>(
+      __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(exec), b));
   if (tid != 0) return;
   // The tail-launched step starts after this whole graph has ended, so every row-list store
   // above is visible to it without a barrier.
   DeviceLoopState* st = p.state;
   // The claim is a device atomic (host-mapped memory need not support them); the host reads the
   // mirror.
-  const unsigned long long step =
-      atomicAdd(reinterpret_cast<unsigned long long*>(&p.control->steps), 1ull) + 1;
-  *static_cast<volatile uint64_t*>(&st->steps) = step;
+  atomicAdd(reinterpret_cast<unsigned long long*>(&c->steps), 1ull);
+  *static_cast<volatile uint64_t*>(&st->steps) = steps + 1;
   *static_cast<volatile int32_t*>(&st->last_rows) = n;
   // The bucket's exec ends with this kernel, which decides the step after it. When the bucket
   // does not change, that exec is the running graph: its one pending self-launch.
-  const cudaError_t err = TailLaunchBucket(p.control->table, q.num_buckets, b);
+  if (q.stamps != nullptr) kernels::StampStepLaunch(q.stamps);
+  const cudaError_t err = cudaGraphLaunch(exec, cudaStreamGraphTailLaunch);
   if (err != cudaSuccess) {
     volatile int32_t* status = &st->status;
     if (*status == 0) *status = static_cast<int32_t>(err);
     Exit(p, kLoopExitError);
   }
 }
+
+static_assert(offsetof(k::SlotRow, state) == 0 && offsetof(k::SlotRow, prompt_len) == 4 &&
+                  offsetof(k::SlotRow, generated) == 8 && alignof(k::SlotRow) <= 16 &&
+                  sizeof(k::SlotRow) % 16 == 0,
+              "the scheduler reads a row's first 16 bytes in one load");
 
 absl::Status Validate(const DeviceLoopParams& p) {
   if (p.num_buckets < 1 || p.num_buckets > kDeviceLoopMaxBuckets) {

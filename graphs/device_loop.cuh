@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/postprocess.cuh"
+#include "kernels/step_stamps.cuh"
 
 namespace ts::graphs {
 
@@ -72,6 +73,7 @@ struct DeviceLoopParams {
   kernels::SlotRow* slots = nullptr;            // [num_slots] device slot table
   int32_t num_slots = 0;                        // [1, kDeviceLoopMaxSlots], <= buckets.back()
   int32_t* row_slots = nullptr;  // [buckets.back()] device: the decode row list the step reads
+  kernels::StepStamps* stamps = nullptr;  // benchmarks only (kernels/step_stamps.cuh); nullptr
 };
 
 // Owns the start graph (the scheduler kernel alone, captured once, instantiated for device launch,

@@ -73,6 +73,7 @@ absl::Status CudaBackend::InitLoop() {
   p.slots = model_->dev().slots;
   p.num_slots = options_.max_slots;
   p.row_slots = model_->dev().decode_head.row_slots;
+  p.stamps = options_.step_stamps;
   TS_ASSIGN_OR_RETURN(loop_, graphs::DeviceLoop::Create(p, stream_));
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
