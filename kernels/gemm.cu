@@ -1,7 +1,6 @@
 #include "kernels/gemm.cuh"
 
 #include <cstdint>
-#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,16 +17,12 @@ constexpr uint32_t kAlignBytes = 16;
 absl::Status ValidateShape(const GemmShape& s) {
   TS_RETURN_IF_ERROR(RequirePositive("gemm.m", s.m));
   TS_RETURN_IF_ERROR(RequireMultipleOf("gemm.n", s.n, 8));
-  if (s.splits < 1 || s.splits > kGemmMaxSplits) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("gemm.splits must be in [1, ", kGemmMaxSplits, "], got ", s.splits));
-  }
-  TS_RETURN_IF_ERROR(RequireMultipleOf("gemm.k", s.k, 8 * s.splits));
+  TS_RETURN_IF_ERROR(RequireMultipleOf("gemm.k", s.k, 8));
   return absl::OkStatus();
 }
 
-std::string ShapeName(const GemmShape& s) {
-  return absl::StrCat("(m=", s.m, ", n=", s.n, ", k=", s.k, ", splits=", s.splits, ")");
+std::string ShapeName(int32_t m, int32_t n, int32_t k) {
+  return absl::StrCat("(m=", m, ", n=", n, ", k=", k, ")");
 }
 
 }  // namespace
@@ -66,13 +61,11 @@ Gemm::~Gemm() {
 
 absl::Status Gemm::Plan(const GemmShape& shape) {
   TS_RETURN_IF_ERROR(ValidateShape(shape));
-  const Key key{shape.m, shape.n, shape.k, shape.splits};
+  const Key key{shape.m, shape.n, shape.k};
   if (plans_.count(key) != 0) return absl::OkStatus();
 
   // Row-major C[m,n] = A[m,k] W[n,k]^T is column-major C^T[n,m] = W^T[n,k] A^T[k,m]: cuBLASLt's A
-  // operand is W (col-major [k, n], transposed), its B operand is A (col-major [k, m]). Split K
-  // ways, slice s of W and of A is rows [s ks, s ks + ks) of those views (leading dimension still
-  // k, so the batch stride is ks elements), and partial s is an fp32 col-major [n, m].
+  // operand is W (col-major [k, n], transposed), its B operand is A (col-major [k, m]).
   PlanEntry plan;
   auto destroy = [&plan] {
     if (plan.w_layout) cublasLtMatrixLayoutDestroy(plan.w_layout);
@@ -81,24 +74,12 @@ absl::Status Gemm::Plan(const GemmShape& shape) {
   };
   cublasLtMatmulPreference_t pref = nullptr;
   absl::Status status = [&]() -> absl::Status {
-    const int64_t ks = shape.k / shape.splits;
     TS_CUDA_RETURN_IF_ERROR(
-        cublasLtMatrixLayoutCreate(&plan.w_layout, CUDA_R_16BF, ks, shape.n, shape.k));
+        cublasLtMatrixLayoutCreate(&plan.w_layout, CUDA_R_16BF, shape.k, shape.n, shape.k));
     TS_CUDA_RETURN_IF_ERROR(
-        cublasLtMatrixLayoutCreate(&plan.a_layout, CUDA_R_16BF, ks, shape.m, shape.k));
-    TS_CUDA_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(
-        &plan.c_layout, shape.splits > 1 ? CUDA_R_32F : CUDA_R_16BF, shape.n, shape.m, shape.n));
-    if (shape.splits > 1) {
-      const int32_t count = shape.splits;
-      const int64_t c_stride = int64_t{shape.n} * shape.m;
-      for (auto [layout, stride] : {std::pair{plan.w_layout, ks}, std::pair{plan.a_layout, ks},
-                                    std::pair{plan.c_layout, c_stride}}) {
-        TS_CUDA_RETURN_IF_ERROR(cublasLtMatrixLayoutSetAttribute(
-            layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
-        TS_CUDA_RETURN_IF_ERROR(cublasLtMatrixLayoutSetAttribute(
-            layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
-      }
-    }
+        cublasLtMatrixLayoutCreate(&plan.a_layout, CUDA_R_16BF, shape.k, shape.m, shape.k));
+    TS_CUDA_RETURN_IF_ERROR(
+        cublasLtMatrixLayoutCreate(&plan.c_layout, CUDA_R_16BF, shape.n, shape.m, shape.n));
     TS_CUDA_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref));
     TS_CUDA_RETURN_IF_ERROR(
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -115,8 +96,8 @@ absl::Status Gemm::Plan(const GemmShape& shape) {
         cublasLtMatmulAlgoGetHeuristic(handle_, desc_, plan.w_layout, plan.a_layout, plan.c_layout,
                                        plan.c_layout, pref, 1, &result, &found));
     if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
-      return absl::NotFoundError(
-          absl::StrCat("gemm: cuBLASLt has no algorithm for ", ShapeName(shape)));
+      return absl::NotFoundError(absl::StrCat("gemm: cuBLASLt has no algorithm for ",
+                                              ShapeName(shape.m, shape.n, shape.k)));
     }
     plan.algo = result.algo;
     return absl::OkStatus();
@@ -131,35 +112,25 @@ absl::Status Gemm::Plan(const GemmShape& shape) {
 }
 
 bool Gemm::IsPlanned(const GemmShape& shape) const {
-  return plans_.count(Key{shape.m, shape.n, shape.k, shape.splits}) != 0;
+  return plans_.count(Key{shape.m, shape.n, shape.k}) != 0;
 }
 
 absl::Status Gemm::Launch(const GemmParams& p, cudaStream_t stream) const {
-  const GemmShape shape{p.m, p.n, p.k, p.splits};
-  TS_RETURN_IF_ERROR(ValidateShape(shape));
+  TS_RETURN_IF_ERROR(ValidateShape(GemmShape{p.m, p.n, p.k}));
   TS_RETURN_IF_ERROR(RequirePointer("gemm.a", p.a, kAlignBytes));
   TS_RETURN_IF_ERROR(RequirePointer("gemm.w", p.w, kAlignBytes));
-  void* out = p.c;
-  if (p.splits > 1) {
-    TS_RETURN_IF_ERROR(RequirePointer("gemm.partials", p.partials, kAlignBytes));
-    if (p.accumulate) {
-      return absl::InvalidArgumentError("gemm.accumulate: partial products cannot accumulate");
-    }
-    out = p.partials;
-  } else {
-    TS_RETURN_IF_ERROR(RequirePointer("gemm.c", p.c, kAlignBytes));
-  }
-  const auto it = plans_.find(Key{p.m, p.n, p.k, p.splits});
+  TS_RETURN_IF_ERROR(RequirePointer("gemm.c", p.c, kAlignBytes));
+  const auto it = plans_.find(Key{p.m, p.n, p.k});
   if (it == plans_.end()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("gemm: shape ", ShapeName(shape), " was not planned (Gemm::Plan at setup)"));
+    return absl::FailedPreconditionError(absl::StrCat("gemm: shape ", ShapeName(p.m, p.n, p.k),
+                                                      " was not planned (Gemm::Plan at setup)"));
   }
   const PlanEntry& plan = it->second;
   // Host scalars: under capture cuBLASLt bakes their values into the graph node.
   const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
   TS_CUDA_RETURN_IF_ERROR(cublasLtMatmul(
-      handle_, desc_, &alpha, p.w, plan.w_layout, p.a, plan.a_layout, &beta, out, plan.c_layout,
-      out, plan.c_layout, &plan.algo, workspace_, workspace_bytes_, stream));
+      handle_, desc_, &alpha, p.w, plan.w_layout, p.a, plan.a_layout, &beta, p.c, plan.c_layout,
+      p.c, plan.c_layout, &plan.algo, workspace_, workspace_bytes_, stream));
   return absl::OkStatus();
 }
 

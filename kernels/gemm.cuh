@@ -14,13 +14,6 @@
 // K = intermediate) and lm_head (N = vocab, K = hidden). The tests plan M in {1, 3, 17, 64} with
 // small, odd and 8B-sized (N, K).
 //
-// Split-K by hand (GemmShape::splits > 1), for decode at 8 < m <= 128, where an o or down
-// projection alone cannot fill the GPU: one strided-batched matmul over `splits` equal slices of
-// K writes fp32 partial products [splits, m, n] and nothing adds them. The consumer does, fused
-// with what follows (LaunchRmsNorm's x_partials: the residual add and the next norm), where
-// cuBLASLt's own split-K would run its reduce kernel and then the norm as two more graph nodes
-// (measured on the H200: docs/gpu-facts.md, cuBLAS at decode shapes).
-//
 // One Gemm owns one workspace, and split-K algorithms keep counters there: launches through one
 // Gemm must be ordered (one stream, or one graph). Use one Gemm per concurrent stream.
 #pragma once
@@ -43,12 +36,8 @@ namespace ts::kernels {
 struct GemmShape {
   int32_t m = 0;  // rows of A and C (tokens)
   int32_t n = 0;  // rows of W, columns of C (output features); multiple of 8
-  int32_t k = 0;  // columns of A and W (input features); multiple of 8 * splits
-  // 1: C = A W^T in bf16. > 1 (up to kGemmMaxSplits): fp32 partials, one per slice of K (above).
-  int32_t splits = 1;
+  int32_t k = 0;  // columns of A and W (input features); multiple of 8
 };
-
-inline constexpr int32_t kGemmMaxSplits = 16;
 
 struct GemmOptions {
   // cuBLASLt workspace, allocated once by Create(). 32 MiB covers Hopper's split-K algorithms.
@@ -59,12 +48,8 @@ struct GemmParams {
   const __nv_bfloat16* a = nullptr;  // [m, k] row-major, 16-byte aligned
   const __nv_bfloat16* w = nullptr;  // [n, k] row-major, 16-byte aligned
   __nv_bfloat16* c = nullptr;        // [m, n] row-major, 16-byte aligned; read when accumulate
-  int32_t m = 0, n = 0, k = 0;       // must have been planned, with `splits`
+  int32_t m = 0, n = 0, k = 0;       // must have been planned
   bool accumulate = false;           // false: C = A W^T; true: C = A W^T + C (beta = 1)
-  // splits > 1: c is unused and partials [splits, m, n] row-major fp32 (16-byte aligned) gets
-  // slice s's product A[:, s k/splits ...] W[:, s k/splits ...]^T at [s]; accumulate must be false.
-  int32_t splits = 1;
-  float* partials = nullptr;
 };
 
 class Gemm {
@@ -92,7 +77,7 @@ class Gemm {
     cublasLtMatrixLayout_t c_layout = nullptr;  // C and D: col-major [n, m] = row-major [m, n]
     cublasLtMatmulAlgo_t algo{};
   };
-  using Key = std::array<int32_t, 4>;  // {m, n, k, splits}
+  using Key = std::array<int32_t, 3>;  // {m, n, k}
 
   Gemm() = default;
 

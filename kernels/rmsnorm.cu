@@ -5,7 +5,6 @@
 #include "common/status.h"
 #include "kernels/bf16_vec.cuh"
 #include "kernels/cuda_check.h"
-#include "kernels/gemm.cuh"
 #include "kernels/pdl.cuh"
 
 namespace ts::kernels {
@@ -26,15 +25,6 @@ __device__ float BlockSum(float v, float* scratch /* [32] */) {
   const int warps = blockDim.x / 32;
   v = lane < warps ? scratch[lane] : 0.0f;
   return WarpSum(v);  // every warp reduces the same 32 values, so all threads get the total
-}
-
-// Coherent (not read-only) loads: the partials were written by the kernel just before, in the
-// same graph.
-__device__ __forceinline__ void LoadF32x8(const float* src, float (&v)[8]) {
-  const float4 a = __ldcg(reinterpret_cast<const float4*>(src));
-  const float4 b = __ldcg(reinterpret_cast<const float4*>(src) + 1);
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-  v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
 __global__ void RmsNormKernel(RmsNormParams p) {
@@ -58,25 +48,8 @@ __global__ void RmsNormKernel(RmsNormParams p) {
     const int v = threadIdx.x + i * blockDim.x;
     if (v >= vecs) continue;
     r[i] = LoadBf16x8Coherent(p.residual + base + v * 8);
-    if (p.x != nullptr || p.x_partials != nullptr) {
-      Bf16x8 x;
-      if (p.x != nullptr) {
-        x = LoadBf16x8Coherent(p.x + base + v * 8);  // x may alias out
-      } else {
-        // The GEMM's bf16 output, as cuBLASLt's own split-K reduce would round it: the fp32
-        // partials summed in split order, rounded once.
-        const size_t plane = static_cast<size_t>(gridDim.x) * p.hidden;
-        float sum[8];
-        LoadF32x8(p.x_partials + base + v * 8, sum);
-        for (int sp = 1; sp < p.x_splits; ++sp) {
-          float part[8];
-          LoadF32x8(p.x_partials + sp * plane + base + v * 8, part);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) sum[j] += part[j];
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) x.h[j] = __float2bfloat16_rn(sum[j]);
-      }
+    if (p.x != nullptr) {
+      const Bf16x8 x = LoadBf16x8Coherent(p.x + base + v * 8);  // x may alias out
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         r[i].h[j] = __float2bfloat16_rn(__bfloat162float(r[i].h[j]) + __bfloat162float(x.h[j]));
@@ -118,16 +91,6 @@ absl::Status LaunchRmsNorm(const RmsNormParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(absl::StrCat("rmsnorm.eps must be > 0, got ", p.eps));
   }
   if (p.x != nullptr) TS_RETURN_IF_ERROR(RequirePointer("rmsnorm.x", p.x));
-  if (p.x_partials != nullptr) {
-    if (p.x != nullptr) {
-      return absl::InvalidArgumentError("rmsnorm.x_partials: give x or x_partials, not both");
-    }
-    TS_RETURN_IF_ERROR(RequirePointer("rmsnorm.x_partials", p.x_partials, 16));
-    if (p.x_splits < 2 || p.x_splits > kGemmMaxSplits) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("rmsnorm.x_splits must be in [2, ", kGemmMaxSplits, "], got ", p.x_splits));
-    }
-  }
   TS_RETURN_IF_ERROR(RequirePointer("rmsnorm.residual", p.residual));
   TS_RETURN_IF_ERROR(RequirePointer("rmsnorm.weight", p.weight));
   TS_RETURN_IF_ERROR(RequirePointer("rmsnorm.out", p.out));

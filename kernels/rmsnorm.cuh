@@ -1,9 +1,5 @@
 // Fused residual add + RMSNorm, one CTA per row, 16-byte vectors, the row held in registers:
 //   if x != nullptr:  residual = bf16(residual + x)        (in place)
-//   if x_partials:    x = bf16(sum of x_partials[s] over s in order), then as above: the
-//                     sublayer's output as the split-K partial products of a GEMM
-//                     (kernels/gemm.cuh, GemmShape::splits), so the GEMM needs no reduce node of
-//                     its own
 //   out = bf16(weight * bf16(residual * rsqrt(mean(residual^2) + eps)))
 // Rounded where transformers' LlamaRMSNorm rounds in a bf16 model: the residual stream is bf16
 // (each add rounded), the sum of squares and the scaling are fp32, the normalised value is
@@ -23,7 +19,7 @@ struct RmsNormParams {
   // [rows, hidden], optional: the sublayer output added into the residual first. May alias `out`
   // (each element is read before the same thread writes it); must not alias `residual`.
   const __nv_bfloat16* x = nullptr;
-  __nv_bfloat16* residual = nullptr;      // [rows, hidden], updated in place when x is given
+  __nv_bfloat16* residual = nullptr;      // [rows, hidden], updated in place when x != nullptr
   const __nv_bfloat16* weight = nullptr;  // [hidden]
   __nv_bfloat16* out = nullptr;           // [rows, hidden]; must not alias `residual`
   int32_t rows = 0;                       // >= 0; 0 launches nothing
@@ -31,11 +27,8 @@ struct RmsNormParams {
   float eps = 1e-6f;                      // > 0
   // Programmatic dependent launch (kernels/pdl.cuh): the kernel may start while the one before it
   // drains. It prefetches its weight row first (nothing in a step writes weights) and waits
-  // before it touches x, x_partials, residual or out.
+  // before it touches x, residual or out.
   bool pdl = false;
-  // [x_splits, rows, hidden] fp32, optional, exclusive with x: x as partial sums.
-  const float* x_partials = nullptr;
-  int32_t x_splits = 0;  // [2, kGemmMaxSplits] with x_partials
 };
 
 inline constexpr int32_t kRmsNormMaxHidden = 32768;

@@ -254,36 +254,21 @@ absl::Status CudaModel::PlanAndWarmUpGemms(cudaStream_t stream) {
   const ModelDims& d = dims();
   const LayerBuffers& l = dev_.layers.front();
   auto run = [&](k::Gemm& g, const k::GemmParams& p) -> absl::Status {
-    TS_RETURN_IF_ERROR(g.Plan({p.m, p.n, p.k, p.splits}));
+    TS_RETURN_IF_ERROR(g.Plan({p.m, p.n, p.k}));
     return g.Launch(p, stream);
   };
-  // splits: the o and down projections' (EnqueueLayers, DecodeGemmSplits).
-  auto layers = [&](k::Gemm& g, const ForwardBuffers& f, int32_t m, int32_t splits) {
+  auto layers = [&](k::Gemm& g, const ForwardBuffers& f, int32_t m) -> absl::Status {
     const int32_t inter = d.intermediate_padded;
-    float* partials = splits > 1 ? f.partials : nullptr;
     TS_RETURN_IF_ERROR(
         run(g, {.a = f.xn, .w = l.qkv, .c = f.qkv, .m = m, .n = d.qkv_dim(), .k = d.hidden}));
-    TS_RETURN_IF_ERROR(run(g, {.a = f.attn,
-                               .w = l.o,
-                               .c = f.xn,
-                               .m = m,
-                               .n = d.hidden,
-                               .k = d.q_dim(),
-                               .splits = splits,
-                               .partials = partials}));
+    TS_RETURN_IF_ERROR(
+        run(g, {.a = f.attn, .w = l.o, .c = f.xn, .m = m, .n = d.hidden, .k = d.q_dim()}));
     TS_RETURN_IF_ERROR(
         run(g, {.a = f.xn, .w = l.gate_up, .c = f.gate_up, .m = m, .n = 2 * inter, .k = d.hidden}));
-    return run(g, {.a = f.act,
-                   .w = l.down,
-                   .c = f.xn,
-                   .m = m,
-                   .n = d.hidden,
-                   .k = inter,
-                   .splits = splits,
-                   .partials = partials});
+    return run(g, {.a = f.act, .w = l.down, .c = f.xn, .m = m, .n = d.hidden, .k = inter});
   };
   for (int32_t b : buckets_) {
-    TS_RETURN_IF_ERROR(layers(*decode_gemm_, dev_.decode, b, DecodeGemmSplits(b)));
+    TS_RETURN_IF_ERROR(layers(*decode_gemm_, dev_.decode, b));
     // Only the stage with the head runs lm_head.
     if (!stage().has_head) continue;
     for (const auto& [gemm, head] : {std::pair{decode_logits_.get(), &dev_.decode_head},
@@ -293,9 +278,7 @@ absl::Status CudaModel::PlanAndWarmUpGemms(cudaStream_t stream) {
           gemm->Launch(head->normed, dev_.lm_head, head->logits_f32, b, d.vocab, d.hidden, stream));
     }
   }
-  for (int32_t m : prefill_sizes_) {
-    TS_RETURN_IF_ERROR(layers(*prefill_gemm_, dev_.prefill, m, 1));
-  }
+  for (int32_t m : prefill_sizes_) TS_RETURN_IF_ERROR(layers(*prefill_gemm_, dev_.prefill, m));
   return absl::OkStatus();
 }
 

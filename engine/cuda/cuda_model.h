@@ -276,9 +276,6 @@ class CudaModel {
   // Decode with `rows` rows runs the fused GEMV layers (norms, residual adds, SwiGLU and RoPE
   // with the K/V write inside the GEMVs) rather than rmsnorm + cuBLASLt + silu_mul nodes.
   bool FusedDecodeLayers(int32_t rows) const;
-  // 1, or kDecodeGemmSplits where a decode step's o and down projections write split-K partials
-  // that the next rmsnorm adds (the cuBLASLt path above the GEMV's rows).
-  int32_t DecodeGemmSplits(int32_t rows) const;
   absl::Status EnqueueAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
                                 const Attention& attn, cudaStream_t stream) const;
   // Decode attention over q rows [0, rows) of f; prefill attention over the q rows from

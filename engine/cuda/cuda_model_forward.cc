@@ -47,7 +47,7 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
   // cuBLASLt stays at the roof on the large ones (gate_up of 8B, lm_head), so only small W moves.
   constexpr int64_t kGemvMaxWeightBytes = int64_t{64} << 20;
   const int64_t weight_bytes = int64_t{p.n} * p.k * 2;
-  if (p.splits == 1 && p.m <= k::kGemvMaxM && weight_bytes <= kGemvMaxWeightBytes && p.k % 8 == 0 &&
+  if (p.m <= k::kGemvMaxM && weight_bytes <= kGemvMaxWeightBytes && p.k % 8 == 0 &&
       k::ChooseGemvSplitK(p.m, p.n, p.k, num_sms_) == 1) {
     // pdl: the GEMV starts streaming W while the kernel before it finishes; nothing in the step
     // writes weights, and A and C are touched only after griddepcontrol.wait.
@@ -64,19 +64,6 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
         stream);
   }
   return gemm.Launch(p, stream);
-}
-
-int32_t CudaModel::DecodeGemmSplits(int32_t rows) const {
-  // Measured on the H200 (tailserve-cublaslt-sweep, bench/results/2026-12-02c-h200.md): at 16
-  // and 64 rows one strided-batched GEMM over 4 slices of K into fp32 partials takes o and down
-  // in 0.83-1.0x the time of cuBLASLt's own pick, whose split-K adds a reduce kernel; the partials
-  // are then added by the norm that follows anyway.
-  const ModelDims& d = dims();
-  const int32_t align = 8 * kDecodeGemmSplits;
-  if (rows <= k::kGemvMaxM || d.q_dim() % align != 0 || d.intermediate_padded % align != 0) {
-    return 1;
-  }
-  return kDecodeGemmSplits;
 }
 
 bool CudaModel::FusedDecodeLayers(int32_t rows) const {
@@ -257,40 +244,27 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
 
   // cuBLASLt path (prefill, larger batches). o_proj and down_proj write their bf16 output to xn
   // and the next rmsnorm adds it into the residual (x), as transformers rounds: bf16(h +
-  // bf16(o)). down_proj's output is added by the next layer's attn_norm. In a decode step above
-  // the GEMV's rows they write split-K partials instead, and the norm adds those up first
-  // (DecodeGemmSplits).
+  // bf16(o)). down_proj's output is added by the next layer's attn_norm.
   // PDL (kernels/pdl.cuh) only behind a kernel of this sequence: its overlap and its wait are
   // defined against the kernel before, and a later pipeline stage's first norm follows the copy
   // of its input instead.
   bool behind_kernel = stage().has_embedding;
-  const int32_t splits = at.decode ? DecodeGemmSplits(rows) : 1;
-  // What a projection wrote for the next norm to add: bf16 in xn, or split-K partials.
-  auto output_of = [&](const k::GemmParams& p) {
-    k::GemmParams q = p;
-    q.c = f.xn;
-    q.splits = splits;
-    if (splits > 1) q.partials = f.partials;
-    return q;
-  };
-  auto norm = [&](const char* name, bool pending, const bf16* weight) {
+  auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
     const bool pdl = behind_kernel;
     behind_kernel = true;
     return RunOp(observer, name, stream, [&] {
-      return k::LaunchRmsNorm({.x = pending && splits == 1 ? f.xn : nullptr,
+      return k::LaunchRmsNorm({.x = pending,
                                .residual = f.h,
                                .weight = weight,
                                .out = f.xn,
                                .rows = rows,
                                .hidden = d.hidden,
                                .eps = eps,
-                               .pdl = pdl,
-                               .x_partials = pending && splits > 1 ? f.partials : nullptr,
-                               .x_splits = pending && splits > 1 ? splits : 0},
+                               .pdl = pdl},
                               stream);
     });
   };
-  bool pending = false;  // a down_proj output waits to be added
+  const bf16* pending = nullptr;  // xn once a down_proj output waits to be added
   for (const LayerBuffers& layer : dev_.layers) {
     TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
     TS_RETURN_IF_ERROR(RunOp(observer, "qkv_gemm", stream, [&] {
@@ -302,10 +276,10 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     TS_RETURN_IF_ERROR(attention(layer));
     TS_RETURN_IF_ERROR(RunOp(observer, "o_gemm", stream, [&] {
       return LaunchLinear(
-          gemm, output_of({.a = f.attn, .w = layer.o, .m = rows, .n = d.hidden, .k = d.q_dim()}),
+          gemm, {.a = f.attn, .w = layer.o, .c = f.xn, .m = rows, .n = d.hidden, .k = d.q_dim()},
           stream);
     }));
-    TS_RETURN_IF_ERROR(norm("mlp_norm", true, layer.mlp_norm));
+    TS_RETURN_IF_ERROR(norm("mlp_norm", f.xn, layer.mlp_norm));
     TS_RETURN_IF_ERROR(RunOp(observer, "gate_up_gemm", stream, [&] {
       return LaunchLinear(gemm,
                           {.a = f.xn,
@@ -325,18 +299,21 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                               stream);
     }));
     TS_RETURN_IF_ERROR(RunOp(observer, "down_gemm", stream, [&] {
-      return LaunchLinear(
-          gemm,
-          output_of(
-              {.a = f.act, .w = layer.down, .m = rows, .n = d.hidden, .k = d.intermediate_padded}),
-          stream);
+      return LaunchLinear(gemm,
+                          {.a = f.act,
+                           .w = layer.down,
+                           .c = f.xn,
+                           .m = rows,
+                           .n = d.hidden,
+                           .k = d.intermediate_padded},
+                          stream);
     }));
-    pending = true;
+    pending = f.xn;
   }
   // The last down_proj output joins the residual here, so callers (the prefill's row gather, the
   // final norm, the next pipeline stage) see the finished hidden state in h; the norm output
   // itself is discarded, so any weight of the right size does (a stage may hold no final norm).
-  if (!pending) return absl::OkStatus();
+  if (pending == nullptr) return absl::OkStatus();
   return norm("residual_add", pending, dev_.layers.back().mlp_norm);
 }
 

@@ -46,8 +46,7 @@ struct Categories {
 
 using bf16 = __nv_bfloat16;
 
-void CarveForward(const ArenaShape& s, int32_t rows, bool decode, Carver& c, size_t* cat,
-                  ForwardBuffers* f) {
+void CarveForward(const ArenaShape& s, int32_t rows, Carver& c, size_t* cat, ForwardBuffers* f) {
   const ModelDims& d = s.dims;
   const size_t m = static_cast<size_t>(rows);
   f->rows = rows;
@@ -61,7 +60,6 @@ void CarveForward(const ArenaShape& s, int32_t rows, bool decode, Carver& c, siz
   f->tokens = c.Take<int32_t>(m, cat);
   f->positions = c.Take<int32_t>(m, cat);
   f->slot_mapping = c.Take<int32_t>(m, cat);
-  if (decode) f->partials = c.Take<float>(kDecodeGemmSplits * m * d.hidden, cat);
 }
 
 void CarveHead(const ArenaShape& s, Carver& c, size_t* cat, HeadBuffers* h) {
@@ -115,11 +113,11 @@ DeviceLayout Carve(const ArenaShape& s, void* base, Categories* cats, size_t* to
   const size_t mb = static_cast<size_t>(s.max_bucket);
   const size_t slots = static_cast<size_t>(s.max_slots);
   const size_t blocks = static_cast<size_t>(s.max_blocks_per_seq);
-  CarveForward(s, s.max_bucket, /*decode=*/true, c, &cats->activations, &l.decode);
+  CarveForward(s, s.max_bucket, c, &cats->activations, &l.decode);
   CarveHead(s, c, &cats->activations, &l.decode_head);
   l.decode_context_lens = c.Take<int32_t>(mb, &cats->activations);
   l.decode_block_tables = c.Take<int32_t>(mb * blocks, &cats->activations);
-  CarveForward(s, s.prefill_rows, /*decode=*/false, c, &cats->activations, &l.prefill);
+  CarveForward(s, s.prefill_rows, c, &cats->activations, &l.prefill);
   CarveHead(s, c, &cats->activations, &l.prefill_head);
   l.prefill_cu_seqlens = c.Take<int32_t>(slots + 1, &cats->activations);
   l.prefill_start_pos = c.Take<int32_t>(slots, &cats->activations);

@@ -158,16 +158,7 @@ struct ForwardBuffers {
   int32_t* tokens = nullptr;         // [M]
   int32_t* positions = nullptr;      // [M]
   int32_t* slot_mapping = nullptr;   // [M] block * block_size + offset; -1 = no KV write
-  // [kDecodeGemmSplits, M, hidden] fp32: the o and down projections' split-K partial products
-  // at decode batches above the GEMV's rows (CudaModel::DecodeGemmSplits); the next rmsnorm adds
-  // them. Decode buffers only; nullptr in the prefill ones.
-  float* partials = nullptr;
 };
-
-// How many slices of K the decode o and down projections split into, where they split
-// (kernels/gemm.cuh, GemmShape::splits): near the best of 2, 4 and 8 for both projections of
-// Llama-3.2-1B and Llama-3.1-8B at 16 and 64 rows, measured on the H200 (docs/gpu-facts.md).
-inline constexpr int32_t kDecodeGemmSplits = 4;
 
 // lm_head -> fp32 logits -> sampling -> postprocess for up to `rows` rows.
 struct HeadBuffers {

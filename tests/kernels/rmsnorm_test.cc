@@ -12,7 +12,6 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels/gemm.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "tests/kernels/kernel_test_util.h"
 
@@ -120,61 +119,6 @@ TEST(RmsNormTest, OutMayAliasX) {
 
 TEST(RmsNormTest, LargestHidden) {
   RunCase(3, kRmsNormMaxHidden, true, false);
-}
-
-// x as split-K partial products (kernels/gemm.cuh): x = bf16(sum of the fp32 partials in split
-// order), then the same add and norm, bit-exact in the residual.
-void RunPartialsCase(int rows, int hidden, int splits) {
-  SCOPED_TRACE(::testing::Message()
-               << "rows=" << rows << " hidden=" << hidden << " splits=" << splits);
-  const uint32_t seed = rows * 131 + hidden + splits;
-  const size_t n = size_t(rows) * hidden;
-  const auto partials = testing::RandomFloats(splits * n, -1.5f, 1.5f, seed);
-  const auto residual = testing::RandomFloats(n, -3, 3, seed + 1);
-  const auto w = testing::RandomFloats(hidden, 0.5f, 1.5f, seed + 2);
-  std::vector<float> x(n);
-  for (size_t e = 0; e < n; ++e) {
-    float sum = partials[e];
-    for (int sp = 1; sp < splits; ++sp) sum += partials[sp * n + e];
-    x[e] = RoundBf16(sum);
-  }
-  Buffers b(rows, hidden);
-  GuardedBuffer<float> dp(splits * n);
-  dp.Upload(partials);
-  b.residual.Upload(testing::ToBf16(residual));
-  b.weight.Upload(testing::ToBf16(w));
-  RmsNormParams p{.residual = b.residual.get(),
-                  .weight = b.weight.get(),
-                  .out = b.out.get(),
-                  .rows = rows,
-                  .hidden = hidden,
-                  .eps = 1e-5f};
-  p.x_partials = dp.get();
-  p.x_splits = splits;
-  TS_ASSERT_OK(LaunchRmsNorm(p, nullptr));
-  TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-  const Ref ref = Reference(x, residual, w, rows, hidden, 1e-5f, /*add=*/true);
-  const auto got_res = testing::FromBf16(b.residual.Download());
-  for (size_t i = 0; i < got_res.size(); ++i) {
-    ASSERT_EQ(got_res[i], ref.residual[i]) << "residual element " << i;
-  }
-  const auto got = testing::FromBf16(b.out.Download());
-  EXPECT_LE(testing::MaxScaledError(got, ref.out, 1e-6), kMaxRelErr);
-  const testing::Bf16Match m = testing::CompareBf16(got, ref.out_hf);
-  EXPECT_GE(m.exact_fraction, 0.99);
-  EXPECT_LE(m.worst_ulps, 1);
-  EXPECT_TRUE(dp.GuardsIntact());
-  EXPECT_TRUE(b.residual.GuardsIntact());
-  EXPECT_TRUE(b.out.GuardsIntact());
-}
-
-TEST(RmsNormTest, AddsSplitKPartialsFirst) {
-  for (int hidden : {64, 2048, 4096}) {
-    for (int rows : {9, 16, 64}) {
-      for (int splits : {2, 4, 7}) RunPartialsCase(rows, hidden, splits);
-    }
-  }
-  RunPartialsCase(3, kRmsNormMaxHidden, 4);  // 1,024 threads: the register budget's edge
 }
 
 TEST(RmsNormTest, CapturesInGraph) {
@@ -285,19 +229,6 @@ TEST(RmsNormTest, RejectsBadParams) {
   p = good;
   p.rows = -3;
   TS_EXPECT_INVALID(LaunchRmsNorm(p, nullptr), "rmsnorm.rows");
-  GuardedBuffer<float> partials(4 * 2 * 64);
-  p = good;
-  p.x_partials = partials.get();
-  p.x_splits = 4;
-  TS_EXPECT_INVALID(LaunchRmsNorm(p, nullptr), "rmsnorm.x_partials");  // and x
-  p.x = nullptr;
-  p.x_splits = 1;
-  TS_EXPECT_INVALID(LaunchRmsNorm(p, nullptr), "rmsnorm.x_splits");
-  p.x_splits = kGemmMaxSplits + 1;
-  TS_EXPECT_INVALID(LaunchRmsNorm(p, nullptr), "rmsnorm.x_splits");
-  p.x_splits = 4;
-  p.x_partials = partials.get() + 2;  // 8 bytes off
-  TS_EXPECT_INVALID(LaunchRmsNorm(p, nullptr), "rmsnorm.x_partials");
 }
 
 }  // namespace
