@@ -3,8 +3,10 @@
 // same way).
 //   per graph size N: the host cost of UpdateRegime (median of --updates), and the time per step
 //   of host graph launches, host launches with a per-step sync (the host-driven mode), a device
-//   scheduler graph that tail-launches the step and itself (TailLauncher loop mode), and one
-//   host-launched graph whose conditional WHILE node runs a one-thread scheduler kernel and a
+//   scheduler graph that tail-launches the step and itself (TailLauncher loop mode: two graph
+//   boundaries a step), the serving loop (graphs/device_loop.cuh: the step graph ends with the
+//   scheduler kernel, which tail-launches the next step: one boundary a step, plus that node), and
+//   one host-launched graph whose conditional WHILE node runs a one-thread scheduler kernel and a
 //   SWITCH over --switch_bodies copies of the step each iteration (while+switch, issue #13: the
 //   conditional-node alternative to the tail-launch loop; bench/graphs/while_switch.h).
 // Steps are timed with CUDA events around --steps steps after warm-up, median of --reps. Every
@@ -41,6 +43,7 @@
 #include "bench/graphs/tiny_kernels.cuh"
 #include "bench/graphs/while_switch.h"
 #include "common/status.h"
+#include "graphs/device_loop.cuh"
 #include "graphs/graph_cache.h"
 #include "graphs/tail_launch.cuh"
 #include "kernels/cuda_check.h"
@@ -65,7 +68,7 @@ struct Config {
 struct SizeResult {
   int32_t nodes = 0;
   double update_total_us = 0, update_exec_us = 0, update_capture_us = 0;
-  double host_us = 0, host_sync_us = 0, device_us = 0;  // per step
+  double host_us = 0, host_sync_us = 0, device_us = 0, loop_us = 0;  // per step
   // while+switch: per step where while_switch_error is empty, else not measured.
   double while_switch_us = 0;
   std::string while_switch_error;
@@ -120,8 +123,17 @@ struct Resources {
   int32_t* counter = nullptr;  // [1]
   int32_t* scalars = nullptr;  // [3]: bucket_index, remaining_steps, status
   int32_t* pinned = nullptr;   // [3], host staging for scalars
+  // The serving loop's one slot, its step budget and row list; pinned staging for the first two.
+  kernels::SlotRow* slot = nullptr;
+  int32_t* remaining = nullptr;
+  int32_t* rows = nullptr;
+  kernels::SlotRow* slot_pinned = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
   ~Resources() {
+    if (slot != nullptr) cudaFree(slot);
+    if (remaining != nullptr) cudaFree(remaining);
+    if (rows != nullptr) cudaFree(rows);
+    if (slot_pinned != nullptr) cudaFreeHost(slot_pinned);
     if (buf != nullptr) cudaFree(buf);
     if (counter != nullptr) cudaFree(counter);
     if (scalars != nullptr) cudaFree(scalars);
@@ -134,6 +146,11 @@ struct Resources {
     TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&counter, sizeof(int32_t)));
     TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&scalars, sizeof(int32_t) * 3));
     TS_CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinned, sizeof(int32_t) * 3));
+    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&slot, sizeof(kernels::SlotRow)));
+    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&remaining, sizeof(int32_t)));
+    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&rows, sizeof(int32_t)));
+    TS_CUDA_RETURN_IF_ERROR(cudaMallocHost(&slot_pinned, sizeof(kernels::SlotRow)));
+    TS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(slot, 0, sizeof(kernels::SlotRow), stream));
     TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
     TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
     std::mt19937 rng(1234);
@@ -154,12 +171,13 @@ struct Resources {
   }
 };
 
-enum class Mode { kHost, kHostSync, kDevice, kWhileSwitch };
+enum class Mode { kHost, kHostSync, kDevice, kLoop, kWhileSwitch };
 
 // What the timed runs launch; while_switch is null until its graph is built.
 struct Launchers {
   GraphCache* cache = nullptr;
   TailLauncher* looper = nullptr;
+  DeviceLoop* loop = nullptr;  // over its own cache, whose step graphs end with its scheduler
   WhileSwitchLoop* while_switch = nullptr;
   int32_t while_switch_body = 0;    // the SWITCH body every step runs
   double while_switch_step_us = 0;  // generous per-step allowance for its deadline
@@ -199,6 +217,17 @@ absl::StatusOr<double> TimedRun(Mode mode, int32_t steps, const Launchers& l, Re
     TS_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(r.scalars, r.pinned, sizeof(int32_t) * 3, cudaMemcpyHostToDevice, stream));
   }
+  if (mode == Mode::kLoop) {
+    // One ACTIVE slot that the step's counter kernel finishes after `steps` steps.
+    *r.slot_pinned = kernels::SlotRow{};
+    r.slot_pinned->state = kernels::kSlotActive;
+    r.slot_pinned->prompt_len = 1;
+    r.pinned[1] = steps;
+    TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(r.slot, r.slot_pinned, sizeof(kernels::SlotRow),
+                                            cudaMemcpyHostToDevice, stream));
+    TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(r.remaining, r.pinned + 1, sizeof(int32_t),
+                                            cudaMemcpyHostToDevice, stream));
+  }
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(r.start, stream));
   switch (mode) {
     case Mode::kHost:
@@ -214,6 +243,9 @@ absl::StatusOr<double> TimedRun(Mode mode, int32_t steps, const Launchers& l, Re
     case Mode::kDevice:
       TS_RETURN_IF_ERROR(l.looper->Launch(stream));
       break;
+    case Mode::kLoop:
+      TS_RETURN_IF_ERROR(l.loop->Launch(stream));
+      break;
     case Mode::kWhileSwitch:
       TS_RETURN_IF_ERROR(l.while_switch->Launch(stream));
       break;
@@ -227,6 +259,12 @@ absl::StatusOr<double> TimedRun(Mode mode, int32_t steps, const Launchers& l, Re
   float ms = 0;
   TS_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, r.start, r.stop));
   TS_ASSIGN_OR_RETURN(const int32_t after, r.Counter());
+  if (mode == Mode::kLoop) {
+    if (absl::Status s = l.loop->status(); !s.ok()) return StepCheckError(s.ToString());
+    if (l.loop->exit_reason() != kLoopExitIdle) {
+      return StepCheckError(absl::StrCat("device loop exited with reason ", l.loop->exit_reason()));
+    }
+  }
   if (device_loop) {
     TS_CUDA_RETURN_IF_ERROR(
         cudaMemcpy(r.pinned, r.scalars, sizeof(int32_t) * 3, cudaMemcpyDeviceToHost));
@@ -320,6 +358,34 @@ absl::StatusOr<SizeResult> RunSize(int32_t nodes, const Config& c, cudaStream_t 
   res.update_exec_us = Median(exec);
   res.update_capture_us = Median(capture);
 
+  // The serving loop's graphs: the same step with the counter counting the slot down, ending with
+  // the scheduler node (one node more than `nodes`).
+  DeviceLoopParams lp;
+  lp.num_buckets = 1;
+  lp.buckets[0] = 1;
+  lp.slots = r->slot;
+  lp.num_slots = 1;
+  lp.row_slots = r->rows;
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<DeviceLoop> device_loop, DeviceLoop::Create(lp, stream));
+  GraphCacheOptions lopt;
+  lopt.buckets = {1};
+  lopt.device = c.device;
+  lopt.log_progress = false;
+  DeviceLoop* dl = device_loop.get();
+  lopt.capture = [rp, nodes, dl](const CaptureContext&, cudaStream_t s) -> absl::Status {
+    TinyStepParams p{.buf = rp->buf,
+                     .counter = rp->counter,
+                     .nodes = nodes,
+                     .shift = 1e-3f,
+                     .remaining = rp->remaining,
+                     .slot_state = &rp->slot->state};
+    TS_CUDA_RETURN_IF_ERROR(EnqueueTinyStep(p, s));
+    return dl->EnqueueScheduler(s);
+  };
+  auto loop_cache = std::make_unique<GraphCache>(std::move(lopt));
+  TS_RETURN_IF_ERROR(loop_cache->Build(stream));
+  TS_RETURN_IF_ERROR(device_loop->BindTable(loop_cache->device_table()));
+
   TailLaunchParams loop{.table = cache->device_table(),
                         .num_buckets = cache->num_buckets(),
                         .bucket_index = r->scalars,
@@ -328,6 +394,7 @@ absl::StatusOr<SizeResult> RunSize(int32_t nodes, const Config& c, cudaStream_t 
   TS_ASSIGN_OR_RETURN(std::unique_ptr<TailLauncher> looper, TailLauncher::Create(loop, stream));
   Launchers l{.cache = cache.get(),
               .looper = looper.get(),
+              .loop = device_loop.get(),
               // The last body, so that the SWITCH has to dispatch on a non-zero value.
               .while_switch_body = c.switch_bodies - 1,
               // About 10x the 1.7 us a graph node costs (docs/gpu-facts.md), plus the scheduler.
@@ -335,6 +402,7 @@ absl::StatusOr<SizeResult> RunSize(int32_t nodes, const Config& c, cudaStream_t 
   TS_ASSIGN_OR_RETURN(res.host_us, MedianPerStep(Mode::kHost, c, l, *r, stream));
   TS_ASSIGN_OR_RETURN(res.host_sync_us, MedianPerStep(Mode::kHostSync, c, l, *r, stream));
   TS_ASSIGN_OR_RETURN(res.device_us, MedianPerStep(Mode::kDevice, c, l, *r, stream));
+  TS_ASSIGN_OR_RETURN(res.loop_us, MedianPerStep(Mode::kLoop, c, l, *r, stream));
 
   absl::StatusOr<std::unique_ptr<WhileSwitchLoop>> ws =
       BuildWhileSwitch(nodes, c, step, *cache, *r, stream);
@@ -348,6 +416,8 @@ absl::StatusOr<SizeResult> RunSize(int32_t nodes, const Config& c, cudaStream_t 
   if (absl::IsDeadlineExceeded(ws_status)) {
     if (ws.ok()) (void)ws->release();
     (void)looper.release();
+    (void)device_loop.release();
+    (void)loop_cache.release();
     (void)cache.release();
     (void)r.release();
     return ws_status;
@@ -375,16 +445,17 @@ void PrintTable(const cudaDeviceProp& prop, const Config& c,
       "while+switch: one host launch per run of WHILE { scheduler kernel; SWITCH over %d copies "
       "of the step }, body %d every step\n",
       c.switch_bodies, c.switch_bodies - 1);
-  std::printf("%6s | %12s %12s %12s | %12s %12s %12s %12s\n", "nodes", "update us", "exec upd us",
-              "capture us", "host us/st", "host+sync", "device tail", "while+switch");
+  std::printf("%6s | %12s %12s %12s | %12s %12s %12s %12s %12s\n", "nodes", "update us",
+              "exec upd us", "capture us", "host us/st", "host+sync", "device tail", "loop",
+              "while+switch");
   for (const SizeResult& r : results) {
     char ws[32] = "n/a";
     if (r.while_switch_error.empty()) {
       std::snprintf(ws, sizeof(ws), "%.2f", r.while_switch_us);
     }
-    std::printf("%6d | %12.1f %12.1f %12.1f | %12.2f %12.2f %12.2f %12s\n", r.nodes,
+    std::printf("%6d | %12.1f %12.1f %12.1f | %12.2f %12.2f %12.2f %12.2f %12s\n", r.nodes,
                 r.update_total_us, r.update_exec_us, r.update_capture_us, r.host_us, r.host_sync_us,
-                r.device_us, ws);
+                r.device_us, r.loop_us, ws);
   }
   for (const SizeResult& r : results) {
     if (r.while_switch_error.empty()) continue;

@@ -1,5 +1,7 @@
 #include "bench/graphs/tiny_kernels.cuh"
 
+#include "kernels/postprocess.cuh"
+
 namespace ts::graphs::bench {
 namespace {
 
@@ -8,8 +10,9 @@ __global__ void TinyKernel(float* buf, float shift) {
   buf[i] = buf[i] * 0.999f + shift;  // stays bounded however many steps run
 }
 
-__global__ void CountStep(int32_t* counter) {
+__global__ void CountStep(int32_t* counter, int32_t* remaining, int32_t* slot_state) {
   *counter += 1;
+  if (remaining != nullptr && --*remaining <= 0) *slot_state = kernels::kSlotFinished;
 }
 
 }  // namespace
@@ -18,7 +21,7 @@ cudaError_t EnqueueTinyStep(const TinyStepParams& p, cudaStream_t stream) {
   for (int32_t i = 0; i + 1 < p.nodes; ++i) {
     TinyKernel<<<1, kTinyWidth, 0, stream>>>(p.buf, p.shift);
   }
-  CountStep<<<1, 1, 0, stream>>>(p.counter);
+  CountStep<<<1, 1, 0, stream>>>(p.counter, p.remaining, p.slot_state);
   return cudaGetLastError();
 }
 

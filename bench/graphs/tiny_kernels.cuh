@@ -15,6 +15,11 @@ struct TinyStepParams {
   int32_t* counter = nullptr;  // [1], +1 per step: proves how many steps ran
   int32_t nodes = 0;           // >= 1: nodes - 1 tiny kernels, then the counter
   float shift = 0.0f;          // regime-dependent argument of every tiny kernel
+  // Optional, for the device loop's steps: the counter kernel also counts *remaining down and
+  // marks *slot_state FINISHED (kernels/postprocess.cuh) when it reaches 0, so the loop exits
+  // after exactly that many steps.
+  int32_t* remaining = nullptr;   // [1]
+  int32_t* slot_state = nullptr;  // [1]
 };
 
 // Enqueues the chain on `stream` (graph-capturable); returns the launch error, if any.
