@@ -415,6 +415,7 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
   TS_RETURN_IF_ERROR(skip.CheckAllSeen());
   const ModelDims& d = b->model().dims();
   const size_t weight_bytes = b->step_weight_bytes();
+  const int32_t groups = loop ? 1 : b->decode_groups();
   const size_t kv_per_token =
       static_cast<size_t>(d.num_layers) * 2 * d.num_kv_heads * d.head_dim * sizeof(uint16_t);
   cudaEvent_t e0, e1;
@@ -449,26 +450,35 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
                   .count() /
               s.new_tokens);
         } else {
-          for (int32_t step = 0; step < s.new_tokens; ++step) {
-            const auto t0 = std::chrono::steady_clock::now();
+          // With row groups (a pipeline's micro-batches, docs/pipeline.md) each Run is one
+          // group's step, and a step of the whole batch is a round of `groups` of them.
+          int32_t round_rows = 0;
+          auto t0 = std::chrono::steady_clock::now();
+          for (int32_t step = 0; step < s.new_tokens * groups; ++step) {
             TS_RETURN_IF_ERROR(b->Run(RunMode::kOneStep));
-            host_ms.push_back(
-                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                    .count());
-            if (b->last_step().active != batch) {
-              return absl::InternalError(absl::StrCat("step ", step, ": ", b->last_step().active,
-                                                      " active slots, expected ", batch));
+            round_rows += b->last_step().active;
+            if (step % groups != groups - 1) continue;
+            const auto t1 = std::chrono::steady_clock::now();
+            host_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+            t0 = t1;
+            if (round_rows != batch) {
+              return absl::InternalError(absl::StrCat("round ", step / groups, ": ", round_rows,
+                                                      " rows decoded, expected ", batch));
             }
+            round_rows = 0;
           }
         }
       }
       TS_ASSIGN_OR_RETURN(const LoopStatus after, b->Poll());
-      if (after.steps - before.steps != static_cast<uint64_t>(s.new_tokens)) {
+      const uint64_t want_steps = static_cast<uint64_t>(s.new_tokens) * groups;
+      if (after.steps - before.steps != want_steps) {
         return absl::InternalError(absl::StrCat(mode, ": ", after.steps - before.steps,
-                                                " steps ran, expected ", s.new_tokens));
+                                                " steps ran, expected ", want_steps));
       }
       TS_RETURN_IF_ERROR(stamps->Read(&period_ms, &gap_us, &launch_us));
       TS_RETURN_IF_ERROR(CheckAndRelease(*b, batch, static_cast<uint32_t>(max_new)));
+      // A group's steps start one period apart in the steady state: a round is `groups` of them.
+      for (double& p : period_ms) p *= groups;
       const double med = Quantile(period_ms, 0.5);
       double gap_mean = 0;
       for (double g : gap_us) gap_mean += g / std::max<size_t>(gap_us.size(), 1);
@@ -482,6 +492,7 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
       const json row = {{"shape", shape},
                         {"mode", mode},
                         {"stages", b->num_stages()},
+                        {"decode_groups", groups},
                         {"batch", batch},
                         {"host_load_per_core", load},
                         {"prompt_len", s.prompt_len},

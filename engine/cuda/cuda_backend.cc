@@ -88,6 +88,12 @@ CudaBackend::~CudaBackend() {
     u.model.reset();
     if (u.stream != nullptr) cudaStreamDestroy(u.stream);
   }
+  if (feed_stream_ != nullptr) cudaStreamSynchronize(feed_stream_);
+  for (Group& g : groups_) {
+    if (g.done != nullptr) cudaEventDestroy(g.done);
+  }
+  if (group_staging_ != nullptr) cudaFreeHost(group_staging_);
+  if (feed_stream_ != nullptr) cudaStreamDestroy(feed_stream_);
   graphs_.reset();
   timer_.reset();
   model_.reset();
@@ -209,6 +215,8 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
     LogStages();
   }
   if (options_.device_loop) TS_RETURN_IF_ERROR(BindLoop());
+  // Across processes the pipeline exists only once the ranks have joined (ConnectRanks).
+  if (options_.ranks.world_size <= 1) TS_RETURN_IF_ERROR(InitGroups());
   return absl::OkStatus();
 }
 
@@ -307,6 +315,10 @@ void CudaBackend::ResetSlotHost(SlotId slot) {
   // (which makes it so) is enqueued only after this returns.
   table_->ResetForRequest(slot);
   std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
+  // A cancel for the slot's previous request (one that had finished) must not end this one.
+  if (!cancel_pending_.empty()) {
+    std::atomic_ref<int32_t>(cancel_pending_[slot]).store(0, std::memory_order_relaxed);
+  }
 }
 
 // Writes the slot's table row, block table and prompt mask into staging row `index` and
@@ -373,6 +385,8 @@ absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
       }
     }
   }
+  // No step may be in flight while slots are staged and the stream prefills.
+  if (grouped()) TS_RETURN_IF_ERROR(SettleGroups());
   for (const SlotInit& in : inits) ResetSlotHost(in.slot);
   if (options_.device_loop) {
     QueuePrefills(inits);  // Run(kLoop) prefills them between decode steps
@@ -452,6 +466,12 @@ absl::Status CudaBackend::Run(RunMode mode) {
     }
     return RunLoop();
   }
+  if (grouped()) {
+    do {
+      TS_RETURN_IF_ERROR(RunGroups());
+    } while (mode == RunMode::kLoop && last_.active > 0);
+    return absl::OkStatus();
+  }
   TS_RETURN_IF_ERROR(MaybeCalibrateClock());  // after the last step's sync: the GPU is idle
   do {
     TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
@@ -504,6 +524,7 @@ absl::StatusOr<std::vector<std::pair<std::string, float>>> CudaBackend::ProfileS
   if (options_.device_loop) return absl::FailedPreconditionError("ProfileStep: host-driven only");
   if (pipeline_ != nullptr) return absl::FailedPreconditionError("ProfileStep: one stage only");
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(options_.device));
+  if (grouped()) TS_RETURN_IF_ERROR(SettleGroups());
   TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
   if (index < 0) return absl::FailedPreconditionError("ProfileStep: no active slot");
   const int32_t bucket = options_.buckets[index];
@@ -600,6 +621,13 @@ absl::StatusOr<std::vector<std::vector<float>>> CudaBackend::DecodeLogits(
     in.stop.ignore_eos = true;
   }
   TS_RETURN_IF_ERROR(Prefill(inits));
+  // Teacher forcing needs every row in every step: no row groups (none is in flight, no slot
+  // was active).
+  single_group_ = true;
+  struct Regroup {
+    bool& flag;
+    ~Regroup() { flag = false; }
+  } regroup{single_group_};
 
   const int32_t vocab = info_.model.vocab_size;
   std::vector<std::vector<float>> out(prompts.size(),
@@ -652,7 +680,12 @@ void CudaBackend::Cancel(SlotId slot) {
   TS_CHECK_GE(slot, 0);
   TS_CHECK_LT(slot, info_.max_slots);
   // Read by the postprocess kernel of the next step through the mapped alias. A FREE or
-  // FINISHED slot ignores it; Prefill clears it for the next request.
+  // FINISHED slot ignores it; Prefill clears it for the next request. With row groups it waits
+  // for the slot's group to launch next (cancel_pending_).
+  if (!cancel_pending_.empty()) {
+    std::atomic_ref<int32_t>(cancel_pending_[slot]).store(1, std::memory_order_release);
+    return;
+  }
   table_->set_cancelled(slot, true);
 }
 
@@ -668,6 +701,10 @@ void CudaBackend::Release(SlotId slot) {
   // The device row is left as the GPU last wrote it: a slot that is not ACTIVE on the host is
   // never put in a row list, so the GPU does not touch it until the next Prefill rewrites it.
   slots_[slot] = Slot{};
+  if (!group_of_.empty()) group_of_[slot] = -1;
+  if (!cancel_pending_.empty()) {
+    std::atomic_ref<int32_t>(cancel_pending_[slot]).store(0, std::memory_order_relaxed);
+  }
   table_->ResetForRequest(slot);
   std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
   table_->set_state(slot, SlotState::kFree);

@@ -105,6 +105,12 @@ struct CudaBackendOptions {
   // Bounds NCCL's setup, each NCCL call between the stages and each host-driven step's wait
   // (StageLinks); across processes also the ranks' rendezvous and each message between them.
   std::chrono::milliseconds link_timeout{60000};
+  // Host-driven decode in this many row groups, each with its own step cycle (docs/pipeline.md,
+  // Micro-batches in decode): Run(kOneStep) completes the oldest group's step and relaunches it,
+  // so that on a pipeline one group's step runs on some stages while another's runs on the
+  // rest. 0: one group per pipeline stage, and 1 for a whole model, where groups only split the
+  // batch (tests compare a pipeline with a whole model in the same groups).
+  int32_t decode_groups = 0;
   // world_size > 1: this process is rank 0 of a pipeline across processes, holding the last
   // stage of a plan over world_size stages on `device` (stages stays empty); ranks 1.. run
   // RunCudaWorker (cuda_ranks.h). Host-driven only.
@@ -153,6 +159,10 @@ class CudaBackend : public Backend {
   // For benchmarks and tests. model() is the last stage of a pipeline (its slot table).
   CudaModel& model() { return *model_; }
   int32_t num_stages() const { return pipeline_ != nullptr ? pipeline_->num_stages() : 1; }
+  // Row groups of host-driven decode (CudaBackendOptions::decode_groups as resolved).
+  int32_t decode_groups() const {
+    return groups_.empty() ? 1 : static_cast<int32_t>(groups_.size());
+  }
   // Bytes of weights one decode step reads, summed over this process's stages
   // (CudaModel::step_weight_bytes).
   size_t step_weight_bytes() const;
@@ -235,6 +245,25 @@ class CudaBackend : public Backend {
   absl::Status UpdateRegimeAll(const graphs::Regime& regime);
   // Host-driven: waits for everything on stream_, within link_timeout on an NCCL pipeline.
   absl::Status WaitStream();
+  // Row groups (cuda_backend_groups.cc). A group's rows stay in it until released.
+  struct Group {
+    std::vector<SlotId> rows;  // its step in flight, or its last
+    int32_t bucket = 0;
+    int32_t* staging = nullptr;  // [max_slots] pinned: the row list its copies read
+    cudaEvent_t done = nullptr;  // after its step's last stage
+    bool in_flight = false;
+    uint64_t order = 0;  // launch order; the oldest completes first
+  };
+  absl::Status InitGroups();
+  // Run(kOneStep) with groups: launches every idle group that has rows, then completes the
+  // oldest step in flight and relaunches its group.
+  absl::Status RunGroups();
+  absl::Status LaunchGroup(Group& g);
+  absl::Status CompleteGroup(Group& g);
+  // Completes every step in flight (before a prefill, a regime change or a test's call), then
+  // deals the ACTIVE slots out to the groups afresh, in slot order.
+  absl::Status SettleGroups();
+  bool grouped() const { return groups_.size() > 1 && !single_group_; }
   absl::Status CreateStream();
   // Maps the host's steady clock onto %globaltimer, which the postprocess kernel reads for the
   // request deadlines (GpuDeadline). At creation, then every 10 s through MaybeCalibrateClock
@@ -303,6 +332,17 @@ class CudaBackend : public Backend {
   std::unique_ptr<StageLinks> links_;        // between the stages of a pipeline
   std::unique_ptr<StagePipeline> pipeline_;  // a pipeline's launches and moves; null: one stage
   uint64_t control_id_ = 0;                  // the last control message's id, across processes
+  std::vector<Group> groups_;                // empty: one step over every ACTIVE slot
+  std::vector<int32_t> group_of_;            // [max_slots] the slot's group, -1 for none
+  // [max_slots] with groups: a Cancel not yet handed to the GPU (atomic_ref). It is written into
+  // the slot's mapped cancel word when the slot's group next launches, never while the group's
+  // step may be reading it: so a cancel takes effect at that group's next step whatever the
+  // timing, and two backends driven alike end a cancelled stream at the same token.
+  std::vector<int32_t> cancel_pending_;
+  bool single_group_ = false;           // DecodeLogits: one step over every row, groups or not
+  int32_t* group_staging_ = nullptr;    // [groups * max_slots] pinned
+  cudaStream_t feed_stream_ = nullptr;  // a pipeline's feed (StagePipeline::Decode)
+  uint64_t launches_ = 0;
   cudaStream_t stream_ = nullptr;
   cudaStream_t clock_stream_ = nullptr;  // CalibrateClock's
   uint64_t* clock_sample_ = nullptr;     // [1] device

@@ -196,12 +196,19 @@ class CudaModel {
   //     and on the last stage lm_head, sampling and postprocess; the caller copies each stage's
   //     DecodeHidden to the next one's before that one runs.
   // On a whole model, prepare then EnqueueStageDecode is EnqueueDecodeStep.
-  absl::Status EnqueueDecodePrepare(int32_t bucket, cudaStream_t stream) const;
+  // `feed`: into the decode feed instead (AddDecodeFeed), from the row list in feed_row_slots().
+  absl::Status EnqueueDecodePrepare(int32_t bucket, cudaStream_t stream, bool feed = false) const;
+  // A second set of the rows' inputs on the last stage, for a pipeline's row groups
+  // (docs/pipeline.md, Micro-batches in decode): the next group's prepare fills it on a stream of
+  // its own and it is sent upstream from there, while this stage's graph still reads the
+  // dev().decode inputs of the other group. Its sampling rows are written and never read.
+  absl::Status AddDecodeFeed();
+  int32_t* feed_row_slots() const { return feed_.row_slots; }  // [max_bucket] device
   absl::Status EnqueueStageDecode(int32_t bucket, int32_t num_splits, cudaStream_t stream,
                                   OpObserver* observer = nullptr) const;
   // Device buffers, the same on every stage of one plan: the rows' inputs (tokens, positions,
   // KV slots, context lengths, block tables) and the hidden states of `bucket` rows.
-  std::vector<DeviceBytes> DecodeRowInputs(int32_t bucket) const;
+  std::vector<DeviceBytes> DecodeRowInputs(int32_t bucket, bool feed = false) const;
   DeviceBytes DecodeHidden(int32_t bucket) const;
   // The hidden rows a prefill chunk of `tokens` prompt rows leaves in dev().prefill.h (its
   // planned GEMM rows, padding included): what the next stage reads as that chunk's input.
@@ -324,7 +331,14 @@ class CudaModel {
   int32_t max_context_ = 0;
   int32_t num_sms_ = 0;
   int32_t device_ = 0;
-  void* arena_ = nullptr;       // [plan_.arena_bytes] device
+  void* arena_ = nullptr;  // [plan_.arena_bytes] device
+  struct Feed {
+    void* base = nullptr;  // one allocation holding the rest
+    int32_t *row_slots = nullptr, *tokens = nullptr, *positions = nullptr, *slot_mapping = nullptr,
+            *context_lens = nullptr, *sample_slots = nullptr;  // [max_bucket]
+    int32_t* block_tables = nullptr;                           // [max_bucket, max_blocks_per_seq]
+    kernels::SamplingRow* sampling = nullptr;                  // [max_bucket]
+  } feed_;
   void* host_block_ = nullptr;  // [plan_.host_bytes] pinned, mapped
   DeviceLayout dev_;
   HostLayout host_;

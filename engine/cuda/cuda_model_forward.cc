@@ -453,24 +453,69 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
   return EnqueueStageDecode(bucket, num_splits, stream, observer);
 }
 
-absl::Status CudaModel::EnqueueDecodePrepare(int32_t bucket, cudaStream_t stream) const {
+absl::Status CudaModel::EnqueueDecodePrepare(int32_t bucket, cudaStream_t stream, bool feed) const {
   TS_RETURN_IF_ERROR(BucketIndex("decode prepare", bucket).status());
   if (!stage().has_head) {
     return absl::FailedPreconditionError(
         "decode prepare: the slot table is the last pipeline stage's");
   }
   // A benchmark's stamps: the step starts here, as in EnqueueDecodeStep.
-  return EnqueuePrepare(dev_.decode, bucket, step_stamps_, stream);
+  if (!feed) return EnqueuePrepare(dev_.decode, bucket, step_stamps_, stream);
+  if (feed_.base == nullptr) return absl::FailedPreconditionError("decode prepare: no feed");
+  const ArenaShape& s = plan_.shape;
+  k::PrepareDecodeParams p;
+  p.row_slots = feed_.row_slots;
+  p.slots = dev_.slots;
+  p.slot_block_tables = dev_.slot_block_tables;
+  p.tokens = feed_.tokens;
+  p.positions = feed_.positions;
+  p.slot_mapping = feed_.slot_mapping;
+  p.context_lens = feed_.context_lens;
+  p.block_tables = feed_.block_tables;
+  p.sampling = feed_.sampling;
+  p.sample_slots = feed_.sample_slots;
+  p.rows = bucket;
+  p.num_slots = s.max_slots;
+  p.max_blocks = s.max_blocks_per_seq;
+  p.block_size = s.kv_block_size;
+  return k::LaunchPrepareDecode(p, stream);
 }
 
-std::vector<DeviceBytes> CudaModel::DecodeRowInputs(int32_t bucket) const {
+absl::Status CudaModel::AddDecodeFeed() {
+  if (feed_.base != nullptr) return absl::OkStatus();
+  const ArenaShape& s = plan_.shape;
+  const size_t rows = static_cast<size_t>(s.max_bucket), i = sizeof(int32_t);
+  const size_t ints = rows * (6 + static_cast<size_t>(s.max_blocks_per_seq));
+  const size_t bytes = (ints * i + 255) / 256 * 256 + rows * sizeof(k::SamplingRow);
+  TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&feed_.base, bytes));
+  int32_t* p = static_cast<int32_t*>(feed_.base);
+  for (int32_t** b : {&feed_.row_slots, &feed_.tokens, &feed_.positions, &feed_.slot_mapping,
+                      &feed_.context_lens, &feed_.sample_slots}) {
+    *b = p;
+    p += rows;
+  }
+  feed_.block_tables = p;
+  feed_.sampling = reinterpret_cast<k::SamplingRow*>(static_cast<char*>(feed_.base) +
+                                                     (ints * i + 255) / 256 * 256);
+  return absl::OkStatus();
+}
+
+std::vector<DeviceBytes> CudaModel::DecodeRowInputs(int32_t bucket, bool feed) const {
   const size_t rows = static_cast<size_t>(bucket), i = sizeof(int32_t);
+  const size_t tables = rows * plan_.shape.max_blocks_per_seq * i;
+  if (feed) {
+    return {{feed_.tokens, rows * i},
+            {feed_.positions, rows * i},
+            {feed_.slot_mapping, rows * i},
+            {feed_.context_lens, rows * i},
+            {feed_.block_tables, tables}};
+  }
   const DeviceLayout& d = dev_;
   return {{d.decode.tokens, rows * i},
           {d.decode.positions, rows * i},
           {d.decode.slot_mapping, rows * i},
           {d.decode_context_lens, rows * i},
-          {d.decode_block_tables, rows * plan_.shape.max_blocks_per_seq * i}};
+          {d.decode_block_tables, tables}};
 }
 
 DeviceBytes CudaModel::DecodeHidden(int32_t bucket) const {

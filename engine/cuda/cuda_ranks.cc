@@ -270,7 +270,7 @@ absl::Status CudaBackend::ConnectRanks(const std::vector<CudaStageOptions>& plan
   views.back() = {options_.device, stream_, model_.get(), graphs_.get()};
   pipeline_ = std::make_unique<StagePipeline>(std::move(views), links_.get());
   LogStages();
-  return absl::OkStatus();
+  return InitGroups();
 }
 
 absl::Status CudaBackend::SendControl(StageMessage m) {

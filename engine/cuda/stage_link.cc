@@ -85,13 +85,14 @@ class CopyLinks final : public StageLinks {
   }
 
   absl::Status Move(int from, int to, std::span<const DeviceBytes> src,
-                    std::span<const DeviceBytes> dst) override {
+                    std::span<const DeviceBytes> dst, cudaStream_t from_stream) override {
     TS_RETURN_IF_ERROR(CheckMove(from, to, stages_.size(), src, dst, true, true));
     const StageQueue& a = stages_[from];
     const StageQueue& b = stages_[to];
+    const cudaStream_t sender = from_stream != nullptr ? from_stream : a.stream;
     {
       TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(a.device));
-      TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[from], a.stream));
+      TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[from], sender));
     }
     {
       TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(b.device));
@@ -105,13 +106,18 @@ class CopyLinks final : public StageLinks {
     // The sender's next writes to src wait for the copy. A wait captures the event as recorded
     // when it is enqueued, so the events can be recorded again by the next move at once.
     TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(a.device));
-    TS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(a.stream, events_[to], 0));
+    TS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(sender, events_[to], 0));
     return absl::OkStatus();
   }
 
   absl::Status Wait(cudaStream_t stream, std::chrono::milliseconds /*timeout*/) override {
     // Device copies on one host cannot stall on a peer; a failed copy is the stream's error.
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return absl::OkStatus();
+  }
+
+  absl::Status WaitEvent(cudaEvent_t event, std::chrono::milliseconds /*timeout*/) override {
+    TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event));
     return absl::OkStatus();
   }
 
@@ -143,9 +149,10 @@ class NcclLinks final : public StageLinks {
         ring_(ring) {}
 
   absl::Status Move(int from, int to, std::span<const DeviceBytes> src,
-                    std::span<const DeviceBytes> dst) override {
+                    std::span<const DeviceBytes> dst, cudaStream_t from_stream) override {
     TS_RETURN_IF_ERROR(CheckMove(from, to, stages_.size(), src, dst, comms_[from] != nullptr,
                                  comms_[to] != nullptr));
+    const cudaStream_t sender = from_stream != nullptr ? from_stream : stages_[from].stream;
     if (!failure_.ok()) return failure_;
     if (comms_[from] == nullptr && comms_[to] == nullptr) return absl::OkStatus();
     const size_t n = std::max(src.size(), dst.size());
@@ -153,8 +160,7 @@ class NcclLinks final : public StageLinks {
     for (size_t i = 0; i < n && (r == ncclSuccess || r == ncclInProgress); ++i) {
       const size_t bytes = src.empty() ? dst[i].bytes : src[i].bytes;
       if (comms_[from] != nullptr) {
-        r = ncclSend(src[i].ptr, bytes, ncclUint8, peers_[to], comms_[from]->get(),
-                     stages_[from].stream);
+        r = ncclSend(src[i].ptr, bytes, ncclUint8, peers_[to], comms_[from]->get(), sender);
       }
       if ((r == ncclSuccess || r == ncclInProgress) && comms_[to] != nullptr) {
         r = ncclRecv(dst[i].ptr, bytes, ncclUint8, peers_[from], comms_[to]->get(),
@@ -171,13 +177,25 @@ class NcclLinks final : public StageLinks {
   }
 
   absl::Status Wait(cudaStream_t stream, std::chrono::milliseconds timeout) override {
+    return Poll([stream] { return cudaStreamQuery(stream); }, timeout);
+  }
+
+  absl::Status WaitEvent(cudaEvent_t event, std::chrono::milliseconds timeout) override {
+    return Poll([event] { return cudaEventQuery(event); }, timeout);
+  }
+
+  const char* name() const override { return "nccl"; }
+
+ private:
+  // Polled rather than synchronised, so that a transfer stuck on a failed GPU or a dead peer
+  // cannot hold the caller past the timeout. The poll yields instead of sleeping: a decode step
+  // is a few milliseconds, and a sleep's granularity would add to every one.
+  template <typename Query>
+  absl::Status Poll(const Query& query, std::chrono::milliseconds timeout) {
     if (!failure_.ok()) return failure_;
-    // Polled rather than synchronised, so that a transfer stuck on a failed GPU or a dead peer
-    // cannot hold the caller past the timeout. The poll yields instead of sleeping: a decode step
-    // is a few milliseconds, and a sleep's granularity would add to every one.
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (uint64_t i = 0;; ++i) {
-      const cudaError_t q = cudaStreamQuery(stream);
+      const cudaError_t q = query();
       if (q == cudaSuccess) return absl::OkStatus();
       if (q != cudaErrorNotReady) {
         return Fail(absl::InternalError(
@@ -201,9 +219,6 @@ class NcclLinks final : public StageLinks {
     }
   }
 
-  const char* name() const override { return "nccl"; }
-
- private:
   // Aborts every communicator (releasing kernels stuck in a transfer) and fails from now on.
   absl::Status Fail(absl::Status why) {
     for (pipeline::NcclComm* c : comms_) {
@@ -231,7 +246,7 @@ class HostLinks final : public StageLinks {
       : stages_(std::move(stages)), o_(std::move(o)) {}
 
   absl::Status Move(int from, int to, std::span<const DeviceBytes> src,
-                    std::span<const DeviceBytes> dst) override {
+                    std::span<const DeviceBytes> dst, cudaStream_t from_stream) override {
     const bool send = stages_[from].stream != nullptr, recv = stages_[to].stream != nullptr;
     TS_RETURN_IF_ERROR(CheckMove(from, to, stages_.size(), src, dst, send, recv));
     if (!send && !recv) return absl::OkStatus();
@@ -249,7 +264,8 @@ class HostLinks final : public StageLinks {
     const std::span<const DeviceBytes> bufs = send ? src : dst;
     size_t total = 0;
     for (const DeviceBytes& b : bufs) total += b.bytes;
-    const cudaStream_t stream = stages_[send ? from : to].stream;
+    const cudaStream_t stream =
+        send && from_stream != nullptr ? from_stream : stages_[send ? from : to].stream;
     const graphs::DeviceGuard guard =
         graphs::DeviceGuard::SetOrIgnore(stages_[send ? from : to].device);
     if (send) {
@@ -283,6 +299,11 @@ class HostLinks final : public StageLinks {
     // Every cross-process dependency was met on the host, inside Move: the stream's own work
     // cannot stall on a peer.
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return o_.transport->health();
+  }
+
+  absl::Status WaitEvent(cudaEvent_t event, std::chrono::milliseconds /*timeout*/) override {
+    TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event));
     return o_.transport->health();
   }
 

@@ -72,8 +72,13 @@ class StageLinks {
   // Enqueues only; never waits on the host for the GPU (but host links do, see above).
   // Across processes, src is empty where `from` is another process's stage and dst where `to`
   // is: each process does its half, and the halves' buffers have the same sizes.
+  // `from_stream`: another stream of the sending stage's GPU to order the send on instead of
+  // the stage's own (the last stage's feed for a pipeline's row groups); null: the stage's.
   virtual absl::Status Move(int from, int to, std::span<const DeviceBytes> src,
-                            std::span<const DeviceBytes> dst) = 0;
+                            std::span<const DeviceBytes> dst,
+                            cudaStream_t from_stream = nullptr) = 0;
+  // Waits on the host for `event` (recorded on a stage's stream), as Wait does for a stream.
+  virtual absl::Status WaitEvent(cudaEvent_t event, std::chrono::milliseconds timeout) = 0;
   // Waits on the host for everything enqueued on `stream` (a stage's), however long the copies
   // take; over NCCL at most `timeout`, and an NCCL error or the timeout aborts every
   // communicator (which releases kernels stuck in a transfer) and fails this and every later

@@ -5,9 +5,9 @@
 
 namespace ts {
 
-std::vector<DeviceBytes> StagePipeline::Inputs(int s, int32_t bucket) const {
+std::vector<DeviceBytes> StagePipeline::Inputs(int s, int32_t bucket, bool feed) const {
   if (!stages_[s].here()) return {};
-  return stages_[s].model->DecodeRowInputs(bucket);
+  return stages_[s].model->DecodeRowInputs(bucket, feed);
 }
 
 std::vector<DeviceBytes> StagePipeline::Hidden(int s, int32_t bucket) const {
@@ -20,14 +20,16 @@ std::vector<DeviceBytes> StagePipeline::PrefillRows(int s, int32_t rows) const {
   return {stages_[s].model->PrefillHidden(rows)};
 }
 
-absl::Status StagePipeline::Decode(int32_t index, int32_t bucket) {
+absl::Status StagePipeline::Decode(int32_t index, int32_t bucket, cudaStream_t feed) {
   const int last = num_stages() - 1;
   const PipelineStage& tail = stages_[last];
+  const bool fed = feed != nullptr && tail.here();
   if (tail.here()) {
     TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(tail.device));
-    TS_RETURN_IF_ERROR(tail.model->EnqueueDecodePrepare(bucket, tail.stream));
+    TS_RETURN_IF_ERROR(tail.model->EnqueueDecodePrepare(bucket, fed ? feed : tail.stream, fed));
   }
-  TS_RETURN_IF_ERROR(links_->Move(last, 0, Inputs(last, bucket), Inputs(0, bucket)));
+  TS_RETURN_IF_ERROR(
+      links_->Move(last, 0, Inputs(last, bucket, fed), Inputs(0, bucket), fed ? feed : nullptr));
   for (int s = 0; s < last; ++s) {
     // Stage s passes the inputs on before its own graph, so the next stage never waits for them.
     if (s + 1 < last) {
@@ -42,6 +44,7 @@ absl::Status StagePipeline::Decode(int32_t index, int32_t bucket) {
   TS_RETURN_IF_ERROR(links_->Move(last - 1, last, Hidden(last - 1, bucket), Hidden(last, bucket)));
   if (!tail.here()) return absl::OkStatus();
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(tail.device));
+  if (fed) TS_RETURN_IF_ERROR(tail.model->EnqueueDecodePrepare(bucket, tail.stream));
   return tail.graphs->Launch(index, tail.stream);
 }
 

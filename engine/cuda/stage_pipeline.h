@@ -41,7 +41,11 @@ class StagePipeline {
   // Bucket `index`'s decode step (`bucket` rows). Where the last stage is here, its row list
   // must already be in dev().decode_head.row_slots; this runs its prepare, moves the rows' inputs
   // along the stages, and launches each stage's graph with the hidden state moved between them.
-  absl::Status Decode(int32_t index, int32_t bucket);
+  // `feed` (a second stream of the last stage, for row groups, CudaBackend): the inputs sent
+  // upstream are prepared there, into the model's decode feed from the row list in
+  // feed_row_slots() (enqueued there before), so they need not wait behind the last stage's graph
+  // of another group; the last stage prepares its own just before its graph.
+  absl::Status Decode(int32_t index, int32_t bucket, cudaStream_t feed = nullptr);
   // One prefill chunk (ChunkPrefill's pieces, `rows` prompt rows) through every stage in turn,
   // writing their KV; no sampling.
   absl::Status PrefillChunk(std::span<const PrefillPiece> pieces, int32_t rows);
@@ -50,7 +54,7 @@ class StagePipeline {
 
  private:
   // Stage s's buffers, or none where another process holds it.
-  std::vector<DeviceBytes> Inputs(int s, int32_t bucket) const;
+  std::vector<DeviceBytes> Inputs(int s, int32_t bucket, bool feed = false) const;
   std::vector<DeviceBytes> Hidden(int s, int32_t bucket) const;
   std::vector<DeviceBytes> PrefillRows(int s, int32_t rows) const;
 

@@ -1,6 +1,7 @@
 // Drives any ts::Backend directly (no Engine): publishes requests into slots with Prefill, steps
-// Run(kOneStep), drains every ring after each call and releases finished slots. The same driver
-// runs the CPU and the CUDA backend, so tests compare them stream for stream.
+// Run(kOneStep) (one step of every ACTIVE row, or with a pipeline's row groups of one group's
+// rows) until all have finished, drains every ring after each call and releases finished slots. The
+// same driver runs the CPU and the CUDA backend, so tests compare them stream for stream.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -91,9 +92,11 @@ inline std::vector<DriverResult> RunTogether(
   if (!prefill.ok()) return out;
   if (after_call) after_call(-1);
   drain();
-  int32_t longest = 0;
-  for (const DriverRequest& r : reqs) longest = std::max(longest, r.stop.max_new_tokens);
-  for (int32_t step = 0; step < longest + 2; ++step) {
+  // A Run advances at least one ACTIVE row (with row groups, one group's rows), so every request
+  // has finished within this many Runs.
+  int32_t runs = 2;
+  for (const DriverRequest& r : reqs) runs += r.stop.max_new_tokens;
+  for (int32_t step = 0; step < runs; ++step) {
     if (std::all_of(finished.begin(), finished.end(), [](bool f) { return f; })) break;
     if (on_step) on_step(step);
     const absl::Status run = backend.Run(RunMode::kOneStep);

@@ -110,6 +110,7 @@ class ScriptDriver {
     }
     return -1;
   }
+  bool IsFree(SlotId s) const { return owner_[s] < 0; }
   bool Running(int request) const {
     return slot_of_[request] >= 0 && owner_[slot_of_[request]] == request;
   }
