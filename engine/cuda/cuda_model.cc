@@ -238,7 +238,7 @@ CudaModel::~CudaModel() {
   if (staging_free_ != nullptr) cudaEventDestroy(staging_free_);
   if (sample_staging_free_ != nullptr) cudaEventDestroy(sample_staging_free_);
   if (arena_ != nullptr) cudaFree(arena_);
-  if (feed_.base != nullptr) cudaFree(feed_.base);
+  if (feed_base_ != nullptr) cudaFree(feed_base_);
   if (host_block_ != nullptr) cudaFreeHost(host_block_);
 }
 

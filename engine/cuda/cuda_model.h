@@ -301,9 +301,19 @@ class CudaModel {
   absl::Status EnqueueSampleAndPost(const HeadBuffers& head, int32_t rows, int32_t from_state,
                                     int32_t to_state, kernels::StepStamps* stamps,
                                     cudaStream_t stream, OpObserver* observer) const;
-  // The decode rows' inputs from the slot table (prepare kernel; the row list in
-  // dev().decode_head.row_slots) into rows [0, rows) of f, and the rows' embeddings.
-  absl::Status EnqueuePrepare(const ForwardBuffers& f, int32_t rows, kernels::StepStamps* stamps,
+  // Where a decode prepare writes the rows' inputs: a step's own (DecodeInputs) or the feed.
+  struct RowInputs {
+    int32_t *row_slots = nullptr, *tokens = nullptr, *positions = nullptr, *slot_mapping = nullptr,
+            *context_lens = nullptr, *sample_slots = nullptr;  // [max_bucket]
+    int32_t* block_tables = nullptr;                           // [max_bucket, max_blocks_per_seq]
+    kernels::SamplingRow* sampling = nullptr;                  // [max_bucket]
+  };
+  // The decode step's: the row list, sampling rows, context lengths and block tables of the
+  // decode head, and f's tokens, positions and KV slots.
+  RowInputs DecodeInputs(const ForwardBuffers& f) const;
+  // The decode rows' inputs from the slot table (prepare kernel; the row list in in.row_slots)
+  // into rows [0, rows) of `in`.
+  absl::Status EnqueuePrepare(const RowInputs& in, int32_t rows, kernels::StepStamps* stamps,
                               cudaStream_t stream) const;
   absl::Status EnqueueEmbedding(const ForwardBuffers& f, int32_t rows, cudaStream_t stream) const;
   // The prompt-ending rows of dev().prefill.h to dev().prefill_head.hidden (the staged gathers).
@@ -332,13 +342,8 @@ class CudaModel {
   int32_t num_sms_ = 0;
   int32_t device_ = 0;
   void* arena_ = nullptr;  // [plan_.arena_bytes] device
-  struct Feed {
-    void* base = nullptr;  // one allocation holding the rest
-    int32_t *row_slots = nullptr, *tokens = nullptr, *positions = nullptr, *slot_mapping = nullptr,
-            *context_lens = nullptr, *sample_slots = nullptr;  // [max_bucket]
-    int32_t* block_tables = nullptr;                           // [max_bucket, max_blocks_per_seq]
-    kernels::SamplingRow* sampling = nullptr;                  // [max_bucket]
-  } feed_;
+  RowInputs feed_;         // AddDecodeFeed's, in one allocation at feed_base_
+  void* feed_base_ = nullptr;
   void* host_block_ = nullptr;  // [plan_.host_bytes] pinned, mapped
   DeviceLayout dev_;
   HostLayout host_;

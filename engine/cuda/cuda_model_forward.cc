@@ -387,21 +387,32 @@ absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t ro
   });
 }
 
-absl::Status CudaModel::EnqueuePrepare(const ForwardBuffers& f, int32_t rows, k::StepStamps* stamps,
+CudaModel::RowInputs CudaModel::DecodeInputs(const ForwardBuffers& f) const {
+  const HeadBuffers& head = dev_.decode_head;
+  return RowInputs{.row_slots = head.row_slots,
+                   .tokens = f.tokens,
+                   .positions = f.positions,
+                   .slot_mapping = f.slot_mapping,
+                   .context_lens = dev_.decode_context_lens,
+                   .sample_slots = head.sample_slots,
+                   .block_tables = dev_.decode_block_tables,
+                   .sampling = head.params};
+}
+
+absl::Status CudaModel::EnqueuePrepare(const RowInputs& in, int32_t rows, k::StepStamps* stamps,
                                        cudaStream_t stream) const {
   const ArenaShape& s = plan_.shape;
-  const HeadBuffers& head = dev_.decode_head;
   k::PrepareDecodeParams p;
-  p.row_slots = head.row_slots;
+  p.row_slots = in.row_slots;
   p.slots = dev_.slots;
   p.slot_block_tables = dev_.slot_block_tables;
-  p.tokens = f.tokens;
-  p.positions = f.positions;
-  p.slot_mapping = f.slot_mapping;
-  p.context_lens = dev_.decode_context_lens;
-  p.block_tables = dev_.decode_block_tables;
-  p.sampling = head.params;
-  p.sample_slots = head.sample_slots;
+  p.tokens = in.tokens;
+  p.positions = in.positions;
+  p.slot_mapping = in.slot_mapping;
+  p.context_lens = in.context_lens;
+  p.block_tables = in.block_tables;
+  p.sampling = in.sampling;
+  p.sample_slots = in.sample_slots;
   p.rows = rows;
   p.num_slots = s.max_slots;
   p.max_blocks = s.max_blocks_per_seq;
@@ -448,7 +459,7 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
     return absl::FailedPreconditionError("decode step: this model holds one pipeline stage");
   }
   TS_RETURN_IF_ERROR(RunOp(observer, "prepare", stream, [&] {
-    return EnqueuePrepare(dev_.decode, bucket, step_stamps_, stream);
+    return EnqueuePrepare(DecodeInputs(dev_.decode), bucket, step_stamps_, stream);
   }));
   return EnqueueStageDecode(bucket, num_splits, stream, observer);
 }
@@ -460,42 +471,26 @@ absl::Status CudaModel::EnqueueDecodePrepare(int32_t bucket, cudaStream_t stream
         "decode prepare: the slot table is the last pipeline stage's");
   }
   // A benchmark's stamps: the step starts here, as in EnqueueDecodeStep.
-  if (!feed) return EnqueuePrepare(dev_.decode, bucket, step_stamps_, stream);
-  if (feed_.base == nullptr) return absl::FailedPreconditionError("decode prepare: no feed");
-  const ArenaShape& s = plan_.shape;
-  k::PrepareDecodeParams p;
-  p.row_slots = feed_.row_slots;
-  p.slots = dev_.slots;
-  p.slot_block_tables = dev_.slot_block_tables;
-  p.tokens = feed_.tokens;
-  p.positions = feed_.positions;
-  p.slot_mapping = feed_.slot_mapping;
-  p.context_lens = feed_.context_lens;
-  p.block_tables = feed_.block_tables;
-  p.sampling = feed_.sampling;
-  p.sample_slots = feed_.sample_slots;
-  p.rows = bucket;
-  p.num_slots = s.max_slots;
-  p.max_blocks = s.max_blocks_per_seq;
-  p.block_size = s.kv_block_size;
-  return k::LaunchPrepareDecode(p, stream);
+  if (!feed) return EnqueuePrepare(DecodeInputs(dev_.decode), bucket, step_stamps_, stream);
+  if (feed_base_ == nullptr) return absl::FailedPreconditionError("decode prepare: no feed");
+  return EnqueuePrepare(feed_, bucket, nullptr, stream);
 }
 
 absl::Status CudaModel::AddDecodeFeed() {
-  if (feed_.base != nullptr) return absl::OkStatus();
+  if (feed_base_ != nullptr) return absl::OkStatus();
   const ArenaShape& s = plan_.shape;
   const size_t rows = static_cast<size_t>(s.max_bucket), i = sizeof(int32_t);
   const size_t ints = rows * (6 + static_cast<size_t>(s.max_blocks_per_seq));
   const size_t bytes = (ints * i + 255) / 256 * 256 + rows * sizeof(k::SamplingRow);
-  TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&feed_.base, bytes));
-  int32_t* p = static_cast<int32_t*>(feed_.base);
+  TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&feed_base_, bytes));
+  int32_t* p = static_cast<int32_t*>(feed_base_);
   for (int32_t** b : {&feed_.row_slots, &feed_.tokens, &feed_.positions, &feed_.slot_mapping,
                       &feed_.context_lens, &feed_.sample_slots}) {
     *b = p;
     p += rows;
   }
   feed_.block_tables = p;
-  feed_.sampling = reinterpret_cast<k::SamplingRow*>(static_cast<char*>(feed_.base) +
+  feed_.sampling = reinterpret_cast<k::SamplingRow*>(static_cast<char*>(feed_base_) +
                                                      (ints * i + 255) / 256 * 256);
   return absl::OkStatus();
 }

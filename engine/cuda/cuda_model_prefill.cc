@@ -209,7 +209,7 @@ absl::Status CudaModel::EnqueueMixedStep(int32_t bucket, int32_t num_splits,
                                           cudaMemcpyHostToDevice, stream));
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(staging_free_, stream));
   // The decode rows' inputs, from the slot table, into rows [0, bucket) of the prefill buffers.
-  TS_RETURN_IF_ERROR(EnqueuePrepare(f, bucket, nullptr, stream));
+  TS_RETURN_IF_ERROR(EnqueuePrepare(DecodeInputs(f), bucket, nullptr, stream));
   TS_RETURN_IF_ERROR(EnqueueEmbedding(f, padded, stream));
   at.decode_rows = bucket;
   at.num_splits = num_splits;
