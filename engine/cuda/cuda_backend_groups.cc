@@ -3,8 +3,9 @@
 // last stage while group B's runs on the first, and each GPU stays busy.
 //
 // Why it is safe without the device loop:
-//   - a group's rows are chosen only after its previous step completed on the host, so no step in
-//     flight lists a slot the engine may release and reuse;
+//   - a group's rows are chosen only after its previous step completed on the host, and a slot
+//     the engine released while the step that finished it was in flight is not reused before
+//     every step in flight has completed (a prefill settles first), nor touched by its completion;
 //   - a prefill and a regime change complete every step in flight first;
 //   - a cancel reaches the GPU only when the slot's group launches next (cancel_pending_), so no
 //     step in flight sees it half the time;
@@ -89,6 +90,11 @@ absl::Status CudaBackend::CompleteGroup(Group& g) {
   // Only this group's rows: another group's step may still be writing its own done flags.
   int32_t* done = model_->host().done;
   for (SlotId id : g.rows) {
+    // The engine may have read this step's finishing record and released the slot while the step
+    // was still in flight (and the step's done flag may have landed after the release reset it).
+    // Such a slot is FREE now and stays so: no Prefill reuses it before every step in flight has
+    // been completed (SettleGroups).
+    if (table_->state(id) != SlotState::kActive) continue;
     ++slots_[id].generated;
     if (std::atomic_ref<int32_t>(done[id]).load(std::memory_order_acquire) != 0) {
       table_->set_state(id, SlotState::kFinished);
