@@ -99,7 +99,10 @@ struct LoopStatus {
 };
 
 enum class RunMode {
-  kOneStep,  // host-driven: one decode step over the active slots, then return
+  // Host-driven: one decode step over the active slots, then return. A backend that decodes in
+  // row groups (a CUDA pipeline, docs/pipeline.md) completes one group's step instead, and may
+  // leave another group's step in flight, whose tokens then reach the rings later, as in kLoop.
+  kOneStep,
   // Loop: make sure the backend's own decode loop runs while any slot is active (relaunching it
   // if it exited), then return at once; tokens keep arriving in the rings. Prefill returns
   // before its work is done, and its slots join the running loop at a step boundary. A backend
@@ -133,7 +136,7 @@ class Backend {
   virtual const TokenRing& Ring(SlotId slot) const = 0;
   // After the engine has seen FINISHED: the slot is FREE again.
   virtual void Release(SlotId slot) = 0;
-  // Report of the last completed step (kOneStep mode).
+  // Report of the last completed step (kOneStep mode; with row groups, that group's rows).
   virtual StepReport last_step() const = 0;
 };
 
