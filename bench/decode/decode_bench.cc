@@ -85,7 +85,8 @@ ABSL_FLAG(int32_t, attn_min_split_tokens, 64,
           "than the large-batch floor)");
 ABSL_FLAG(std::string, modes, "host,loop",
           "comma-separated: host (host-driven, one Run(kOneStep) per step), loop (the "
-          "device-resident loop), pipe (host-driven over --pipeline_stages stages)");
+          "device-resident loop), pipe (host-driven over --pipeline_stages stages, in one row "
+          "group per stage: a step is a round of one Run per group)");
 ABSL_FLAG(std::string, host_load, "0",
           "comma-separated busy threads per host core while steps are timed (0 = idle host)");
 ABSL_FLAG(int32_t, pipeline_stages, 2,

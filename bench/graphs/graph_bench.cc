@@ -469,8 +469,9 @@ void PrintTable(const cudaDeviceProp& prop, const Config& c,
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "GraphCache micro-benchmark: UpdateRegime cost and per-step launch time (host graph "
-      "launch, host launch + sync, device tail-launch loop, host-launched conditional WHILE + "
-      "SWITCH loop) for graphs of tiny kernels.");
+      "launch, host launch + sync, a scheduler graph that tail-launches the step and itself, the "
+      "serving DeviceLoop whose step graphs end with its scheduler, host-launched conditional "
+      "WHILE + SWITCH loop) for graphs of tiny kernels.");
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<Config> config = ParseConfig();
   if (!config.ok()) {
