@@ -12,6 +12,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#ifdef __CUDACC__
+#include "kernels/ptx.cuh"  // device code only; host tests include this header too
+#endif
 
 namespace ts::kernels::attention_internal {
 
@@ -79,18 +82,9 @@ __host__ __device__ inline int32_t NumActiveSplits(const SplitGeometry& g, int32
 constexpr float kLog2e = 1.4426950408889634f;
 
 #ifdef __CUDACC__
-// Device helpers of the tensor-core attention kernels (decode and prefill). mma fragment ownership
-// (PTX m16n8k16, bf16 in, fp32 accumulate), with lane = 4g + t: A rows g and g+8 at columns 2t,
-// 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3); B column g at rows 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1); C
-// rows g and g+8 at columns 2t, 2t+1.
-__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// Device helpers of the tensor-core attention kernels (decode and prefill); the mma fragment
+// layout is ptx::MmaBf16's.
+using ptx::MmaBf16;
 
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -7,11 +7,15 @@
 #include "common/status.h"
 #include "kernels/bf16_vec.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/gemv_internal.cuh"
 #include "kernels/pdl.cuh"
 #include "kernels/rope_kv.cuh"
 
 namespace ts::kernels {
 namespace {
+
+using gemv_internal::RopeEpilogue;
+using gemv_internal::StoreOutput;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
@@ -54,47 +58,6 @@ __device__ __forceinline__ void Mma16816(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Epilogue for element e = i * n + col of C (kStore / kAccumulate).
-__device__ __forceinline__ void StoreOutput(const GemvParams& p, int64_t e, float v) {
-  const bool acc = p.epilogue == GemvEpilogue::kAccumulate;
-  if (p.c_f32 != nullptr) {
-    if (acc) v += p.c_f32[e];
-    p.c_f32[e] = v;
-  } else {
-    // A bf16 Linear rounds its output, then the residual add rounds the sum.
-    if (acc) v = RoundBf16(v) + __bfloat162float(p.c[e]);
-    p.c[e] = __float2bfloat16_rn(v);
-  }
-}
-
-// kRopeKv output of row i of A, pair (d, d + head_dim / 2) of head `head`, from the fp32 sums x1
-// (row d of the head) and x2 (row d + head_dim / 2).
-__device__ __forceinline__ void RopeEpilogue(const GemvParams& p, int i, int32_t head, int32_t d,
-                                             float x1, float x2) {
-  const GemvRopeKv& r = p.rope;
-  const KvLayout& l = r.layout;
-  x1 = RoundBf16(x1);  // the q/k/v Linear's bf16 output
-  x2 = RoundBf16(x2);
-  const int32_t hq = r.num_q_heads, hkv = l.num_kv_heads, half = l.head_dim / 2;
-  if (head < hq + hkv) RopeRotate(x1, x2, RopeAngle(r.positions[i], r.inv_freq[d]), x1, x2);
-  __nv_bfloat16* dst;
-  if (head < hq) {
-    dst = p.c + (static_cast<int64_t>(i) * hq + head) * l.head_dim;
-  } else {
-    const int32_t slot = r.slot_mapping[i];
-    if (slot < 0 ||
-        static_cast<int64_t>(slot) >= static_cast<int64_t>(l.num_blocks) * l.block_size) {
-      if (slot != kNoKvWrite && r.error_flag != nullptr) *r.error_flag = 1;
-      return;
-    }
-    const bool is_k = head < hq + hkv;
-    dst = (is_k ? r.k_cache : r.v_cache) +
-          KvOffset(l, slot / l.block_size, head - hq - (is_k ? 0 : hkv), slot % l.block_size);
-  }
-  dst[d] = __float2bfloat16_rn(x1);
-  dst[d + half] = __float2bfloat16_rn(x2);
-}
-
 // Starts copying norm_weight [k] into shared memory w_s (16 bytes per thread per step, bypassing
 // registers); NormalizeA waits for it. Issued before griddepcontrol.wait, like the first W batch:
 // no kernel of the step writes weights, and the copy takes a DRAM round trip off the prologue's
@@ -113,14 +76,14 @@ __device__ __forceinline__ void StageNormWeight(const GemvParams& p, __nv_bfloat
 // staged by StageNormWeight, or nullptr to read it from global memory.
 __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride,
                            const __nv_bfloat16* w_s) {
-  __shared__ float partial[kWarps][kGemvMaxM];
-  __shared__ float inv_rms[kGemvMaxM];
+  __shared__ float partial[kWarps][kGemvRegisterMaxM];
+  __shared__ float inv_rms[kGemvRegisterMaxM];
   const int vecs = p.k / 8;
-  float ss[kGemvMaxM];
+  float ss[kGemvRegisterMaxM];
 #pragma unroll
-  for (int i = 0; i < kGemvMaxM; ++i) ss[i] = 0.f;
+  for (int i = 0; i < kGemvRegisterMaxM; ++i) ss[i] = 0.f;
 #pragma unroll
-  for (int i = 0; i < kGemvMaxM; ++i) {
+  for (int i = 0; i < kGemvRegisterMaxM; ++i) {
     if (i >= p.m) break;
     for (int v = threadIdx.x; v < vecs; v += kThreads) {
       const Bf16x8 x = LoadBf16x8Coherent(p.a + static_cast<int64_t>(i) * p.k + v * 8);
@@ -134,14 +97,14 @@ __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride,
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int i = 0; i < kGemvMaxM; ++i) {
+  for (int i = 0; i < kGemvRegisterMaxM; ++i) {
     const float s = WarpSum(ss[i]);
     if (lane == 0) partial[warp][i] = s;
   }
   // This thread's weight copies have landed; the barrier shows everyone's to the whole CTA.
   if (w_s != nullptr) asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
-  if (threadIdx.x < kGemvMaxM) {
+  if (threadIdx.x < kGemvRegisterMaxM) {
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) s += partial[w][threadIdx.x];
@@ -280,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
   if constexpr (kWarpTiles) GridDepLaunchDependents();
   if (norm) NormalizeA(p, a_s, a_stride, w_s);
 
-  __shared__ float red[kWarps][kGemvMaxM * kGemvTileN];
+  __shared__ float red[kWarps][kGemvRegisterMaxM * kGemvTileN];
   for (; tile < tiles; tile += tile_step) {
     // Two accumulators (first and second half of each 16-byte load) halve the MMA dependency
     // chain.
@@ -351,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
     red[warp][(2 * t + 1) * kGemvTileN + g + 8] = acc0[3] + acc1[3];
     __syncthreads();
     const int i = threadIdx.x / kGemvTileN, r = threadIdx.x % kGemvTileN;
-    if (threadIdx.x < kGemvMaxM * kGemvTileN && i < p.m) {
+    if (threadIdx.x < kGemvRegisterMaxM * kGemvTileN && i < p.m) {
       if (swiglu) {
         const int32_t col = cur * 8 + r;
         if (r < 8 && col < p.n) {
@@ -408,8 +371,9 @@ __global__ void __launch_bounds__(256) GemvSplitReduceKernel(GemvParams p) {
 absl::Status ValidateRope(const GemvParams& p) {
   const GemvRopeKv& r = p.rope;
   const KvLayout& l = r.layout;
-  if (p.c == nullptr || p.split_k != 1) {
-    return absl::InvalidArgumentError("gemv.epilogue kRopeKv needs a bf16 c and split_k = 1");
+  if (p.c == nullptr || (p.m <= kGemvRegisterMaxM && p.split_k != 1)) {
+    return absl::InvalidArgumentError(
+        "gemv.epilogue kRopeKv needs a bf16 c, and split_k = 1 at m <= 8");
   }
   TS_RETURN_IF_ERROR(ValidateRopeKvTargets("gemv.rope", l, r.num_q_heads, r.positions,
                                            r.slot_mapping, r.inv_freq, r.k_cache, r.v_cache,
@@ -454,11 +418,18 @@ absl::Status Validate(const GemvParams& p) {
   if (p.warp_tiles == GemvWarpTiles::kAlways && p.split_k != 1) {
     return absl::InvalidArgumentError("gemv.warp_tiles kAlways needs split_k = 1");
   }
-  if (p.epilogue == GemvEpilogue::kSiluMul && (p.c == nullptr || p.split_k != 1)) {
-    return absl::InvalidArgumentError("gemv.epilogue kSiluMul needs a bf16 c and split_k = 1");
+  if (p.epilogue == GemvEpilogue::kSiluMul &&
+      (p.c == nullptr || (p.m <= kGemvRegisterMaxM && p.split_k != 1))) {
+    return absl::InvalidArgumentError(
+        "gemv.epilogue kSiluMul needs a bf16 c, and split_k = 1 at m <= 8");
   }
   if (p.norm_weight != nullptr) {
     TS_RETURN_IF_ERROR(RequirePointer("gemv.norm_weight", p.norm_weight, 16));
+    if (p.m > kGemvRegisterMaxM) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gemv.norm_weight needs m <= ", kGemvRegisterMaxM, ", got ", p.m,
+                       "; normalise with rmsnorm instead"));
+    }
     if (!GemvCanFuseNorm(p.m, p.k)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "gemv.norm_weight: m = ", p.m, ", k = ", p.k, " needs more than ", kGemvMaxNormSmemBytes,
@@ -474,7 +445,7 @@ absl::Status Validate(const GemvParams& p) {
   }
   if (p.split_k > 1) {
     TS_RETURN_IF_ERROR(RequirePointer("gemv.workspace", p.workspace, alignof(float)));
-    const size_t need = GemvWorkspaceBytes(p.m, p.n, p.split_k);
+    const size_t need = GemvWorkspaceBytes(p.m, p.n, p.split_k, p.epilogue);
     if (p.workspace_bytes < need) {
       return absl::InvalidArgumentError(absl::StrCat("gemv.workspace_bytes is ", p.workspace_bytes,
                                                      ", split_k = ", p.split_k, " needs ", need));
@@ -496,12 +467,13 @@ absl::Status Launch(void (*kernel)(GemvParams), dim3 grid, const GemvParams& p, 
 }  // namespace
 
 bool GemvCanFuseNorm(int32_t m, int32_t k) {
-  return m >= 1 && m <= kGemvMaxM && k >= 8 && k % 8 == 0 &&
+  return m >= 1 && m <= kGemvRegisterMaxM && k >= 8 && k % 8 == 0 &&
          NormSmemBytes(m, k) <= static_cast<size_t>(kGemvMaxNormSmemBytes);
 }
 
 absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(Validate(p));
+  if (p.m > kGemvRegisterMaxM) return gemv_internal::LaunchGemvTc(p, stream);
   const size_t smem =
       p.norm_weight == nullptr
           ? 0
@@ -546,7 +518,8 @@ bool ChooseGemvWarpTiles(int32_t tiles, int32_t resident_ctas) {
          int64_t{tiles} * 4 >= int64_t{resident_ctas} * kWarps * 3;
 }
 
-int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms) {
+int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms, GemvEpilogue epilogue) {
+  if (m > kGemvRegisterMaxM) return gemv_internal::ChooseGemvTcSplitK(m, n, k, num_sms, epilogue);
   if (m < 1 || n < 1 || k < 8 || num_sms < 1) return 1;
   const int64_t ctas = (static_cast<int64_t>(n) + kGemvTileN - 1) / kGemvTileN;
   // 8 warps x 8 KB in flight per CTA: half the SMs busy already stream near the roof.
@@ -558,8 +531,16 @@ int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms) {
       std::max<int64_t>(1, std::min<int64_t>({want, most, int64_t{kGemvMaxSplitK}})));
 }
 
-size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k) {
+int32_t GemvTileCount(int32_t n, GemvEpilogue epilogue) {
+  return gemv_internal::GemvTcTiles(n, epilogue);
+}
+
+size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k, GemvEpilogue epilogue) {
   if (split_k <= 1 || m < 1 || n < 1) return 0;
+  if (m > kGemvRegisterMaxM) {
+    return static_cast<size_t>(split_k) * GemvTileCount(n, epilogue) * m * kGemvTcTileN *
+           sizeof(float);
+  }
   return static_cast<size_t>(split_k) * m * n * sizeof(float);
 }
 

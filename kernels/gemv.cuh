@@ -1,32 +1,41 @@
 // Memory-bound small-M GEMM ("GEMV") for decode, the same product as kernels/gemm.cuh:
 //   C[m, n] = A[m, k] * W[n, k]^T, then an epilogue (store, residual add, SwiGLU of a fused
 //   gate_up, or RoPE + paged K/V write of a fused qkv), optionally with A RMS-normalised first
-//   (GemvParams::norm_weight)
+//   (GemvParams::norm_weight, m <= 8)
 // row-major bf16, W laid out like a Hugging Face Linear weight [out_features, in_features], fp32
-// accumulation. For m <= 8 the time is the time to stream W once from HBM; cuBLASLt was measured
-// at 39-56% of that roof on the small Llama-1B projections (docs/gpu-facts.md, cuBLAS at decode
-// shapes), this kernel aims at ~90%.
+// accumulation. The time is the time to stream W once from HBM; cuBLASLt was measured at 39-56%
+// of that roof on the small Llama-1B projections at m <= 8 (docs/gpu-facts.md, cuBLAS at decode
+// shapes). Two kernels serve the one op, chosen by m:
 //
-// How: a CTA owns tiles of 16 rows of W (16 output columns; it loops over tiles when there are
-// more than fit on the GPU at once) and its 8 warps split the K range between them. Each thread
-// streams its rows with 16-byte loads (8 batches of them in flight, L1 bypassed) and feeds them,
-// with the matching 16 bytes of A, straight into tensor-core mma.m16n8k16 (W rows as the MMA's M,
-// the up-to-8 rows of A as its N): the k-order inside a thread's 16 bytes is free, so no shuffles
-// or conversions are needed and m = 1..8 all cost the same instructions (one kernel instance serves
-// every m, nothing is templated on m). The warps' partial sums are added in a fixed order through
-// shared memory, so results are bitwise reproducible.
+// m <= kGemvRegisterMaxM (8), the register-streaming kernel. A CTA owns tiles of 16 rows of W
+// (16 output columns; it loops over tiles when there are more than fit on the GPU at once) and its
+// 8 warps split the K range between them. Each thread streams its rows with 16-byte loads (8
+// batches of them in flight, L1 bypassed) and feeds them, with the matching 16 bytes of A,
+// straight into tensor-core mma.m16n8k16 (W rows as the MMA's M, the up-to-8 rows of A as its N):
+// the k-order inside a thread's 16 bytes is free, so no shuffles or conversions are needed and m =
+// 1..8 all cost the same instructions. At 16 rows that design needs twice the registers and lost
+// to cuBLASLt (bench/results/2026-12-02b-h200.md), hence the second kernel.
 //
-// Split-K (split_k > 1): when n / 16 CTAs leave most SMs idle, CTAs also split K. Each writes its
-// fp32 partial to workspace [split_k, m, n] and a second small kernel adds the split_k partials in
-// order and applies the epilogue (deterministic; costs one more kernel node, so
+// 8 < m <= kGemvMaxM (64), the shared-memory kernel (gemv_tc.cu): a CTA owns a tile of 128 W rows
+// and a range of K. W and A stream through a 4-stage cp.async ring in shared memory (no registers
+// hold bytes in flight, so the copy depth does not grow with m), and ldmatrix feeds mma.m16n8k16
+// with W as the MMA's M and the rows of A, padded to 16, 32 or 64, as its N. Split-K is reduced
+// inside the kernel: each CTA stores its fp32 partial, and the last CTA of a tile to arrive (an
+// atomic counter per tile) adds the partials in split order and runs the epilogue, so no extra
+// node and the same bits every run.
+//
+// Split-K (split_k > 1) at m <= 8: when n / 16 CTAs leave most SMs idle, CTAs also split K. Each
+// writes its fp32 partial to workspace [split_k, m, n] and a second small kernel adds the split_k
+// partials in order and applies the epilogue (deterministic; costs one more kernel node, so
 // ChooseGemvSplitK only picks it for large matrices with few CTAs; every Llama-1B/8B projection
 // gets split_k = 1 on a 132-SM H200).
 //
 // Graph-capturable: no allocation, no sync. With `pdl`, the kernel(s) are launched with
 // programmatic stream serialization: each CTA issues its first W loads (and, with the norm
 // prologue, the copy of norm_weight into shared memory) before `griddepcontrol.wait`, so the
-// weight stream starts while the preceding kernel drains (A and C are touched only after the
-// wait). Only valid when the preceding kernels write neither W nor norm_weight.
+// weight stream starts while the preceding kernel drains (A, C, the workspace and the tile
+// counters are touched only after the wait). Only valid when the preceding kernels write neither
+// W nor norm_weight.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,9 +49,11 @@
 
 namespace ts::kernels {
 
-inline constexpr int32_t kGemvMaxM = 8;        // rows of A one launch handles
-inline constexpr int32_t kGemvMaxSplitK = 64;  // upper bound on split_k
-inline constexpr int32_t kGemvTileN = 16;      // rows of W per CTA (kSiluMul: 8 gate + 8 up)
+inline constexpr int32_t kGemvMaxM = 64;         // rows of A one launch handles
+inline constexpr int32_t kGemvRegisterMaxM = 8;  // rows the register-streaming kernel takes
+inline constexpr int32_t kGemvMaxSplitK = 64;    // upper bound on split_k
+inline constexpr int32_t kGemvTileN = 16;        // W rows per tile at m <= 8 (kSiluMul: 8 + 8)
+inline constexpr int32_t kGemvTcTileN = 128;     // W rows per tile at m > 8 (kSiluMul: 64 + 64)
 // Shared memory for the normalised A (m rows of k + 32 bf16; the pad staggers the rows' banks):
 // hidden sizes up to 8192 at m = 8 (one CTA per SM there; two up to 4096).
 inline constexpr int32_t kGemvMaxNormSmemBytes = 8 * (8192 + 32) * 2;
@@ -54,16 +65,17 @@ enum class GemvEpilogue : int32_t {
   // fp32 C: one fp32 add.
   kAccumulate,
   // SwiGLU on a fused gate_up weight: W has 2n rows, gate rows [0, n) then up rows [n, 2n), and
-  // C[i, col] = bf16(bf16(silu(bf16(gate))) * bf16(up)) (transformers' bf16 LlamaMLP). bf16 C,
-  // split_k = 1.
+  // C[i, col] = bf16(bf16(silu(bf16(gate))) * bf16(up)) (transformers' bf16 LlamaMLP). bf16 C;
+  // split_k = 1 at m <= 8.
   kSiluMul,
   // RoPE and the paged K/V write of kernels/rope_kv.cuh on a fused QKV weight (q heads, then k
   // heads, then v heads; n = (num_q_heads + 2 num_kv_heads) head_dim): a tile holds 8 rows of a
   // head's first half and their rotation partners, so each output pair is rotated where it is
   // summed. Rotated q goes to c ([m, num_q_heads head_dim]), rotated k and plain v to the cache at
   // each row's slot; nothing else is written. Rounds as LaunchRopeKv after a kStore GEMV: the
-  // Linear output, cos/sin, each product and each sum. bf16 c, split_k = 1. Saves the rope_kv
-  // graph node and its read of the qkv buffer in the decode step.
+  // Linear output, cos/sin, each product and each sum. bf16 c; split_k = 1 at m <= 8, and head_dim
+  // dividing kGemvTcTileN at m > 8 (a tile holds whole heads). Saves the rope_kv graph node and
+  // its read of the qkv buffer in the decode step.
   kRopeKv,
 };
 
@@ -102,16 +114,23 @@ struct GemvParams {
   GemvEpilogue epilogue = GemvEpilogue::kStore;
   // Optional, [k]: RMSNorm folded into the kernel. Each CTA normalises A into shared memory
   // first, with LlamaRMSNorm's bf16 rounding: a' = bf16(norm_weight * bf16(a * rsqrt(mean(a^2) +
-  // norm_eps))), and multiplies a' instead of A. Needs m * (k + 8) * 2 <= kGemvMaxNormSmemBytes
-  // and split_k = 1. Replaces a separate rmsnorm kernel (a graph node) in the decode step.
+  // norm_eps))), and multiplies a' instead of A. Needs m <= 8, m * (k + 8) * 2 <=
+  // kGemvMaxNormSmemBytes and split_k = 1. Replaces a separate rmsnorm kernel (a graph node).
   const __nv_bfloat16* norm_weight = nullptr;
-  float norm_eps = 1e-5f;      // > 0 when norm_weight is set
-  int32_t split_k = 1;         // 1..kGemvMaxSplitK; 1 = no split, one kernel
-  float* workspace = nullptr;  // [split_k, m, n] fp32 partials; only used when split_k > 1
-  size_t workspace_bytes = 0;  // >= GemvWorkspaceBytes(m, n, split_k)
-  bool pdl = false;            // programmatic dependent launch (see the header comment)
-  GemvRopeKv rope{};           // kRopeKv only
-  GemvWarpTiles warp_tiles = GemvWarpTiles::kAuto;  // only with split_k = 1
+  float norm_eps = 1e-5f;  // > 0 when norm_weight is set
+  // 1..kGemvMaxSplitK; 1 = no split. At m > 8 also at most the k range's 64-wide stages.
+  int32_t split_k = 1;
+  // fp32 partials, only used when split_k > 1: [split_k, m, n] at m <= 8, [split_k, tiles, m,
+  // kGemvTcTileN] at m > 8.
+  float* workspace = nullptr;
+  size_t workspace_bytes = 0;  // >= GemvWorkspaceBytes(m, n, split_k, epilogue)
+  // [GemvTileCount(n, epilogue)] arrival counters, m > 8 with split_k > 1 only. Zero before the
+  // launch, and the kernel leaves them zero (the last CTA of a tile resets its counter), so one
+  // zeroed array serves every launch that does not run at the same time as another user of it.
+  int32_t* tile_counters = nullptr;
+  bool pdl = false;   // programmatic dependent launch (see the header comment)
+  GemvRopeKv rope{};  // kRopeKv only
+  GemvWarpTiles warp_tiles = GemvWarpTiles::kAuto;  // m <= 8 only, and only with split_k = 1
 };
 
 // True when LaunchGemv accepts norm_weight for this (m, k).
@@ -121,17 +140,24 @@ bool GemvCanFuseNorm(int32_t m, int32_t k);
 // (split_k == 1) or two (split_k > 1) on `stream`.
 absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream);
 
-// Host heuristic: 1 unless the n / 16 CTAs would fill less than half of the `num_sms` SMs and
-// the matrix is large enough (>= 8 MiB) that the extra reduce kernel (~2 us node) pays off; then
-// enough splits for about one full wave, keeping >= 2048 k per split.
-int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms);
+// Host heuristic. m <= 8: 1 unless the n / 16 CTAs would fill less than half of the `num_sms`
+// SMs and the matrix is large enough (>= 8 MiB) that the extra reduce kernel (~2 us node) pays
+// off; then enough splits for about one full wave, keeping >= 2048 k per split. m > 8: splits
+// that bring the tiles up to about the two CTAs per SM that fit, each keeping >= 2 stages of k,
+// and fewer as m grows (the last CTA of a tile reads every split's m x 128 partial alone).
+int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,
+                         GemvEpilogue epilogue = GemvEpilogue::kStore);
 
 // Host heuristic for GemvWarpTiles::kAuto: true when the tiles fill at least 3/4 of the resident
 // warps (8 per CTA), i.e. when whole tiles per warp still keep the GPU busy: on a 132-SM H200
 // (264 resident CTAs) that is Llama-8B's gate_up (1792 tiles) and larger.
 bool ChooseGemvWarpTiles(int32_t tiles, int32_t resident_ctas);
 
-// Bytes of fp32 workspace LaunchGemv needs for (m, n, split_k): 0 when split_k <= 1.
-size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k);
+// Tiles of an (n, epilogue) launch at m > 8: the length of GemvParams::tile_counters.
+int32_t GemvTileCount(int32_t n, GemvEpilogue epilogue);
+
+// Bytes of fp32 workspace LaunchGemv needs for (m, n, split_k, epilogue): 0 when split_k <= 1.
+size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k,
+                          GemvEpilogue epilogue = GemvEpilogue::kStore);
 
 }  // namespace ts::kernels

@@ -1,6 +1,7 @@
 // Thin wrappers over the PTX instructions that several kernels stage shared memory with
-// (cp.async) and load mma fragments with (ldmatrix): one definition each. The fragment layouts
-// are those of the PTX ISA; each kernel's comments say how it maps its tiles onto them.
+// (cp.async), load mma fragments with (ldmatrix) and multiply with (mma): one definition each.
+// The fragment layouts are those of the PTX ISA; each kernel's comments say how it maps its tiles
+// onto them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,6 +46,19 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t smem_
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr));
+}
+
+// mma.sync m16n8k16, bf16 in, fp32 accumulate: c[16 x 8] += a[16 x 16] * b[16 x 8]. Fragment
+// ownership with lane = 4g + t: A rows g and g+8 at columns 2t, 2t+1 (a0, a1) and 2t+8, 2t+9
+// (a2, a3); B column g at rows 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1); C rows g and g+8 at columns 2t,
+// 2t+1 (c0, c1 and c2, c3).
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 }  // namespace ts::kernels::ptx

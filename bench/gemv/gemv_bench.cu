@@ -1,5 +1,6 @@
 // tailserve-gemv-bench: the decode-shaped GEMMs of Llama-3.2-1B and Llama-3.1-8B (qkv, o, gate_up,
-// down, lm_head) at M = 1, 4, 8: kernels/gemv.cuh (plain and with programmatic dependent launch)
+// down, lm_head) at M = 1, 4, 8 (the register kernel) and 16, 32, 64 (the shared-memory kernel):
+// kernels/gemv.cuh (plain and with programmatic dependent launch), with ChooseGemvSplitK's split,
 // against kernels/gemm.cuh's cuBLASLt Gemm. Each variant is captured as a graph
 // of `launches` back-to-back launches whose W rotates over enough copies that L2 (read off the
 // device) never holds it; a replay is timed with CUDA events after warm-up and the table shows the
@@ -174,12 +175,20 @@ double DiffAgainstCublas(kernels::Gemm& gemm, const Operands& x, const Shape& s,
 void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm& gemm,
               cudaStream_t stream) {
   const Operands x(o, dev, s, kernels::kGemvMaxM);
+  const std::vector<int> ms = {1, 4, 8, 16, 32, 64};
+  size_t ws_bytes = 0;
+  for (int m : ms) {
+    ws_bytes = std::max(ws_bytes, kernels::GemvWorkspaceBytes(
+                                      m, s.n, kernels::ChooseGemvSplitK(m, s.n, s.k, dev.num_sms)));
+  }
   float* ws = nullptr;
-  const size_t ws_bytes =
-      kernels::GemvWorkspaceBytes(kernels::kGemvMaxM, s.n, kernels::kGemvMaxSplitK);
-  BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
+  int32_t* counters = nullptr;  // zero, and every launch leaves them zero
+  const size_t num_counters = kernels::GemvTileCount(s.n, kernels::GemvEpilogue::kStore);
+  BENCH_CUDA(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 16)));
+  BENCH_CUDA(cudaMalloc(&counters, num_counters * sizeof(int32_t)));
+  BENCH_CUDA(cudaMemset(counters, 0, num_counters * sizeof(int32_t)));
 
-  for (int m : {1, 4, 8}) {
+  for (int m : ms) {
     kernels::GemvParams gp;
     gp.a = x.a;
     gp.c = x.c_ours;
@@ -189,6 +198,7 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
     gp.split_k = kernels::ChooseGemvSplitK(m, s.n, s.k, dev.num_sms);
     gp.workspace = ws;
     gp.workspace_bytes = ws_bytes;
+    gp.tile_counters = counters;
     auto gemv = [&](bool pdl) {
       return [&, pdl](cudaStream_t st, int i) {
         kernels::GemvParams p = gp;
@@ -218,6 +228,7 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
     std::fflush(stdout);
   }
   BENCH_CUDA(cudaFree(ws));
+  BENCH_CUDA(cudaFree(counters));
 }
 
 int Main(int argc, char** argv) {
@@ -244,8 +255,8 @@ int Main(int argc, char** argv) {
   CheckOk(gemm.status(), "gemm create");
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  std::printf("%-3s %-8s %6s %6s %2s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %9s %3s\n",
-              "mdl", "layer", "n", "k", "M", "W MB", "roof us", "cublas", "roof", "gemv", "roof",
+  std::printf("%-3s %-8s %6s %6s %2s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %9s %3s\n", "mdl",
+              "layer", "n", "k", "M", "W MB", "roof us", "cublas", "roof", "gemv", "roof",
               "gemv+pdl", "roof", "split", "relL2", "cps");
   for (const Shape& s : shapes) {
     if (o.model == "all" || o.model == s.model) RunShape(o, dev, s, **gemm, stream);

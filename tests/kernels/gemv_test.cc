@@ -1,6 +1,8 @@
-// LaunchGemv (tensor-core GEMV for m <= 8) against an fp64 CPU product of the same bf16 inputs,
-// over m in {1, 2, 3, 5, 8} x (n, k) from tiny and odd to Llama-1B/8B projections x split_k in
-// {1, ChooseGemvSplitK, 4}. bf16 output tolerance as in gemm_test.cc: |err| <= 2^-8 |ref| +
+// LaunchGemv (tensor-core GEMV, m <= 64) against an fp64 CPU product of the same bf16 inputs: the
+// register kernel over m in {1, 2, 3, 5, 8} x (n, k) from tiny and odd to Llama-1B/8B projections x
+// split_k in {1, ChooseGemvSplitK, 4}, and the shared-memory kernel over m in 9..64 (each padding
+// of A's rows: 16, 32, 64) x split_k in {1, ChooseGemvSplitK, 3}, on the shapes whose fp64
+// reference stays cheap. bf16 output tolerance as in gemm_test.cc: |err| <= 2^-8 |ref| +
 // 1e-3 rms(ref) per element and ||err|| / ||ref|| <= 5e-3. fp32 output: only accumulation error
 // is left, |err| <= 1e-5 sum_t |a_t w_t| per element and ||err|| / ||ref|| <= 1e-4.
 #include <cuda_runtime.h>
@@ -75,16 +77,23 @@ struct Weights {
   }
 };
 
-// One problem's activations and outputs: A, bf16 and fp32 C, the initial C for accumulate, and a
-// workspace sized for split_k <= kGemvMaxSplitK. Params(split): split >= 1 is split_k with the
-// CTA's warps sharing each tile (GemvWarpTiles::kNever); split 0 is split_k 1 with each warp
-// streaming whole tiles (GemvWarpTiles::kAlways), the path ChooseGemvWarpTiles picks for large n.
+// Whether the fp64 reference of an (m, n, k) product is cheap enough for a unit test (~1 s).
+bool Affordable(int m, int n, int k) {
+  return double(m) * n * k <= 1.2e9;
+}
+
+// One problem's activations and outputs: A, bf16 and fp32 C, the initial C for accumulate, a
+// workspace sized for split_k <= kGemvMaxSplitK and zeroed tile counters (m > 8). Params(split):
+// split >= 1 is split_k with the CTA's warps sharing each tile (GemvWarpTiles::kNever); split 0 is
+// split_k 1 with each warp streaming whole tiles (GemvWarpTiles::kAlways), the path
+// ChooseGemvWarpTiles picks for large n.
 struct Problem {
   const Weights& wt;
   int m;
   std::vector<float> a, c0;
   GuardedBuffer<__nv_bfloat16> da, dc;
   GuardedBuffer<float> dc32, ws;
+  GuardedBuffer<int32_t> counters;
   Problem(const Weights& w, int m_, uint32_t seed)
       : wt(w),
         m(m_),
@@ -93,8 +102,16 @@ struct Problem {
         da(a.size()),
         dc(c0.size()),
         dc32(c0.size()),
-        ws(size_t(kGemvMaxSplitK) * m * w.n) {
+        ws(size_t(kGemvMaxSplitK) * m * (w.n + kGemvTcTileN)),
+        counters(GemvTileCount(w.n, GemvEpilogue::kSiluMul)) {
     da.Upload(testing::ToBf16(a));
+    counters.Upload(std::vector<int32_t>(counters.size(), 0));
+  }
+  // The kernel's contract: every counter is back at zero after a launch.
+  bool CountersZero() const {
+    const std::vector<int32_t> c = counters.Download();
+    return counters.GuardsIntact() &&
+           std::all_of(c.begin(), c.end(), [](int32_t v) { return v == 0; });
   }
   GemvParams Params(int split_k, bool fp32 = false, bool accumulate = false) const {
     GemvParams p;
@@ -113,12 +130,23 @@ struct Problem {
     p.warp_tiles = split_k == 0 ? GemvWarpTiles::kAlways : GemvWarpTiles::kNever;
     p.workspace = ws.get();
     p.workspace_bytes = ws.size() * sizeof(float);
+    p.tile_counters = counters.get();
     return p;
   }
 };
 
+// A few split_k values for each kernel: 0 (warp tiles), 1 and 4 at m <= 8; 1 and 3 (or as many as
+// k's 64-wide stages allow) at m > 8.
+std::vector<int> FewSplits(int m, int k) {
+  if (m <= kGemvRegisterMaxM) return {0, 1, 4};
+  const int most = std::min(3, (k + 63) / 64);
+  return most > 1 ? std::vector<int>{1, most} : std::vector<int>{1};
+}
+
 std::vector<int> Splits(int m, int n, int k) {
-  std::vector<int> s = {0, 1, ChooseGemvSplitK(m, n, k, NumSms()), 4};
+  std::vector<int> s = m <= kGemvRegisterMaxM
+                           ? std::vector<int>{0, 1, ChooseGemvSplitK(m, n, k, NumSms()), 4}
+                           : std::vector<int>{1, ChooseGemvSplitK(m, n, k, NumSms()), 3};
   std::sort(s.begin(), s.end());
   s.erase(std::unique(s.begin(), s.end()), s.end());
   return s;
@@ -144,15 +172,44 @@ TEST(GemvTest, Bf16OutputMatchesReferenceOverShapeGrid) {
   }
 }
 
+// The m > 8 kernel: every padding of A's rows (9-16, 17-32, 33-64 rows), k that ends inside a
+// 64-wide stage, and split_k from 1 to the heuristic's pick with the in-kernel reduction.
+TEST(GemvTest, SharedMemoryKernelMatchesReferenceOverShapeGrid) {
+  const std::vector<std::tuple<int, int, std::vector<int>>> grid = {
+      {3072, 2048, {16, 64}}, {2048, 8192, {12, 33}}, {6144, 4096, {16}},
+      {4096, 4096, {64}},     {4096, 14336, {16}},    {16384, 2048, {9}},
+      {24, 40, {9, 64}},      {1000, 520, {17, 64}},  {200, 136, {40}}};
+  for (const auto& [n, k, ms] : grid) {
+    const Weights wt(n, k, n * 5 + k);
+    for (int m : ms) {
+      ASSERT_TRUE(Affordable(m, n, k)) << m << " " << n << " " << k;
+      Problem pr(wt, m, m * 17 + n + k);
+      const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, n, k);
+      for (int split : Splits(m, n, k)) {
+        SCOPED_TRACE(::testing::Message()
+                     << "m=" << m << " n=" << n << " k=" << k << " split_k=" << split);
+        pr.dc.Poison();
+        TS_ASSERT_OK(LaunchGemv(pr.Params(split), nullptr));
+        TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+        ExpectGemmCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
+        EXPECT_TRUE(pr.dc.GuardsIntact());
+        EXPECT_TRUE(pr.ws.GuardsIntact());
+        EXPECT_TRUE(pr.CountersZero());
+      }
+    }
+  }
+}
+
 TEST(GemvTest, Fp32OutputIsTighter) {
   for (const auto& [n, k] :
        std::vector<std::pair<int, int>>{{24, 40}, {1000, 520}, {2048, 8192}, {4096, 14336}}) {
     const Weights wt(n, k, n + 3 * k);
-    for (int m : {1, 5, 8}) {
+    for (int m : {1, 5, 8, 16, 40}) {
+      if (!Affordable(2 * m, n, k)) continue;  // the bound's pass costs a second product
       Problem pr(wt, m, m + n);
       std::vector<double> abs_sum;
       const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, n, k, &abs_sum);
-      for (int split : {0, 1, 4}) {
+      for (int split : FewSplits(m, k)) {
         SCOPED_TRACE(::testing::Message()
                      << "m=" << m << " n=" << n << " k=" << k << " split_k=" << split);
         pr.dc32.Poison();
@@ -160,6 +217,7 @@ TEST(GemvTest, Fp32OutputIsTighter) {
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
         ExpectGemmCloseF32(pr.dc32.Download(), ref, abs_sum);
         EXPECT_TRUE(pr.dc32.GuardsIntact());
+        EXPECT_TRUE(pr.CountersZero());
       }
     }
   }
@@ -167,12 +225,12 @@ TEST(GemvTest, Fp32OutputIsTighter) {
 
 TEST(GemvTest, AccumulateAddsIntoC) {
   const Weights wt(2048, 1000, 91);
-  for (int m : {1, 3, 8}) {
+  for (int m : {1, 3, 8, 16, 64}) {
     Problem pr(wt, m, 17 * m);
     std::vector<double> abs_sum;
     const std::vector<double> product = Reference(pr.a, wt.w, nullptr, m, 2048, 1000, &abs_sum);
     const std::vector<double> ref = Reference(pr.a, wt.w, &pr.c0, m, 2048, 1000);
-    for (int split : {0, 1, 4}) {
+    for (int split : FewSplits(m, 1000)) {
       SCOPED_TRACE(::testing::Message() << "m=" << m << " split_k=" << split);
       pr.dc.Upload(testing::ToBf16(pr.c0));
       TS_ASSERT_OK(LaunchGemv(pr.Params(split, false, /*accumulate=*/true), nullptr));
@@ -201,22 +259,27 @@ TEST(GemvTest, AccumulateAddsIntoC) {
 
 TEST(GemvTest, CapturesInGraphAndIsDeterministic) {
   const Weights wt(4096, 4096, 5);
-  Problem pr(wt, 5, 6);
-  const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, 5, 4096, 4096);
   cudaStream_t stream;
   TS_ASSERT_CUDA_OK(cudaStreamCreate(&stream));
-  for (int split : {0, 1, 3}) {
-    for (bool pdl : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "split_k=" << split << " pdl=" << pdl);
-      GemvParams p = pr.Params(split);
-      p.pdl = pdl;
-      pr.dc.Poison();
-      TS_ASSERT_OK(LaunchGemv(p, stream));
-      TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
-      const auto first = pr.dc.Download();
-      ExpectGemmCloseBf16(testing::FromBf16(first), ref);
-      ExpectReplaysEqual(stream, pr.dc, first, 3, [&](cudaStream_t s) { return LaunchGemv(p, s); });
-      EXPECT_TRUE(pr.dc.GuardsIntact());
+  for (int m : {5, 24}) {
+    Problem pr(wt, m, 6);
+    const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, 4096, 4096);
+    // m > 8, split_k 8: the last CTA of a tile to arrive differs between replays, the bits do not.
+    for (int split : m <= kGemvRegisterMaxM ? std::vector<int>{0, 1, 3} : std::vector<int>{1, 8}) {
+      for (bool pdl : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "m=" << m << " split_k=" << split << " pdl=" << pdl);
+        GemvParams p = pr.Params(split);
+        p.pdl = pdl;
+        pr.dc.Poison();
+        TS_ASSERT_OK(LaunchGemv(p, stream));
+        TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
+        const auto first = pr.dc.Download();
+        ExpectGemmCloseBf16(testing::FromBf16(first), ref);
+        ExpectReplaysEqual(stream, pr.dc, first, 3,
+                           [&](cudaStream_t s) { return LaunchGemv(p, s); });
+        EXPECT_TRUE(pr.dc.GuardsIntact());
+        EXPECT_TRUE(pr.CountersZero());
+      }
     }
   }
   cudaStreamDestroy(stream);
@@ -224,50 +287,56 @@ TEST(GemvTest, CapturesInGraphAndIsDeterministic) {
 
 // With pdl the second GEMV issues its W loads before griddepcontrol.wait: its A is the first's
 // output (poisoned with NaN before each replay), so reading A before the wait would show.
+// At m > 8 both launches share one counter array, as the decode step's GEMVs do.
 TEST(GemvTest, PdlChainReadsTheProducersOutput) {
   const Weights w1(2048, 4096, 21), w2(3072, 2048, 22);
-  Problem p1(w1, 4, 23);
-  GuardedBuffer<__nv_bfloat16> c2(size_t(4) * 3072);
-  GuardedBuffer<float> ws(size_t(kGemvMaxSplitK) * 4 * 3072);
   cudaStream_t stream;
   TS_ASSERT_CUDA_OK(cudaStreamCreate(&stream));
-  for (int split : {0, 1, 3}) {
-    SCOPED_TRACE(::testing::Message() << "split_k=" << split);
-    GemvParams first = p1.Params(split == 0 ? 0 : 1);
-    GemvParams second;
-    second.a = p1.dc.get();
-    second.w = w2.dw.get();
-    second.c = c2.get();
-    second.m = 4;
-    second.n = 3072;
-    second.k = 2048;
-    second.split_k = std::max(split, 1);
-    second.warp_tiles = split == 0 ? GemvWarpTiles::kAlways : GemvWarpTiles::kNever;
-    second.workspace = ws.get();
-    second.workspace_bytes = ws.size() * sizeof(float);
-    second.pdl = true;
-    cudaGraph_t graph = nullptr;
-    TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    absl::Status st = LaunchGemv(first, stream);
-    if (st.ok()) st = LaunchGemv(second, stream);
-    TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    TS_ASSERT_OK(st);
-    cudaGraphExec_t exec = nullptr;
-    TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int r = 0; r < 3; ++r) {
-      p1.dc.Poison();
-      c2.Poison();
-      TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
-      TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
-      const std::vector<float> mid = testing::FromBf16(p1.dc.Download());
-      ExpectGemmCloseBf16(mid, Reference(p1.a, w1.w, nullptr, 4, 2048, 4096));
-      ExpectGemmCloseBf16(testing::FromBf16(c2.Download()),
-                          Reference(mid, w2.w, nullptr, 4, 3072, 2048));
+  for (int m : {4, 20}) {
+    Problem p1(w1, m, 23);
+    GuardedBuffer<__nv_bfloat16> c2(size_t(m) * 3072);
+    GuardedBuffer<float> ws(size_t(kGemvMaxSplitK) * m * (3072 + kGemvTcTileN));
+    for (int split : FewSplits(m, 2048)) {
+      SCOPED_TRACE(::testing::Message() << "m=" << m << " split_k=" << split);
+      GemvParams first = p1.Params(m <= kGemvRegisterMaxM && split != 0 ? 1 : split);
+      first.pdl = m > kGemvRegisterMaxM;  // behind nothing but a copy: no overlap, but legal
+      GemvParams second;
+      second.a = p1.dc.get();
+      second.w = w2.dw.get();
+      second.c = c2.get();
+      second.m = m;
+      second.n = 3072;
+      second.k = 2048;
+      second.split_k = std::max(split, 1);
+      second.warp_tiles = split == 0 ? GemvWarpTiles::kAlways : GemvWarpTiles::kNever;
+      second.workspace = ws.get();
+      second.workspace_bytes = ws.size() * sizeof(float);
+      second.tile_counters = p1.counters.get();
+      second.pdl = true;
+      cudaGraph_t graph = nullptr;
+      TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      absl::Status st = LaunchGemv(first, stream);
+      if (st.ok()) st = LaunchGemv(second, stream);
+      TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+      TS_ASSERT_OK(st);
+      cudaGraphExec_t exec = nullptr;
+      TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int r = 0; r < 3; ++r) {
+        p1.dc.Poison();
+        c2.Poison();
+        TS_ASSERT_CUDA_OK(cudaGraphLaunch(exec, stream));
+        TS_ASSERT_CUDA_OK(cudaStreamSynchronize(stream));
+        const std::vector<float> mid = testing::FromBf16(p1.dc.Download());
+        ExpectGemmCloseBf16(mid, Reference(p1.a, w1.w, nullptr, m, 2048, 4096));
+        ExpectGemmCloseBf16(testing::FromBf16(c2.Download()),
+                            Reference(mid, w2.w, nullptr, m, 3072, 2048));
+        EXPECT_TRUE(p1.CountersZero());
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+    EXPECT_TRUE(c2.GuardsIntact());
   }
-  EXPECT_TRUE(c2.GuardsIntact());
   cudaStreamDestroy(stream);
 }
 
@@ -282,7 +351,7 @@ TEST(GemvTest, RejectsBadParams) {
     return LaunchGemv(q, nullptr);
   };
   TS_EXPECT_INVALID(with([](GemvParams& q) { q.m = 0; }), "gemv.m");
-  TS_EXPECT_INVALID(with([](GemvParams& q) { q.m = 9; }), "gemv.m");
+  TS_EXPECT_INVALID(with([](GemvParams& q) { q.m = kGemvMaxM + 1; }), "gemv.m");
   TS_EXPECT_INVALID(with([](GemvParams& q) { q.n = 0; }), "gemv.n");
   TS_EXPECT_INVALID(with([](GemvParams& q) { q.k = 60; }), "gemv.k");
   TS_EXPECT_INVALID(with([](GemvParams& q) { q.k = 0; }), "gemv.k");
@@ -324,6 +393,27 @@ TEST(GemvTest, RejectsBadParams) {
                     "gemv.norm_weight");
   TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_TRUE(pr.dc.GuardsIntact());
+
+  // What only the m > 8 kernel needs.
+  Problem big(wt, 20, 11);
+  auto with_big = [&](auto&& edit) {
+    GemvParams q = big.Params(1);
+    edit(q);
+    return LaunchGemv(q, nullptr);
+  };
+  TS_ASSERT_OK(with_big([](GemvParams&) {}));
+  TS_EXPECT_INVALID(with_big([&](GemvParams& q) { q.norm_weight = big.wt.dw.get(); }),
+                    "gemv.norm_weight");
+  TS_EXPECT_INVALID(with_big([](GemvParams& q) { q.split_k = 2; }), "gemv.split_k");  // k = 64
+  TS_EXPECT_INVALID(with_big([](GemvParams& q) {
+                      q.k = 128;
+                      q.split_k = 2;
+                      q.tile_counters = nullptr;
+                    }),
+                    "gemv.tile_counters");
+  TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(big.dc.GuardsIntact());
+  EXPECT_TRUE(big.CountersZero());
 }
 
 // transformers' bf16 LlamaRMSNorm of A's rows, emulated in fp32 (the kernel's prologue).
@@ -382,10 +472,15 @@ TEST(GemvTest, SiluMulEpilogueMatchesGateUpThenSiluMul) {
     const auto nw = testing::RandomFloats(k, 0.5f, 1.5f, k + 1);
     GuardedBuffer<__nv_bfloat16> dnw(k);
     dnw.Upload(testing::ToBf16(nw));
-    for (int m : {1, 3, 8}) {
+    for (int m : {1, 3, 8, 16, 40}) {
+      if (!Affordable(m, 2 * n, k)) continue;
       for (int variant = 0; variant < 4; ++variant) {
         const bool norm = variant & 1;
-        const int split = variant >> 1;  // 0: warp tiles, 1: shared tiles
+        // m <= 8: 0 warp tiles, 1 shared tiles. m > 8 (no norm prologue): split_k 1 or 3.
+        const int split = m <= kGemvRegisterMaxM
+                              ? variant >> 1
+                              : FewSplits(m, k)[variant >> 1 ? FewSplits(m, k).size() - 1 : 0];
+        if (m > kGemvRegisterMaxM && norm) continue;
         SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k
                                           << " norm=" << norm << " split_k=" << split);
         Problem pr(wt, m, m * 3 + n + norm);
@@ -534,7 +629,8 @@ void RunRopeCase(const RopeCase& rc, int m, bool norm, std::vector<int32_t> slot
       }
     }
   }
-  const bool same_order = split != 0;
+  // Same order: the reference GEMV (split_k 1) sums each output as the fused launch does.
+  const bool same_order = m <= kGemvRegisterMaxM ? split != 0 : split == 1;
   for (auto [fused, ref, ops] :
        {std::tuple{&q0, &q1, &q_ops}, {&kc0, &kc1, &k_ops}, {&vc0, &vc1, &v_ops}}) {
     const std::vector<float> got = testing::FromBf16(fused->Download());
@@ -560,9 +656,15 @@ TEST(GemvTest, RopeKvEpilogueMatchesGemvThenRopeKv) {
   // Llama-1B and 8B attention, the fixtures' head_dim 16, an odd k; slots out of order.
   for (const RopeCase& rc : {RopeCase{32, 8, 64, 2048}, RopeCase{32, 8, 128, 4096},
                              RopeCase{4, 2, 16, 64}, RopeCase{6, 2, 128, 520}}) {
-    for (int m : {1, 3, 8}) {
-      std::vector<int32_t> slots;
+    for (int m : {1, 3, 8, 12, 64}) {
+      const int n = (rc.hq + 2 * rc.hkv) * rc.head_dim;
+      if (!Affordable(m, n, rc.k)) continue;
+      std::vector<int32_t> slots;  // distinct: 29 is prime to the 96 slots
       for (int i = 0; i < m; ++i) slots.push_back(i == 1 ? -1 : (i * 29 + 7) % 96);
+      if (m > kGemvRegisterMaxM) {  // no norm prologue; split_k 1 and 3
+        for (int split : FewSplits(m, rc.k)) RunRopeCase(rc, m, false, slots, split);
+        continue;
+      }
       for (bool norm : {false, true}) {
         for (int split : {0, 1}) RunRopeCase(rc, m, norm, slots, split);
       }
@@ -613,6 +715,15 @@ TEST(GemvTest, RopeKvEpilogueRejectsBadParams) {
   TS_EXPECT_INVALID(LaunchGemv(p, nullptr), "gemv.warp_tiles");
   TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_TRUE(pr.dc.GuardsIntact());
+
+  // m > 8: a tile of 128 rows must hold whole heads.
+  const Weights wide((4 + 2 * 2) * 48, 64, 4);
+  Problem pr16(wide, 16, 5);
+  p = pr16.Params(1);
+  p.epilogue = GemvEpilogue::kRopeKv;
+  p.rope = good.rope;
+  p.rope.layout.head_dim = 48;
+  TS_EXPECT_INVALID(LaunchGemv(p, nullptr), "gemv.rope.layout.head_dim");
 }
 
 TEST(GemvTest, SplitHeuristicAndWorkspaceSize) {
@@ -634,6 +745,24 @@ TEST(GemvTest, SplitHeuristicAndWorkspaceSize) {
   EXPECT_FALSE(ChooseGemvWarpTiles(100, 0));
   EXPECT_EQ(GemvWorkspaceBytes(3, 100, 1), 0u);
   EXPECT_EQ(GemvWorkspaceBytes(3, 100, 4), size_t{4} * 3 * 100 * sizeof(float));
+
+  // m > 8: whole waves of the 2 x 132 resident CTAs, >= 2 stages of 64 k per split, and at most
+  // 256 / m splits for the last CTA's reduce.
+  EXPECT_EQ(ChooseGemvSplitK(16, 4096, 4096, 132), 8);   // 8B o: 32 tiles
+  EXPECT_EQ(ChooseGemvSplitK(64, 4096, 4096, 132), 4);   // capped by the reduce
+  EXPECT_EQ(ChooseGemvSplitK(16, 6144, 4096, 132), 5);   // 8B qkv: 48 tiles
+  EXPECT_EQ(ChooseGemvSplitK(16, 2048, 2048, 132), 16);  // 1B o: 16 tiles, 32 stages
+  EXPECT_EQ(ChooseGemvSplitK(16, 28672, 4096, 132), 1);  // 224 tiles
+  EXPECT_EQ(ChooseGemvSplitK(16, 14336, 4096, 132, GemvEpilogue::kSiluMul), 1);  // 224 tiles
+  EXPECT_EQ(ChooseGemvSplitK(16, 8192, 2048, 132, GemvEpilogue::kSiluMul), 2);   // 128 tiles
+  EXPECT_EQ(ChooseGemvSplitK(16, 24, 40, 132), 1);                               // one stage of k
+  EXPECT_EQ(GemvTileCount(4096, GemvEpilogue::kStore), 32);
+  EXPECT_EQ(GemvTileCount(14336, GemvEpilogue::kSiluMul), 224);
+  EXPECT_EQ(GemvTileCount(100, GemvEpilogue::kStore), 1);
+  EXPECT_EQ(GemvWorkspaceBytes(16, 100, 1), 0u);
+  EXPECT_EQ(GemvWorkspaceBytes(16, 100, 4), size_t{4} * 1 * 16 * 128 * sizeof(float));
+  EXPECT_EQ(GemvWorkspaceBytes(16, 100, 4, GemvEpilogue::kSiluMul),
+            size_t{4} * 2 * 16 * 128 * sizeof(float));
 }
 
 }  // namespace

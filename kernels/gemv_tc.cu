@@ -1,0 +1,294 @@
+// The m > 8 kernel of the GEMV op (kernels/gemv.cuh): W and A through a cp.async ring in shared
+// memory, ldmatrix and mma.sync, split-K reduced inside the kernel by the last CTA of each tile.
+//
+// Why this shape (counted for Llama-3.1-8B at m = 64 on the H200, 4.3 TB/s over 132 SMs): each SM
+// must take ~16 bytes of W per clock. At m = 64 that is 512 multiply-adds per clock, under half of
+// what mma.sync issues on sm_90, so the tensor cores are not the limit up to m = 64 (m = 128 would
+// need wgmma). Keeping ~32 KB of W in flight per SM takes registers in the m <= 8 kernel; here the
+// copies land in shared memory, so 3 stages of 16 KB per CTA, 2 CTAs per SM, keep the bytes in
+// flight at any m. Warps split each stage's k in two, so a B fragment of A feeds two MMAs and the
+// ldmatrix traffic of A stays below the shared-memory bandwidth at m = 64.
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda_check.h"
+#include "kernels/gemv_internal.cuh"
+#include "kernels/pdl.cuh"
+#include "kernels/ptx.cuh"
+
+namespace ts::kernels::gemv_internal {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileRows = kGemvTcTileN;  // W rows per tile
+constexpr int kStageK = 64;              // k per stage: 128 bytes of each row
+constexpr int kStages = 4;
+constexpr int kRowBytes = kStageK * 2;
+constexpr int kWStageBytes = kTileRows * kRowBytes;  // 16 KB
+constexpr int kCsStride = kTileRows + 4;             // floats per row of the fp32 result tile
+constexpr int kCtasPerSm = 2;
+
+// A rows padded to 16 * kMTiles (the MMA's N, in 8-row halves).
+template <int kMTiles>
+__host__ __device__ constexpr int StageBytes() {
+  return kWStageBytes + 16 * kMTiles * kRowBytes;
+}
+template <int kMTiles>
+constexpr int SmemBytes() {
+  return std::max(kStages * StageBytes<kMTiles>(), 16 * kMTiles * kCsStride * 4);
+}
+
+// Byte offset of 16-byte chunk c of row r in a [rows][128 B] block: chunks XOR-swizzled by row,
+// so the 8 rows an ldmatrix phase reads at one logical chunk sit in 8 different bank groups.
+__device__ __forceinline__ uint32_t Swizzle(int r, int c) {
+  return static_cast<uint32_t>(r * kRowBytes + ((c ^ (r & 7)) << 4));
+}
+
+// Local row r of tile `tile` -> row of W, or -1 past the end. kSiluMul pairs gate rows [64 t, 64 t
+// + 64) (local 0-63) with the up rows n further (local 64-127), so output column 64 t + j is made
+// from local rows j and j + 64 in one CTA.
+__device__ __forceinline__ int64_t WRow(const GemvParams& p, int tile, int r) {
+  if (p.epilogue == GemvEpilogue::kSiluMul) {
+    const int64_t col = int64_t{tile} * (kTileRows / 2) + (r % (kTileRows / 2));
+    if (col >= p.n) return -1;
+    return r < kTileRows / 2 ? col : p.n + col;
+  }
+  const int64_t row = int64_t{tile} * kTileRows + r;
+  return row < p.n ? row : -1;
+}
+
+// grid: (tiles, split_k), block 256, dynamic smem SmemBytes<kMTiles>(). CTA (tile, s) multiplies
+// W rows of `tile` by A over stages [s * stages / split_k, (s + 1) * stages / split_k) of k.
+//
+// Warp w owns W rows [32 (w % 4), 32 (w % 4) + 32) of the tile (two 16-row MMA A operands) and
+// k16 steps {2 (w / 4), 2 (w / 4) + 1} of each 64-k stage; its 2 x 2 kMTiles accumulators cover all
+// rows of A. The two k halves are added in a fixed order through shared memory at the end.
+template <int kMTiles>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wn = warp & 3, wk = warp >> 2;
+  const int tile = blockIdx.x, split = blockIdx.y;
+  const int stages_total = (p.k + kStageK - 1) / kStageK;
+  const int s_begin = split * stages_total / p.split_k;
+  const int s_count = (split + 1) * stages_total / p.split_k - s_begin;
+  const uint32_t smem_base = ptx::SharedAddress(smem);
+  auto w_slot = [&](int i) { return smem_base + i * StageBytes<kMTiles>(); };
+  auto a_slot = [&](int i) { return w_slot(i) + kWStageBytes; };
+
+  // This thread's W copies: chunk tid % 8 of local rows tid / 8 + 32 j (a warp reads 4 whole
+  // 128-byte row segments).
+  const int chunk = tid & 7;
+  auto load_w = [&](int i) {  // stage i of this CTA's range into slot i % kStages
+    const int64_t k0 = int64_t{s_begin + i} * kStageK + chunk * 8;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t row = WRow(p, tile, tid / 8 + 32 * j);
+      const bool in = row >= 0 && k0 < p.k;
+      ptx::CpAsync16(w_slot(i % kStages) + Swizzle(tid / 8 + 32 * j, chunk),
+                     in ? p.w + row * p.k + k0 : p.w, in ? 16 : 0);
+    }
+  };
+  auto load_a = [&](int i) {  // rows past m and k past the end are zero-filled
+    const int64_t k0 = int64_t{s_begin + i} * kStageK;
+    for (int e = tid; e < 16 * kMTiles * 8; e += kThreads) {
+      const int r = e >> 3, c = e & 7;
+      const bool in = r < p.m && k0 + c * 8 < p.k;
+      ptx::CpAsync16(a_slot(i % kStages) + Swizzle(r, c),
+                     in ? p.a + r * int64_t{p.k} + k0 + c * 8 : p.a, in ? 16 : 0);
+    }
+  };
+
+  // W does not depend on the kernel before: its first stages stream across the wait (one group).
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < s_count) load_w(i);
+  }
+  ptx::CpAsyncCommit();
+  GridDepWait();
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < s_count) load_a(i);
+    ptx::CpAsyncCommit();
+  }
+
+  float acc[2][2 * kMTiles][4] = {};
+  const int q = lane >> 3, r8 = lane & 7;
+  for (int i = 0; i < s_count; ++i) {
+    // Stage i's W and A groups are complete once at most kStages - 2 newer ones are pending.
+    ptx::CpAsyncWait<kStages - 2>();
+    __syncthreads();  // everyone's copies visible; slot (i - 1) % kStages is free again
+    if (i + kStages - 1 < s_count) {
+      load_w(i + kStages - 1);
+      load_a(i + kStages - 1);
+    }
+    ptx::CpAsyncCommit();
+    const uint32_t ws = w_slot(i % kStages), as = a_slot(i % kStages);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int ks = 2 * wk + h;  // k16 step in the stage: chunks 2 ks, 2 ks + 1
+      uint32_t wf[2][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        // A operand: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (0-7, k 8-15), (8-15, 8-15).
+        const int row = 32 * wn + 16 * t + (q & 1) * 8 + r8;
+        ptx::LdMatrixX4(wf[t], ws + Swizzle(row, 2 * ks + (q >> 1)));
+      }
+#pragma unroll
+      for (int j = 0; j < kMTiles; ++j) {
+        // B operands of A rows 16 j..16 j + 7 (regs 0, 1) and 16 j + 8.. (regs 2, 3).
+        uint32_t af[4];
+        ptx::LdMatrixX4(af, as + Swizzle(16 * j + (q >> 1) * 8 + r8, 2 * ks + (q & 1)));
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          ptx::MmaBf16(acc[t][2 * j], wf[t], af[0], af[1]);
+          ptx::MmaBf16(acc[t][2 * j + 1], wf[t], af[2], af[3]);
+        }
+      }
+    }
+  }
+  // Our W reads are done: the next kernel may start its prologue (it waits for our completion
+  // before reading anything we write).
+  GridDepLaunchDependents();
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();  // the ring is reused for the result tile
+
+  // cs[i * kCsStride + r] = sum for A row i and local W row r. C fragment: W rows g, g + 8 (the
+  // MMA's M) by A rows 2t, 2t + 1 (its N).
+  float* cs = reinterpret_cast<float*>(smem);
+  const int g = lane >> 2, t4 = lane & 3;
+  for (int half = 0; half < 2; ++half) {
+    if (wk == half) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+#pragma unroll
+        for (int nt = 0; nt < 2 * kMTiles; ++nt) {
+          const int r = 32 * wn + 16 * t + g, i = 8 * nt + 2 * t4;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float* dst = cs + (i + (e & 1)) * kCsStride + r + (e >> 1) * 8;
+            *dst = half == 0 ? acc[t][nt][e] : *dst + acc[t][nt][e];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  const int m = p.m;
+  if (p.split_k > 1) {
+    // Store this split's partial, then count arrivals; the last CTA adds all partials in split
+    // order (fixed, so the result does not depend on which CTA came last).
+    const int64_t tiles = gridDim.x;
+    auto partial = [&](int s) { return p.workspace + ((s * tiles + tile) * m) * kTileRows; };
+    float* mine = partial(split);
+    for (int e = tid; e < m * kTileRows / 4; e += kThreads) {
+      const int i = e / (kTileRows / 4), c = e % (kTileRows / 4);
+      __stcg(reinterpret_cast<float4*>(mine) + e,
+             *reinterpret_cast<const float4*>(cs + i * kCsStride + 4 * c));
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (tid == 0) last = atomicAdd(p.tile_counters + tile, 1) == p.split_k - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int e = tid; e < m * kTileRows / 4; e += kThreads) {
+      const int i = e / (kTileRows / 4), c = e % (kTileRows / 4);
+      float4 v = __ldcg(reinterpret_cast<const float4*>(partial(0)) + e);
+      for (int s = 1; s < p.split_k; ++s) {
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(partial(s)) + e);
+        v.x += x.x;
+        v.y += x.y;
+        v.z += x.z;
+        v.w += x.w;
+      }
+      *reinterpret_cast<float4*>(cs + i * kCsStride + 4 * c) = v;
+    }
+    if (tid == 0) p.tile_counters[tile] = 0;  // every split has arrived: ready for the next launch
+    __syncthreads();
+  }
+
+  // Epilogue over the finished fp32 tile; consecutive threads take consecutive columns.
+  if (p.epilogue == GemvEpilogue::kSiluMul) {
+    constexpr int kHalf = kTileRows / 2;
+    for (int e = tid; e < m * kHalf; e += kThreads) {
+      const int i = e / kHalf, j = e % kHalf;
+      const int64_t col = int64_t{tile} * kHalf + j;
+      if (col >= p.n) continue;
+      // gate_proj and up_proj each round their output to bf16 first.
+      p.c[i * int64_t{p.n} + col] = __float2bfloat16_rn(
+          SiluMul(RoundBf16(cs[i * kCsStride + j]), RoundBf16(cs[i * kCsStride + j + kHalf])));
+    }
+  } else if (p.epilogue == GemvEpilogue::kRopeKv) {
+    const int hd = p.rope.layout.head_dim, half = hd / 2;
+    const int64_t row0 = int64_t{tile} * kTileRows;
+    for (int e = tid; e < m * kTileRows / 2; e += kThreads) {
+      const int i = e / (kTileRows / 2), pair = e % (kTileRows / 2);
+      const int lh = pair / half, d = pair % half;  // head of the tile, dimension
+      if (row0 + lh * hd >= p.n) continue;
+      const int j = lh * hd + d;
+      RopeEpilogue(p, i, static_cast<int32_t>(row0 / hd) + lh, d, cs[i * kCsStride + j],
+                   cs[i * kCsStride + j + half]);
+    }
+  } else {
+    for (int e = tid; e < m * kTileRows; e += kThreads) {
+      const int i = e / kTileRows, j = e % kTileRows;
+      const int64_t col = int64_t{tile} * kTileRows + j;
+      if (col < p.n) StoreOutput(p, i * int64_t{p.n} + col, cs[i * kCsStride + j]);
+    }
+  }
+}
+
+template <int kMTiles>
+absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
+  constexpr int smem = SmemBytes<kMTiles>();
+  // A function attribute, not a stream operation: legal while a graph is being captured.
+  TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(GemvTcKernel<kMTiles>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(static_cast<uint32_t>(GemvTcTiles(p.n, p.epilogue)),
+                  static_cast<uint32_t>(p.split_k));
+  TS_CUDA_RETURN_IF_ERROR(
+      LaunchWithPdl(GemvTcKernel<kMTiles>, grid, dim3(kThreads), smem, stream, p.pdl, p));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int32_t GemvTcTiles(int32_t n, GemvEpilogue epilogue) {
+  const int32_t cols = epilogue == GemvEpilogue::kSiluMul ? kTileRows / 2 : kTileRows;
+  return (n + cols - 1) / cols;
+}
+
+absl::Status LaunchGemvTc(const GemvParams& p, cudaStream_t stream) {
+  const int32_t stages = (p.k + kStageK - 1) / kStageK;
+  if (p.split_k > stages) {
+    return absl::InvalidArgumentError(absl::StrCat("gemv.split_k is ", p.split_k, " but k = ", p.k,
+                                                   " has only ", stages, " stages of ", kStageK));
+  }
+  if (p.split_k > 1 && p.tile_counters == nullptr) {
+    return absl::InvalidArgumentError("gemv.tile_counters must be set for split_k > 1 at m > 8");
+  }
+  if (p.epilogue == GemvEpilogue::kRopeKv && kTileRows % p.rope.layout.head_dim != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("gemv.rope.layout.head_dim must divide ",
+                                                   kTileRows, " at m > 8, got ",
+                                                   p.rope.layout.head_dim));
+  }
+  if (p.m <= 16) return LaunchTiles<1>(p, stream);
+  if (p.m <= 32) return LaunchTiles<2>(p, stream);
+  return LaunchTiles<4>(p, stream);
+}
+
+int32_t ChooseGemvTcSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,
+                           GemvEpilogue epilogue) {
+  if (m < 1 || n < 1 || k < 8 || num_sms < 1) return 1;
+  const int64_t tiles = GemvTcTiles(n, epilogue);
+  const int64_t resident = int64_t{kCtasPerSm} * num_sms;
+  const int64_t want = resident / tiles;                     // whole waves only
+  const int64_t most = (k + kStageK - 1) / kStageK / 2;      // >= 2 stages per split
+  const int64_t reduce_cap = std::max<int64_t>(1, 256 / m);  // the last CTA reads split x m rows
+  return static_cast<int32_t>(
+      std::max<int64_t>(1, std::min<int64_t>({want, most, reduce_cap, int64_t{kGemvMaxSplitK}})));
+}
+
+}  // namespace ts::kernels::gemv_internal
