@@ -47,7 +47,7 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
   // cuBLASLt stays at the roof on the large ones (gate_up of 8B, lm_head), so only small W moves.
   constexpr int64_t kGemvMaxWeightBytes = int64_t{64} << 20;
   const int64_t weight_bytes = int64_t{p.n} * p.k * 2;
-  if (p.m <= k::kGemvMaxM && weight_bytes <= kGemvMaxWeightBytes && p.k % 8 == 0 &&
+  if (p.m <= k::kGemvRegisterMaxM && weight_bytes <= kGemvMaxWeightBytes && p.k % 8 == 0 &&
       k::ChooseGemvSplitK(p.m, p.n, p.k, num_sms_) == 1) {
     // pdl: the GEMV starts streaming W while the kernel before it finishes; nothing in the step
     // writes weights, and A and C are touched only after griddepcontrol.wait.
@@ -68,8 +68,14 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
 
 bool CudaModel::FusedDecodeLayers(int32_t rows) const {
   const ModelDims& d = dims();
-  return rows <= k::kGemvMaxM && k::GemvCanFuseNorm(rows, d.hidden) && d.hidden % 8 == 0 &&
+  return rows <= k::kGemvRegisterMaxM && k::GemvCanFuseNorm(rows, d.hidden) && d.hidden % 8 == 0 &&
          d.q_dim() % 8 == 0 && d.intermediate_padded % 8 == 0;
+}
+
+bool CudaModel::GemvEpilogueLayers(const ModelDims& d, int32_t rows) {
+  return rows > k::kGemvRegisterMaxM && rows <= k::kGemvMaxM && d.head_dim % 16 == 0 &&
+         k::kGemvTcTileN % d.head_dim == 0 && d.hidden % 8 == 0 && d.q_dim() % 8 == 0 &&
+         d.intermediate_padded % 8 == 0;
 }
 
 absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
@@ -176,6 +182,17 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
       return k::LaunchRopeKv(p, stream);
     });
   };
+  // Where a qkv GEMV's kRopeKv epilogue writes rotated k and v.
+  auto rope_targets = [&](const LayerBuffers& layer) {
+    return k::GemvRopeKv{.positions = f.positions,
+                         .slot_mapping = f.slot_mapping,
+                         .inv_freq = dev_.inv_freq,
+                         .k_cache = layer.k_cache,
+                         .v_cache = layer.v_cache,
+                         .error_flag = host_dev_.error_flag,
+                         .layout = kv_layout,
+                         .num_q_heads = d.num_heads};
+  };
   auto attention = [&](const LayerBuffers& layer) {
     return RunOp(observer, "attention", stream,
                  [&] { return EnqueueAttention(f, rows, layer, at, stream); });
@@ -204,14 +221,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
       if (d.head_dim % 16 == 0) {
         qkv.c = f.q;  // rotated q only; k and v go straight to the cache
         qkv.epilogue = k::GemvEpilogue::kRopeKv;
-        qkv.rope = {.positions = f.positions,
-                    .slot_mapping = f.slot_mapping,
-                    .inv_freq = dev_.inv_freq,
-                    .k_cache = layer.k_cache,
-                    .v_cache = layer.v_cache,
-                    .error_flag = host_dev_.error_flag,
-                    .layout = kv_layout,
-                    .num_q_heads = d.num_heads};
+        qkv.rope = rope_targets(layer);
         TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", qkv));
       } else {
         TS_RETURN_IF_ERROR(gemv("qkv_gemm", qkv));
@@ -242,12 +252,16 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     return absl::OkStatus();
   }
 
-  // cuBLASLt path (prefill, larger batches). o_proj and down_proj write their bf16 output to xn
-  // and the next rmsnorm adds it into the residual (x), as transformers rounds: bf16(h +
-  // bf16(o)). down_proj's output is added by the next layer's attn_norm.
+  // cuBLASLt path (prefill, batches above 64) and the shared-memory GEMV path (decode at 8 < rows
+  // <= 64). On cuBLASLt, o_proj and down_proj write their bf16 output to xn and the next rmsnorm
+  // adds it into the residual (x), as transformers rounds: bf16(h + bf16(o)); down_proj's output
+  // is added by the next layer's attn_norm. The GEMV adds into h itself (kAccumulate, the same
+  // rounding) and carries RoPE with the K/V write and SwiGLU, so its layer has no rope_kv or
+  // silu_mul node and no split-K reduce node (reduced inside the kernel).
   // PDL (kernels/pdl.cuh) only behind a kernel of this sequence: its overlap and its wait are
   // defined against the kernel before, and a later pipeline stage's first norm follows the copy
   // of its input instead.
+  const bool epilogues = at.decode && GemvEpilogueLayers(d, rows);
   bool behind_kernel = stage().has_embedding;
   auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
     const bool pdl = behind_kernel;
@@ -264,32 +278,66 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                               stream);
     });
   };
-  const bf16* pending = nullptr;  // xn once a down_proj output waits to be added
+  auto linear = [&](const char* name, const bf16* a, const bf16* w, bf16* c, int32_t n,
+                    int32_t kdim) {
+    return RunOp(observer, name, stream, [&] {
+      return LaunchLinear(gemm, {.a = a, .w = w, .c = c, .m = rows, .n = n, .k = kdim}, stream);
+    });
+  };
+  // The split-K workspace and counters serve the decode graphs only (at.decode), never prefill.
+  auto gemv = [&](const char* name, k::GemvParams p) {
+    p.m = rows;
+    p.split_k = k::ChooseGemvSplitK(rows, p.n, p.k, num_sms_, p.epilogue);
+    p.workspace = dev_.gemv_workspace;
+    p.workspace_bytes = s.gemv_workspace_bytes;
+    p.tile_counters = dev_.gemv_counters;
+    p.pdl = true;  // behind a norm or attention kernel; nothing in the step writes weights
+    return RunOp(observer, name, stream, [&] { return k::LaunchGemv(p, stream); });
+  };
+  const bf16* pending = nullptr;  // xn once a cuBLASLt o/down_proj output waits to be added
   for (const LayerBuffers& layer : dev_.layers) {
     TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
-    TS_RETURN_IF_ERROR(RunOp(observer, "qkv_gemm", stream, [&] {
-      return LaunchLinear(
-          gemm, {.a = f.xn, .w = layer.qkv, .c = f.qkv, .m = rows, .n = d.qkv_dim(), .k = d.hidden},
-          stream);
-    }));
-    TS_RETURN_IF_ERROR(rope_kv(layer));
+    if (epilogues) {
+      TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", {.a = f.xn,
+                                                .w = layer.qkv,
+                                                .c = f.q,
+                                                .n = d.qkv_dim(),
+                                                .k = d.hidden,
+                                                .epilogue = k::GemvEpilogue::kRopeKv,
+                                                .rope = rope_targets(layer)}));
+    } else {
+      TS_RETURN_IF_ERROR(linear("qkv_gemm", f.xn, layer.qkv, f.qkv, d.qkv_dim(), d.hidden));
+      TS_RETURN_IF_ERROR(rope_kv(layer));
+    }
     TS_RETURN_IF_ERROR(attention(layer));
-    TS_RETURN_IF_ERROR(RunOp(observer, "o_gemm", stream, [&] {
-      return LaunchLinear(
-          gemm, {.a = f.attn, .w = layer.o, .c = f.xn, .m = rows, .n = d.hidden, .k = d.q_dim()},
-          stream);
-    }));
-    TS_RETURN_IF_ERROR(norm("mlp_norm", f.xn, layer.mlp_norm));
-    TS_RETURN_IF_ERROR(RunOp(observer, "gate_up_gemm", stream, [&] {
-      return LaunchLinear(gemm,
-                          {.a = f.xn,
-                           .w = layer.gate_up,
-                           .c = f.gate_up,
-                           .m = rows,
-                           .n = 2 * d.intermediate_padded,
-                           .k = d.hidden},
-                          stream);
-    }));
+    if (epilogues) {
+      TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
+                                         .w = layer.o,
+                                         .c = f.h,
+                                         .n = d.hidden,
+                                         .k = d.q_dim(),
+                                         .epilogue = k::GemvEpilogue::kAccumulate}));
+    } else {
+      TS_RETURN_IF_ERROR(linear("o_gemm", f.attn, layer.o, f.xn, d.hidden, d.q_dim()));
+    }
+    TS_RETURN_IF_ERROR(norm("mlp_norm", epilogues ? nullptr : f.xn, layer.mlp_norm));
+    if (epilogues) {
+      TS_RETURN_IF_ERROR(gemv("gate_up_gemm", {.a = f.xn,
+                                               .w = layer.gate_up,
+                                               .c = f.act,
+                                               .n = d.intermediate_padded,
+                                               .k = d.hidden,
+                                               .epilogue = k::GemvEpilogue::kSiluMul}));
+      TS_RETURN_IF_ERROR(gemv("down_gemm", {.a = f.act,
+                                            .w = layer.down,
+                                            .c = f.h,
+                                            .n = d.hidden,
+                                            .k = d.intermediate_padded,
+                                            .epilogue = k::GemvEpilogue::kAccumulate}));
+      continue;
+    }
+    TS_RETURN_IF_ERROR(linear("gate_up_gemm", f.xn, layer.gate_up, f.gate_up,
+                              2 * d.intermediate_padded, d.hidden));
     TS_RETURN_IF_ERROR(RunOp(observer, "silu_mul", stream, [&] {
       return k::LaunchSiluMul({.in = f.gate_up,
                                .out = f.act,
@@ -298,16 +346,8 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                                .pdl = true},
                               stream);
     }));
-    TS_RETURN_IF_ERROR(RunOp(observer, "down_gemm", stream, [&] {
-      return LaunchLinear(gemm,
-                          {.a = f.act,
-                           .w = layer.down,
-                           .c = f.xn,
-                           .m = rows,
-                           .n = d.hidden,
-                           .k = d.intermediate_padded},
-                          stream);
-    }));
+    TS_RETURN_IF_ERROR(
+        linear("down_gemm", f.act, layer.down, f.xn, d.hidden, d.intermediate_padded));
     pending = f.xn;
   }
   // The last down_proj output joins the residual here, so callers (the prefill's row gather, the

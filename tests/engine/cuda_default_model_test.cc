@@ -1,6 +1,6 @@
 // The shipped default model on the CUDA backend against transformers in bf16 on the GPU (issue
 // #14): greedy continuations equal transformers' token for token, through the decode graphs with
-// all four prompts batched, and through the device loop's mixed steps with the prompts arriving
+// all four prompts batched (in the GEMV, shared-memory GEMV and cuBLASLt layers), and through the device loop's mixed steps with the prompts arriving
 // one by one while the others decode; teacher-forced top-1 through the same decode graphs and
 // through the prefill agrees at >= 99% of the 4 x 64 positions. The greedy case also runs over two
 // pipeline stages.
@@ -43,6 +43,22 @@ TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16) {
   auto backend = MakeBackend();
   ASSERT_NE(backend, nullptr);
   ExpectGreedyEqualsReference(*backend, cases, kMaxContext);
+}
+
+// The same with the four prompts padded into one bucket of 16 rows (the shared-memory GEMV layers:
+// RoPE, residual adds and SwiGLU in the GEMV epilogues, split-K reduced in the kernel) and of 128
+// rows (rmsnorm + cuBLASLt + rope_kv + silu_mul nodes).
+TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16InLargerBuckets) {
+  const std::vector<DefaultCase> cases = LoadDefaultReference("bf16");
+  ASSERT_FALSE(cases.empty());
+  for (int32_t bucket : {16, 128}) {
+    SCOPED_TRACE(::testing::Message() << "bucket " << bucket);
+    CudaBackendOptions o = DefaultOptions();
+    o.buckets = {bucket};
+    auto backend = CudaBackend::Create(o);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    ExpectGreedyEqualsReference(**backend, cases, kMaxContext);
+  }
 }
 
 // The same through a pipeline of two stages on one GPU (docs/pipeline.md, The CUDA pipeline): the
