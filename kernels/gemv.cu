@@ -443,9 +443,9 @@ absl::Status Validate(const GemvParams& p) {
           absl::StrCat("gemv.norm_eps must be > 0, got ", p.norm_eps));
     }
   }
-  if (p.split_k > 1) {
+  if (p.split_k > 1 && p.m <= kGemvRegisterMaxM) {
     TS_RETURN_IF_ERROR(RequirePointer("gemv.workspace", p.workspace, alignof(float)));
-    const size_t need = GemvWorkspaceBytes(p.m, p.n, p.split_k, p.epilogue);
+    const size_t need = GemvWorkspaceBytes(p.m, p.n, p.split_k);
     if (p.workspace_bytes < need) {
       return absl::InvalidArgumentError(absl::StrCat("gemv.workspace_bytes is ", p.workspace_bytes,
                                                      ", split_k = ", p.split_k, " needs ", need));
@@ -531,16 +531,8 @@ int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms, GemvE
       std::max<int64_t>(1, std::min<int64_t>({want, most, int64_t{kGemvMaxSplitK}})));
 }
 
-int32_t GemvTileCount(int32_t n, GemvEpilogue epilogue) {
-  return gemv_internal::GemvTcTiles(n, epilogue);
-}
-
-size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k, GemvEpilogue epilogue) {
-  if (split_k <= 1 || m < 1 || n < 1) return 0;
-  if (m > kGemvRegisterMaxM) {
-    return static_cast<size_t>(split_k) * GemvTileCount(n, epilogue) * m * kGemvTcTileN *
-           sizeof(float);
-  }
+size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k) {
+  if (split_k <= 1 || m < 1 || n < 1 || m > kGemvRegisterMaxM) return 0;
   return static_cast<size_t>(split_k) * m * n * sizeof(float);
 }
 

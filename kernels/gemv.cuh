@@ -20,9 +20,10 @@
 // and a range of K. W and A stream through a 4-stage cp.async ring in shared memory (no registers
 // hold bytes in flight, so the copy depth does not grow with m), and ldmatrix feeds mma.m16n8k16
 // with W as the MMA's M and the rows of A, padded to 16, 32 or 64, as its N. Split-K is reduced
-// inside the kernel: each CTA stores its fp32 partial, and the last CTA of a tile to arrive (an
-// atomic counter per tile) adds the partials in split order and runs the epilogue, so no extra
-// node and the same bits every run.
+// inside the kernel: the split_k CTAs of a tile are one thread-block cluster, each keeps its fp32
+// partial in shared memory, and after a cluster barrier each reads all of them through
+// distributed shared memory, adds them in split order and runs its share of the epilogue. No
+// workspace, no extra node, and the same bits every run.
 //
 // Split-K (split_k > 1) at m <= 8: when n / 16 CTAs leave most SMs idle, CTAs also split K. Each
 // writes its fp32 partial to workspace [split_k, m, n] and a second small kernel adds the split_k
@@ -33,8 +34,8 @@
 // Graph-capturable: no allocation, no sync. With `pdl`, the kernel(s) are launched with
 // programmatic stream serialization: each CTA issues its first W loads (and, with the norm
 // prologue, the copy of norm_weight into shared memory) before `griddepcontrol.wait`, so the
-// weight stream starts while the preceding kernel drains (A, C, the workspace and the tile
-// counters are touched only after the wait). Only valid when the preceding kernels write neither
+// weight stream starts while the preceding kernel drains (A, C and the workspace are touched only
+// after the wait). Only valid when the preceding kernels write neither
 // W nor norm_weight.
 #pragma once
 
@@ -54,6 +55,7 @@ inline constexpr int32_t kGemvRegisterMaxM = 8;  // rows the register-streaming 
 inline constexpr int32_t kGemvMaxSplitK = 64;    // upper bound on split_k
 inline constexpr int32_t kGemvTileN = 16;        // W rows per tile at m <= 8 (kSiluMul: 8 + 8)
 inline constexpr int32_t kGemvTcTileN = 128;     // W rows per tile at m > 8 (kSiluMul: 64 + 64)
+inline constexpr int32_t kGemvTcMaxSplitK = 8;   // at m > 8: CTAs in a cluster (portable size)
 // Shared memory for the normalised A (m rows of k + 32 bf16; the pad staggers the rows' banks):
 // hidden sizes up to 8192 at m = 8 (one CTA per SM there; two up to 4096).
 inline constexpr int32_t kGemvMaxNormSmemBytes = 8 * (8192 + 32) * 2;
@@ -118,18 +120,13 @@ struct GemvParams {
   // kGemvMaxNormSmemBytes and split_k = 1. Replaces a separate rmsnorm kernel (a graph node).
   const __nv_bfloat16* norm_weight = nullptr;
   float norm_eps = 1e-5f;  // > 0 when norm_weight is set
-  // 1..kGemvMaxSplitK; 1 = no split. At m > 8 also at most the k range's 64-wide stages.
+  // 1..kGemvMaxSplitK; 1 = no split. At m > 8 at most kGemvTcMaxSplitK and the k range's
+  // 64-wide stages.
   int32_t split_k = 1;
-  // fp32 partials, only used when split_k > 1: [split_k, m, n] at m <= 8, [split_k, tiles, m,
-  // kGemvTcTileN] at m > 8.
-  float* workspace = nullptr;
-  size_t workspace_bytes = 0;  // >= GemvWorkspaceBytes(m, n, split_k, epilogue)
-  // [GemvTileCount(n, epilogue)] arrival counters, m > 8 with split_k > 1 only. Zero before the
-  // launch, and the kernel leaves them zero (the last CTA of a tile resets its counter), so one
-  // zeroed array serves every launch that does not run at the same time as another user of it.
-  int32_t* tile_counters = nullptr;
-  bool pdl = false;   // programmatic dependent launch (see the header comment)
-  GemvRopeKv rope{};  // kRopeKv only
+  float* workspace = nullptr;  // [split_k, m, n] fp32 partials; m <= 8 with split_k > 1 only
+  size_t workspace_bytes = 0;  // >= GemvWorkspaceBytes(m, n, split_k)
+  bool pdl = false;            // programmatic dependent launch (see the header comment)
+  GemvRopeKv rope{};           // kRopeKv only
   GemvWarpTiles warp_tiles = GemvWarpTiles::kAuto;  // m <= 8 only, and only with split_k = 1
 };
 
@@ -143,8 +140,8 @@ absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream);
 // Host heuristic. m <= 8: 1 unless the n / 16 CTAs would fill less than half of the `num_sms`
 // SMs and the matrix is large enough (>= 8 MiB) that the extra reduce kernel (~2 us node) pays
 // off; then enough splits for about one full wave, keeping >= 2048 k per split. m > 8: splits
-// that bring the tiles up to about the two CTAs per SM that fit, each keeping >= 2 stages of k,
-// and fewer as m grows (the last CTA of a tile reads every split's m x 128 partial alone).
+// that bring the tiles up to whole waves of the two CTAs per SM that fit, each keeping >= 2
+// stages of k, at most kGemvTcMaxSplitK.
 int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,
                          GemvEpilogue epilogue = GemvEpilogue::kStore);
 
@@ -153,11 +150,7 @@ int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,
 // (264 resident CTAs) that is Llama-8B's gate_up (1792 tiles) and larger.
 bool ChooseGemvWarpTiles(int32_t tiles, int32_t resident_ctas);
 
-// Tiles of an (n, epilogue) launch at m > 8: the length of GemvParams::tile_counters.
-int32_t GemvTileCount(int32_t n, GemvEpilogue epilogue);
-
-// Bytes of fp32 workspace LaunchGemv needs for (m, n, split_k, epilogue): 0 when split_k <= 1.
-size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k,
-                          GemvEpilogue epilogue = GemvEpilogue::kStore);
+// Bytes of fp32 workspace LaunchGemv needs for (m, n, split_k): 0 when split_k <= 1 or m > 8.
+size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k);
 
 }  // namespace ts::kernels

@@ -57,7 +57,7 @@ __device__ __forceinline__ void RopeEpilogue(const GemvParams& p, int i, int32_t
 }
 
 // The m > 8 kernel (gemv_tc.cu): LaunchGemv has validated `p` except for what only this kernel
-// needs (split_k against the k range, the tile counters, kRopeKv's head_dim).
+// needs (split_k against the cluster size and the k range, kRopeKv's head_dim).
 absl::Status LaunchGemvTc(const GemvParams& p, cudaStream_t stream);
 int32_t ChooseGemvTcSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms, GemvEpilogue epilogue);
 int32_t GemvTcTiles(int32_t n, GemvEpilogue epilogue);

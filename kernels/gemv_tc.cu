@@ -1,5 +1,5 @@
 // The m > 8 kernel of the GEMV op (kernels/gemv.cuh): W and A through a cp.async ring in shared
-// memory, ldmatrix and mma.sync, split-K reduced inside the kernel by the last CTA of each tile.
+// memory, ldmatrix and mma.sync, split-K reduced inside the kernel across a cluster of CTAs.
 //
 // Why this shape (counted for Llama-3.1-8B at m = 64 on the H200, 4.3 TB/s over 132 SMs): each SM
 // must take ~16 bytes of W per clock. At m = 64 that is 512 multiply-adds per clock, under half of
@@ -8,6 +8,8 @@
 // copies land in shared memory, so 3 stages of 16 KB per CTA, 2 CTAs per SM, keep the bytes in
 // flight at any m. Warps split each stage's k in two, so a B fragment of A feeds two MMAs and the
 // ldmatrix traffic of A stays below the shared-memory bandwidth at m = 64.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -19,6 +21,8 @@
 
 namespace ts::kernels::gemv_internal {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 constexpr int kTileRows = kGemvTcTileN;  // W rows per tile
@@ -175,69 +179,60 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
   }
 
   const int m = p.m;
-  if (p.split_k > 1) {
-    // Store this split's partial, then count arrivals; the last CTA adds all partials in split
-    // order (fixed, so the result does not depend on which CTA came last).
-    const int64_t tiles = gridDim.x;
-    auto partial = [&](int s) { return p.workspace + ((s * tiles + tile) * m) * kTileRows; };
-    float* mine = partial(split);
-    for (int e = tid; e < m * kTileRows / 4; e += kThreads) {
-      const int i = e / (kTileRows / 4), c = e % (kTileRows / 4);
-      __stcg(reinterpret_cast<float4*>(mine) + e,
-             *reinterpret_cast<const float4*>(cs + i * kCsStride + 4 * c));
+  // The tile's value at (A row i, local W row j). Split-K: the split_k CTAs of a tile form one
+  // cluster (grid y); each reads every CTA's partial through distributed shared memory and adds
+  // them in split order, so any CTA computes the same bits, and the epilogue work is shared out.
+  cg::cluster_group cluster = cg::this_cluster();
+  const int nsplit = p.split_k;
+  const float* parts[kGemvTcMaxSplitK];
+  if (nsplit > 1) {
+    cluster.sync();  // every partial is in its CTA's shared memory
+#pragma unroll
+    for (int r = 0; r < kGemvTcMaxSplitK; ++r) {
+      parts[r] = r < nsplit ? cluster.map_shared_rank(cs, r) : cs;
     }
-    __threadfence();
-    __syncthreads();
-    __shared__ int last;
-    if (tid == 0) last = atomicAdd(p.tile_counters + tile, 1) == p.split_k - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int e = tid; e < m * kTileRows / 4; e += kThreads) {
-      const int i = e / (kTileRows / 4), c = e % (kTileRows / 4);
-      float4 v = __ldcg(reinterpret_cast<const float4*>(partial(0)) + e);
-      for (int s = 1; s < p.split_k; ++s) {
-        const float4 x = __ldcg(reinterpret_cast<const float4*>(partial(s)) + e);
-        v.x += x.x;
-        v.y += x.y;
-        v.z += x.z;
-        v.w += x.w;
-      }
-      *reinterpret_cast<float4*>(cs + i * kCsStride + 4 * c) = v;
-    }
-    if (tid == 0) p.tile_counters[tile] = 0;  // every split has arrived: ready for the next launch
-    __syncthreads();
   }
+  auto value = [&](int i, int j) {
+    if (nsplit == 1) return cs[i * kCsStride + j];
+    float v = parts[0][i * kCsStride + j];
+#pragma unroll
+    for (int r = 1; r < kGemvTcMaxSplitK; ++r) {
+      if (r < nsplit) v += parts[r][i * kCsStride + j];
+    }
+    return v;
+  };
+  const int first = split * kThreads + tid, step = nsplit * kThreads;
 
   // Epilogue over the finished fp32 tile; consecutive threads take consecutive columns.
   if (p.epilogue == GemvEpilogue::kSiluMul) {
     constexpr int kHalf = kTileRows / 2;
-    for (int e = tid; e < m * kHalf; e += kThreads) {
+    for (int e = first; e < m * kHalf; e += step) {
       const int i = e / kHalf, j = e % kHalf;
       const int64_t col = int64_t{tile} * kHalf + j;
       if (col >= p.n) continue;
       // gate_proj and up_proj each round their output to bf16 first.
-      p.c[i * int64_t{p.n} + col] = __float2bfloat16_rn(
-          SiluMul(RoundBf16(cs[i * kCsStride + j]), RoundBf16(cs[i * kCsStride + j + kHalf])));
+      p.c[i * int64_t{p.n} + col] =
+          __float2bfloat16_rn(SiluMul(RoundBf16(value(i, j)), RoundBf16(value(i, j + kHalf))));
     }
   } else if (p.epilogue == GemvEpilogue::kRopeKv) {
     const int hd = p.rope.layout.head_dim, half = hd / 2;
     const int64_t row0 = int64_t{tile} * kTileRows;
-    for (int e = tid; e < m * kTileRows / 2; e += kThreads) {
+    for (int e = first; e < m * kTileRows / 2; e += step) {
       const int i = e / (kTileRows / 2), pair = e % (kTileRows / 2);
       const int lh = pair / half, d = pair % half;  // head of the tile, dimension
       if (row0 + lh * hd >= p.n) continue;
       const int j = lh * hd + d;
-      RopeEpilogue(p, i, static_cast<int32_t>(row0 / hd) + lh, d, cs[i * kCsStride + j],
-                   cs[i * kCsStride + j + half]);
+      RopeEpilogue(p, i, static_cast<int32_t>(row0 / hd) + lh, d, value(i, j), value(i, j + half));
     }
   } else {
-    for (int e = tid; e < m * kTileRows; e += kThreads) {
+    for (int e = first; e < m * kTileRows; e += step) {
       const int i = e / kTileRows, j = e % kTileRows;
       const int64_t col = int64_t{tile} * kTileRows + j;
-      if (col < p.n) StoreOutput(p, i * int64_t{p.n} + col, cs[i * kCsStride + j]);
+      if (col < p.n) StoreOutput(p, i * int64_t{p.n} + col, value(i, j));
     }
   }
+  // No CTA may leave while another still reads its shared memory.
+  if (nsplit > 1) cluster.sync();
 }
 
 template <int kMTiles>
@@ -246,10 +241,25 @@ absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
   // A function attribute, not a stream operation: legal while a graph is being captured.
   TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(GemvTcKernel<kMTiles>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(static_cast<uint32_t>(GemvTcTiles(p.n, p.epilogue)),
-                  static_cast<uint32_t>(p.split_k));
-  TS_CUDA_RETURN_IF_ERROR(
-      LaunchWithPdl(GemvTcKernel<kMTiles>, grid, dim3(kThreads), smem, stream, p.pdl, p));
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim =
+      dim3(static_cast<uint32_t>(GemvTcTiles(p.n, p.epilogue)), static_cast<uint32_t>(p.split_k));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (p.pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (p.split_k > 1) {  // a tile's splits are one cluster
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n++].val.clusterDim = {1, static_cast<unsigned>(p.split_k), 1};
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  TS_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, GemvTcKernel<kMTiles>, p));
   return absl::OkStatus();
 }
 
@@ -262,12 +272,13 @@ int32_t GemvTcTiles(int32_t n, GemvEpilogue epilogue) {
 
 absl::Status LaunchGemvTc(const GemvParams& p, cudaStream_t stream) {
   const int32_t stages = (p.k + kStageK - 1) / kStageK;
+  if (p.split_k > kGemvTcMaxSplitK) {
+    return absl::InvalidArgumentError(absl::StrCat("gemv.split_k must be <= ", kGemvTcMaxSplitK,
+                                                   " at m > 8 (a cluster), got ", p.split_k));
+  }
   if (p.split_k > stages) {
     return absl::InvalidArgumentError(absl::StrCat("gemv.split_k is ", p.split_k, " but k = ", p.k,
                                                    " has only ", stages, " stages of ", kStageK));
-  }
-  if (p.split_k > 1 && p.tile_counters == nullptr) {
-    return absl::InvalidArgumentError("gemv.tile_counters must be set for split_k > 1 at m > 8");
   }
   if (p.epilogue == GemvEpilogue::kRopeKv && kTileRows % p.rope.layout.head_dim != 0) {
     return absl::InvalidArgumentError(absl::StrCat("gemv.rope.layout.head_dim must divide ",
@@ -284,11 +295,10 @@ int32_t ChooseGemvTcSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,
   if (m < 1 || n < 1 || k < 8 || num_sms < 1) return 1;
   const int64_t tiles = GemvTcTiles(n, epilogue);
   const int64_t resident = int64_t{kCtasPerSm} * num_sms;
-  const int64_t want = resident / tiles;                     // whole waves only
-  const int64_t most = (k + kStageK - 1) / kStageK / 2;      // >= 2 stages per split
-  const int64_t reduce_cap = std::max<int64_t>(1, 256 / m);  // the last CTA reads split x m rows
+  const int64_t want = resident / tiles;                 // whole waves only
+  const int64_t most = (k + kStageK - 1) / kStageK / 2;  // >= 2 stages per split
   return static_cast<int32_t>(
-      std::max<int64_t>(1, std::min<int64_t>({want, most, reduce_cap, int64_t{kGemvMaxSplitK}})));
+      std::max<int64_t>(1, std::min<int64_t>({want, most, int64_t{kGemvTcMaxSplitK}})));
 }
 
 }  // namespace ts::kernels::gemv_internal

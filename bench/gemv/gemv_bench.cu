@@ -182,11 +182,7 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
                                       m, s.n, kernels::ChooseGemvSplitK(m, s.n, s.k, dev.num_sms)));
   }
   float* ws = nullptr;
-  int32_t* counters = nullptr;  // zero, and every launch leaves them zero
-  const size_t num_counters = kernels::GemvTileCount(s.n, kernels::GemvEpilogue::kStore);
   BENCH_CUDA(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 16)));
-  BENCH_CUDA(cudaMalloc(&counters, num_counters * sizeof(int32_t)));
-  BENCH_CUDA(cudaMemset(counters, 0, num_counters * sizeof(int32_t)));
 
   for (int m : ms) {
     kernels::GemvParams gp;
@@ -198,7 +194,6 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
     gp.split_k = kernels::ChooseGemvSplitK(m, s.n, s.k, dev.num_sms);
     gp.workspace = ws;
     gp.workspace_bytes = ws_bytes;
-    gp.tile_counters = counters;
     auto gemv = [&](bool pdl) {
       return [&, pdl](cudaStream_t st, int i) {
         kernels::GemvParams p = gp;
@@ -228,7 +223,6 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
     std::fflush(stdout);
   }
   BENCH_CUDA(cudaFree(ws));
-  BENCH_CUDA(cudaFree(counters));
 }
 
 int Main(int argc, char** argv) {

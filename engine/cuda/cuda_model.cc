@@ -14,7 +14,6 @@
 #include "kernels/cuda_check.h"
 #include "kernels/decode_attention.cuh"
 #include "kernels/fill_uniform.cuh"
-#include "kernels/gemv.cuh"
 #include "kernels/postprocess.cuh"
 #include "kernels/prefill_attention.cuh"
 #include "kernels/rope_kv.cuh"
@@ -173,25 +172,6 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   attention_ws =
       m->prefill_partials_offset_ +
       k::PrefillAttentionWorkspaceBytes(kPrefillSplitRows, dims.num_heads, dims.head_dim);
-  // Split-K partials of the decode GEMVs at 8 < rows <= 64 (EnqueueLayers): the largest need of
-  // any bucket's four projections, and a counter per tile of the widest.
-  size_t gemv_ws = 0;
-  int32_t gemv_counters = 0;
-  for (int32_t b : o.buckets) {
-    if (!GemvEpilogueLayers(dims, b)) continue;
-    const struct {
-      int32_t n, k;
-      k::GemvEpilogue epilogue;
-    } linears[] = {{dims.qkv_dim(), dims.hidden, k::GemvEpilogue::kRopeKv},
-                   {dims.hidden, dims.q_dim(), k::GemvEpilogue::kAccumulate},
-                   {dims.intermediate_padded, dims.hidden, k::GemvEpilogue::kSiluMul},
-                   {dims.hidden, dims.intermediate_padded, k::GemvEpilogue::kAccumulate}};
-    for (const auto& l : linears) {
-      const int32_t split = k::ChooseGemvSplitK(b, l.n, l.k, m->num_sms_, l.epilogue);
-      gemv_ws = std::max(gemv_ws, k::GemvWorkspaceBytes(b, l.n, split, l.epilogue));
-      gemv_counters = std::max(gemv_counters, k::GemvTileCount(l.n, l.epilogue));
-    }
-  }
   const k::GemmOptions gemm_options;
   TS_ASSIGN_OR_RETURN(
       m->plan_, PlanMemory(MemoryPlanOptions{.model = o.config,
@@ -206,8 +186,6 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
                                              .total_device_bytes = total_bytes,
                                              .gemm_workspace_bytes = gemm_options.workspace_bytes,
                                              .attention_workspace_bytes = attention_ws,
-                                             .gemv_workspace_bytes = gemv_ws,
-                                             .gemv_tile_counters = gemv_counters,
                                              .graph_reserve_bytes = o.graph_reserve_bytes}));
   if (o.print_plan) std::fprintf(stderr, "%s", m->plan_.Summary().c_str());
   m->prefill_sizes_ = PrefillGemmRows(o.prefill_chunk_tokens);

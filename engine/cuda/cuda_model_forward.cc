@@ -284,13 +284,10 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
       return LaunchLinear(gemm, {.a = a, .w = w, .c = c, .m = rows, .n = n, .k = kdim}, stream);
     });
   };
-  // The split-K workspace and counters serve the decode graphs only (at.decode), never prefill.
+  // Split-K at m > 8 needs no workspace (reduced across a cluster, kernels/gemv.cuh).
   auto gemv = [&](const char* name, k::GemvParams p) {
     p.m = rows;
     p.split_k = k::ChooseGemvSplitK(rows, p.n, p.k, num_sms_, p.epilogue);
-    p.workspace = dev_.gemv_workspace;
-    p.workspace_bytes = s.gemv_workspace_bytes;
-    p.tile_counters = dev_.gemv_counters;
     p.pdl = true;  // behind a norm or attention kernel; nothing in the step writes weights
     return RunOp(observer, name, stream, [&] { return k::LaunchGemv(p, stream); });
   };

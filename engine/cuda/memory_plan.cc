@@ -131,8 +131,6 @@ DeviceLayout Carve(const ArenaShape& s, void* base, Categories* cats, size_t* to
   l.prompt_mask =
       c.Take<uint32_t>(static_cast<size_t>(s.count_rows()) * s.mask_words(), &cats->state);
   l.attention_workspace = c.Take<char>(s.attention_workspace_bytes, &cats->attention);
-  l.gemv_workspace = c.Take<float>(s.gemv_workspace_bytes / sizeof(float), &cats->attention);
-  l.gemv_counters = c.Take<int32_t>(static_cast<size_t>(s.gemv_tile_counters), &cats->attention);
   l.decode_logits_workspace = c.Take<char>(s.logits_workspace_bytes, &cats->logits_workspace);
   l.prefill_logits_workspace = c.Take<char>(s.logits_workspace_bytes, &cats->logits_workspace);
   *total = c.offset();
@@ -303,8 +301,6 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& o) {
   s.kv_block_size = o.kv_block_size;
   s.ring_capacity = o.ring_capacity;
   s.attention_workspace_bytes = o.attention_workspace_bytes;
-  s.gemv_workspace_bytes = o.gemv_workspace_bytes;
-  s.gemv_tile_counters = o.gemv_tile_counters;
   s.logits_workspace_bytes = o.gemm_workspace_bytes;
 
   // Everything but KV first (num_kv_blocks = 0), then the KV pool takes what the budget leaves.
@@ -379,7 +375,7 @@ std::string MemoryPlan::Summary() const {
   absl::StrAppend(&out, "  workspace    ",
                   Bytes(gemm_workspace_bytes + logits_workspace_bytes + attention_workspace_bytes),
                   " (cuBLASLt ", Bytes(gemm_workspace_bytes + logits_workspace_bytes),
-                  ", attention and split-K ", Bytes(attention_workspace_bytes), ")\n");
+                  ", attention ", Bytes(attention_workspace_bytes), ")\n");
   absl::StrAppend(&out, "  graphs       ", Bytes(graph_reserve_bytes), " reserved\n");
   absl::StrAppend(&out, "  device total ", Bytes(device_total), "; pinned host ", Bytes(host_bytes),
                   " (rings ", shape.max_slots, " x ", shape.ring_capacity, ")\n");

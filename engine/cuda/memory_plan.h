@@ -79,10 +79,7 @@ struct MemoryPlanOptions {
   // prefill (kernels::Gemm allocates its own; the lm_head ones live in the arena).
   size_t gemm_workspace_bytes = 0;
   size_t attention_workspace_bytes = 0;  // decode attention partials for the largest need
-  // The decode GEMVs' split-K partials (kernels/gemv.cuh, m > 8) and their tile counters.
-  size_t gemv_workspace_bytes = 0;
-  int32_t gemv_tile_counters = 0;
-  size_t graph_reserve_bytes = 0;  // estimate for graph execs, cuBLASLt handles
+  size_t graph_reserve_bytes = 0;        // estimate for graph execs, cuBLASLt handles
 };
 
 // Sizes that fix the arena's layout.
@@ -97,8 +94,6 @@ struct ArenaShape {
   int32_t kv_block_size = 0;
   uint32_t ring_capacity = 0;
   size_t attention_workspace_bytes = 0;
-  size_t gemv_workspace_bytes = 0;
-  int32_t gemv_tile_counters = 0;
   size_t logits_workspace_bytes = 0;  // each of the two lm_head GEMM workspaces
   int32_t mask_words() const { return (dims.vocab + 31) / 32; }
   // Sampling state rows: one per slot plus a scratch row that padding rows of a bucket sample
@@ -115,9 +110,9 @@ struct MemoryPlan {
   size_t kv_bytes = 0;
   size_t activation_bytes = 0;  // forward buffers, logits, step inputs
   size_t state_bytes = 0;       // slot table, block tables, sampling counts and prompt masks
-  size_t attention_workspace_bytes = 0;  // with the decode GEMVs' split-K partials and counters
-  size_t logits_workspace_bytes = 0;     // both lm_head GEMM workspaces (in the arena)
-  size_t gemm_workspace_bytes = 0;       // the two kernels::Gemm objects (outside the arena)
+  size_t attention_workspace_bytes = 0;
+  size_t logits_workspace_bytes = 0;  // both lm_head GEMM workspaces (in the arena)
+  size_t gemm_workspace_bytes = 0;    // the two kernels::Gemm objects (outside the arena)
   size_t graph_reserve_bytes = 0;
   size_t arena_bytes = 0;
   size_t host_bytes = 0;  // pinned host-mapped block
@@ -203,15 +198,11 @@ struct DeviceLayout {
   int32_t* gather_src = nullptr;            // [max_bucket] rows of prefill.h
   int32_t* gather_dst = nullptr;            // [max_bucket] rows of prefill_head.hidden
 
-  kernels::SlotRow* slots = nullptr;     // [max_slots]
-  int32_t* slot_block_tables = nullptr;  // [max_slots, max_blocks_per_seq]
-  uint32_t* output_counts = nullptr;     // [max_slots + 1, vocab]
-  uint32_t* prompt_mask = nullptr;       // [max_slots + 1, mask_words]
-  void* attention_workspace = nullptr;   // [attention_workspace_bytes], 256-B aligned
-  // Decode graphs only (prefill runs beside them): GEMV split-K partials and tile counters, the
-  // counters zero between launches (kernels/gemv.cuh).
-  float* gemv_workspace = nullptr;           // [gemv_workspace_bytes / 4]
-  int32_t* gemv_counters = nullptr;          // [gemv_tile_counters]
+  kernels::SlotRow* slots = nullptr;         // [max_slots]
+  int32_t* slot_block_tables = nullptr;      // [max_slots, max_blocks_per_seq]
+  uint32_t* output_counts = nullptr;         // [max_slots + 1, vocab]
+  uint32_t* prompt_mask = nullptr;           // [max_slots + 1, mask_words]
+  void* attention_workspace = nullptr;       // [attention_workspace_bytes], 256-B aligned
   void* decode_logits_workspace = nullptr;   // [logits_workspace_bytes] cuBLASLt, lm_head
   void* prefill_logits_workspace = nullptr;  // [logits_workspace_bytes]
 };

@@ -82,18 +82,17 @@ bool Affordable(int m, int n, int k) {
   return double(m) * n * k <= 1.2e9;
 }
 
-// One problem's activations and outputs: A, bf16 and fp32 C, the initial C for accumulate, a
-// workspace sized for split_k <= kGemvMaxSplitK and zeroed tile counters (m > 8). Params(split):
-// split >= 1 is split_k with the CTA's warps sharing each tile (GemvWarpTiles::kNever); split 0 is
-// split_k 1 with each warp streaming whole tiles (GemvWarpTiles::kAlways), the path
-// ChooseGemvWarpTiles picks for large n.
+// One problem's activations and outputs: A, bf16 and fp32 C, the initial C for accumulate, and a
+// workspace sized for split_k <= kGemvMaxSplitK (m <= 8; m > 8 reduces in shared memory).
+// Params(split): split >= 1 is split_k with the CTA's warps sharing each tile
+// (GemvWarpTiles::kNever); split 0 is split_k 1 with each warp streaming whole tiles
+// (GemvWarpTiles::kAlways), the path ChooseGemvWarpTiles picks for large n.
 struct Problem {
   const Weights& wt;
   int m;
   std::vector<float> a, c0;
   GuardedBuffer<__nv_bfloat16> da, dc;
   GuardedBuffer<float> dc32, ws;
-  GuardedBuffer<int32_t> counters;
   Problem(const Weights& w, int m_, uint32_t seed)
       : wt(w),
         m(m_),
@@ -102,16 +101,8 @@ struct Problem {
         da(a.size()),
         dc(c0.size()),
         dc32(c0.size()),
-        ws(size_t(kGemvMaxSplitK) * m * (w.n + kGemvTcTileN)),
-        counters(GemvTileCount(w.n, GemvEpilogue::kSiluMul)) {
+        ws(size_t(kGemvMaxSplitK) * m * w.n) {
     da.Upload(testing::ToBf16(a));
-    counters.Upload(std::vector<int32_t>(counters.size(), 0));
-  }
-  // The kernel's contract: every counter is back at zero after a launch.
-  bool CountersZero() const {
-    const std::vector<int32_t> c = counters.Download();
-    return counters.GuardsIntact() &&
-           std::all_of(c.begin(), c.end(), [](int32_t v) { return v == 0; });
   }
   GemvParams Params(int split_k, bool fp32 = false, bool accumulate = false) const {
     GemvParams p;
@@ -130,7 +121,6 @@ struct Problem {
     p.warp_tiles = split_k == 0 ? GemvWarpTiles::kAlways : GemvWarpTiles::kNever;
     p.workspace = ws.get();
     p.workspace_bytes = ws.size() * sizeof(float);
-    p.tile_counters = counters.get();
     return p;
   }
 };
@@ -146,7 +136,8 @@ std::vector<int> FewSplits(int m, int k) {
 std::vector<int> Splits(int m, int n, int k) {
   std::vector<int> s = m <= kGemvRegisterMaxM
                            ? std::vector<int>{0, 1, ChooseGemvSplitK(m, n, k, NumSms()), 4}
-                           : std::vector<int>{1, ChooseGemvSplitK(m, n, k, NumSms()), 3};
+                           : std::vector<int>{1, ChooseGemvSplitK(m, n, k, NumSms()),
+                                              std::min(kGemvTcMaxSplitK, (k + 63) / 64)};
   std::sort(s.begin(), s.end());
   s.erase(std::unique(s.begin(), s.end()), s.end());
   return s;
@@ -173,7 +164,7 @@ TEST(GemvTest, Bf16OutputMatchesReferenceOverShapeGrid) {
 }
 
 // The m > 8 kernel: every padding of A's rows (9-16, 17-32, 33-64 rows), k that ends inside a
-// 64-wide stage, and split_k from 1 to the heuristic's pick with the in-kernel reduction.
+// 64-wide stage, and split_k from 1 to the cluster's 8 (as k allows) with the in-kernel reduction.
 TEST(GemvTest, SharedMemoryKernelMatchesReferenceOverShapeGrid) {
   const std::vector<std::tuple<int, int, std::vector<int>>> grid = {
       {3072, 2048, {16, 64}}, {2048, 8192, {12, 33}}, {6144, 4096, {16}},
@@ -194,7 +185,6 @@ TEST(GemvTest, SharedMemoryKernelMatchesReferenceOverShapeGrid) {
         ExpectGemmCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
         EXPECT_TRUE(pr.dc.GuardsIntact());
         EXPECT_TRUE(pr.ws.GuardsIntact());
-        EXPECT_TRUE(pr.CountersZero());
       }
     }
   }
@@ -217,7 +207,6 @@ TEST(GemvTest, Fp32OutputIsTighter) {
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
         ExpectGemmCloseF32(pr.dc32.Download(), ref, abs_sum);
         EXPECT_TRUE(pr.dc32.GuardsIntact());
-        EXPECT_TRUE(pr.CountersZero());
       }
     }
   }
@@ -264,7 +253,7 @@ TEST(GemvTest, CapturesInGraphAndIsDeterministic) {
   for (int m : {5, 24}) {
     Problem pr(wt, m, 6);
     const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, 4096, 4096);
-    // m > 8, split_k 8: the last CTA of a tile to arrive differs between replays, the bits do not.
+    // m > 8, split_k 8: the CTAs of a cluster finish in any order, the bits stay the same.
     for (int split : m <= kGemvRegisterMaxM ? std::vector<int>{0, 1, 3} : std::vector<int>{1, 8}) {
       for (bool pdl : {false, true}) {
         SCOPED_TRACE(::testing::Message() << "m=" << m << " split_k=" << split << " pdl=" << pdl);
@@ -278,7 +267,6 @@ TEST(GemvTest, CapturesInGraphAndIsDeterministic) {
         ExpectReplaysEqual(stream, pr.dc, first, 3,
                            [&](cudaStream_t s) { return LaunchGemv(p, s); });
         EXPECT_TRUE(pr.dc.GuardsIntact());
-        EXPECT_TRUE(pr.CountersZero());
       }
     }
   }
@@ -295,7 +283,7 @@ TEST(GemvTest, PdlChainReadsTheProducersOutput) {
   for (int m : {4, 20}) {
     Problem p1(w1, m, 23);
     GuardedBuffer<__nv_bfloat16> c2(size_t(m) * 3072);
-    GuardedBuffer<float> ws(size_t(kGemvMaxSplitK) * m * (3072 + kGemvTcTileN));
+    GuardedBuffer<float> ws(size_t(kGemvMaxSplitK) * m * 3072);
     for (int split : FewSplits(m, 2048)) {
       SCOPED_TRACE(::testing::Message() << "m=" << m << " split_k=" << split);
       GemvParams first = p1.Params(m <= kGemvRegisterMaxM && split != 0 ? 1 : split);
@@ -311,7 +299,6 @@ TEST(GemvTest, PdlChainReadsTheProducersOutput) {
       second.warp_tiles = split == 0 ? GemvWarpTiles::kAlways : GemvWarpTiles::kNever;
       second.workspace = ws.get();
       second.workspace_bytes = ws.size() * sizeof(float);
-      second.tile_counters = p1.counters.get();
       second.pdl = true;
       cudaGraph_t graph = nullptr;
       TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -330,7 +317,6 @@ TEST(GemvTest, PdlChainReadsTheProducersOutput) {
         ExpectGemmCloseBf16(mid, Reference(p1.a, w1.w, nullptr, m, 2048, 4096));
         ExpectGemmCloseBf16(testing::FromBf16(c2.Download()),
                             Reference(mid, w2.w, nullptr, m, 3072, 2048));
-        EXPECT_TRUE(p1.CountersZero());
       }
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
@@ -406,14 +392,12 @@ TEST(GemvTest, RejectsBadParams) {
                     "gemv.norm_weight");
   TS_EXPECT_INVALID(with_big([](GemvParams& q) { q.split_k = 2; }), "gemv.split_k");  // k = 64
   TS_EXPECT_INVALID(with_big([](GemvParams& q) {
-                      q.k = 128;
-                      q.split_k = 2;
-                      q.tile_counters = nullptr;
+                      q.k = 64 * 16;
+                      q.split_k = kGemvTcMaxSplitK + 1;
                     }),
-                    "gemv.tile_counters");
+                    "gemv.split_k");
   TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_TRUE(big.dc.GuardsIntact());
-  EXPECT_TRUE(big.CountersZero());
 }
 
 // transformers' bf16 LlamaRMSNorm of A's rows, emulated in fp32 (the kernel's prologue).
@@ -747,22 +731,17 @@ TEST(GemvTest, SplitHeuristicAndWorkspaceSize) {
   EXPECT_EQ(GemvWorkspaceBytes(3, 100, 4), size_t{4} * 3 * 100 * sizeof(float));
 
   // m > 8: whole waves of the 2 x 132 resident CTAs, >= 2 stages of 64 k per split, and at most
-  // 256 / m splits for the last CTA's reduce.
-  EXPECT_EQ(ChooseGemvSplitK(16, 4096, 4096, 132), 8);   // 8B o: 32 tiles
-  EXPECT_EQ(ChooseGemvSplitK(64, 4096, 4096, 132), 4);   // capped by the reduce
-  EXPECT_EQ(ChooseGemvSplitK(16, 6144, 4096, 132), 5);   // 8B qkv: 48 tiles
-  EXPECT_EQ(ChooseGemvSplitK(16, 2048, 2048, 132), 16);  // 1B o: 16 tiles, 32 stages
-  EXPECT_EQ(ChooseGemvSplitK(16, 28672, 4096, 132), 1);  // 224 tiles
+  // the 8 CTAs of a cluster.
+  EXPECT_EQ(ChooseGemvSplitK(16, 4096, 4096, 132), 8);  // 8B o: 32 tiles
+  EXPECT_EQ(ChooseGemvSplitK(64, 4096, 4096, 132), 8);
+  EXPECT_EQ(ChooseGemvSplitK(16, 6144, 4096, 132), 5);                           // 8B qkv: 48 tiles
+  EXPECT_EQ(ChooseGemvSplitK(16, 2048, 2048, 132), 8);                           // 1B o: 16 tiles
+  EXPECT_EQ(ChooseGemvSplitK(16, 2048, 256, 132), 2);                            // 4 stages of k
+  EXPECT_EQ(ChooseGemvSplitK(16, 28672, 4096, 132), 1);                          // 224 tiles
   EXPECT_EQ(ChooseGemvSplitK(16, 14336, 4096, 132, GemvEpilogue::kSiluMul), 1);  // 224 tiles
   EXPECT_EQ(ChooseGemvSplitK(16, 8192, 2048, 132, GemvEpilogue::kSiluMul), 2);   // 128 tiles
   EXPECT_EQ(ChooseGemvSplitK(16, 24, 40, 132), 1);                               // one stage of k
-  EXPECT_EQ(GemvTileCount(4096, GemvEpilogue::kStore), 32);
-  EXPECT_EQ(GemvTileCount(14336, GemvEpilogue::kSiluMul), 224);
-  EXPECT_EQ(GemvTileCount(100, GemvEpilogue::kStore), 1);
-  EXPECT_EQ(GemvWorkspaceBytes(16, 100, 1), 0u);
-  EXPECT_EQ(GemvWorkspaceBytes(16, 100, 4), size_t{4} * 1 * 16 * 128 * sizeof(float));
-  EXPECT_EQ(GemvWorkspaceBytes(16, 100, 4, GemvEpilogue::kSiluMul),
-            size_t{4} * 2 * 16 * 128 * sizeof(float));
+  EXPECT_EQ(GemvWorkspaceBytes(16, 100, 4), 0u);  // reduced in the cluster's shared memory
 }
 
 }  // namespace
