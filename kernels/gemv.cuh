@@ -16,12 +16,12 @@
 // 1..8 all cost the same instructions. At 16 rows that design needs twice the registers and lost
 // to cuBLASLt (bench/results/2026-12-02b-h200.md), hence the second kernel.
 //
-// 8 < m <= kGemvMaxM (64), the shared-memory kernel (gemv_tc.cu): a CTA owns a tile of 128 W rows
+// 8 < m <= kGemvMaxM (16), the shared-memory kernel (gemv_tc.cu): a CTA owns a tile of 128 W rows
 // and a range of K. W and A stream through a 4-stage cp.async ring in shared memory (no registers
-// hold bytes in flight, so the copy depth does not grow with m), and ldmatrix feeds mma.m16n8k16
-// with W as the MMA's M and the rows of A, padded to 16, 32 or 64, as its N. Split-K is reduced
-// inside the kernel: the split_k CTAs of a tile are one thread-block cluster, each keeps its fp32
-// partial in shared memory, and after a cluster barrier each reads all of them through
+// hold bytes in flight), and ldmatrix feeds mma.m16n8k16 with W as the MMA's M and the rows of A,
+// padded to 16, as its N. Above 16 rows cuBLASLt is faster (gemv_tc.cu says why). Split-K is
+// reduced inside the kernel: the split_k CTAs of a tile are one thread-block cluster, each keeps
+// its fp32 partial in shared memory, and after a cluster barrier each reads all of them through
 // distributed shared memory, adds them in split order and runs its share of the epilogue. No
 // workspace, no extra node, and the same bits every run.
 //
@@ -50,7 +50,7 @@
 
 namespace ts::kernels {
 
-inline constexpr int32_t kGemvMaxM = 64;         // rows of A one launch handles
+inline constexpr int32_t kGemvMaxM = 16;         // rows of A one launch handles
 inline constexpr int32_t kGemvRegisterMaxM = 8;  // rows the register-streaming kernel takes
 inline constexpr int32_t kGemvMaxSplitK = 64;    // upper bound on split_k
 inline constexpr int32_t kGemvTileN = 16;        // W rows per tile at m <= 8 (kSiluMul: 8 + 8)

@@ -1,13 +1,16 @@
-// The m > 8 kernel of the GEMV op (kernels/gemv.cuh): W and A through a cp.async ring in shared
-// memory, ldmatrix and mma.sync, split-K reduced inside the kernel across a cluster of CTAs.
+// The m > 8 kernel of the GEMV op (kernels/gemv.cuh), for 9-16 rows: W and A through a cp.async
+// ring in shared memory, ldmatrix and mma.sync, split-K reduced inside the kernel across a cluster
+// of CTAs.
 //
-// Why this shape (counted for Llama-3.1-8B at m = 64 on the H200, 4.3 TB/s over 132 SMs): each SM
-// must take ~16 bytes of W per clock. At m = 64 that is 512 multiply-adds per clock, under half of
-// what mma.sync issues on sm_90, so the tensor cores are not the limit up to m = 64 (m = 128 would
-// need wgmma). Keeping ~32 KB of W in flight per SM takes registers in the m <= 8 kernel; here the
-// copies land in shared memory, so 3 stages of 16 KB per CTA, 2 CTAs per SM, keep the bytes in
-// flight at any m. Warps split each stage's k in two, so a B fragment of A feeds two MMAs and the
-// ldmatrix traffic of A stays below the shared-memory bandwidth at m = 64.
+// Why this shape (Llama-3.1-8B on the H200, 4.3 TB/s over 132 SMs): each SM must take ~16 bytes of
+// W per clock. Keeping ~32 KB of W in flight per SM takes registers in the m <= 8 kernel (and at 16
+// rows twice as many, which lost to cuBLASLt); here the copies land in shared memory, so 3 stages
+// of 16 KB per CTA, 2 CTAs per SM, keep the bytes in flight. Warps split each stage's k in two.
+//
+// Measured and given up (bench/results/2026-12-02d-h200.md): the same kernel with A padded to 32
+// and 64 rows ran the 8B projections at 0.55-0.82x cuBLASLt's speed. Every CTA reads its k range
+// of A from L2, m / 128 of the W bytes again (half at m = 64), and the mma.sync issue rate grows
+// with m; a wider tile per CTA, TMA multicast of A across a cluster, or wgmma would be needed.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -33,15 +36,11 @@ constexpr int kWStageBytes = kTileRows * kRowBytes;  // 16 KB
 constexpr int kCsStride = kTileRows + 4;             // floats per row of the fp32 result tile
 constexpr int kCtasPerSm = 2;
 
-// A rows padded to 16 * kMTiles (the MMA's N, in 8-row halves).
-template <int kMTiles>
-__host__ __device__ constexpr int StageBytes() {
-  return kWStageBytes + 16 * kMTiles * kRowBytes;
-}
-template <int kMTiles>
-constexpr int SmemBytes() {
-  return std::max(kStages * StageBytes<kMTiles>(), 16 * kMTiles * kCsStride * 4);
-}
+// A's rows padded to 16 (the MMA's N, two 8-row halves). 32 and 64 rows (two and four such
+// blocks) were built and measured slower than cuBLASLt (see the header).
+constexpr int kMTiles = 1;
+constexpr int kStageBytes = kWStageBytes + 16 * kMTiles * kRowBytes;
+constexpr int kSmemBytes = std::max(kStages * kStageBytes, 16 * kMTiles * kCsStride * 4);
 
 // Byte offset of 16-byte chunk c of row r in a [rows][128 B] block: chunks XOR-swizzled by row,
 // so the 8 rows an ldmatrix phase reads at one logical chunk sit in 8 different bank groups.
@@ -62,13 +61,12 @@ __device__ __forceinline__ int64_t WRow(const GemvParams& p, int tile, int r) {
   return row < p.n ? row : -1;
 }
 
-// grid: (tiles, split_k), block 256, dynamic smem SmemBytes<kMTiles>(). CTA (tile, s) multiplies
+// grid: (tiles, split_k), block 256, dynamic smem kSmemBytes. CTA (tile, s) multiplies
 // W rows of `tile` by A over stages [s * stages / split_k, (s + 1) * stages / split_k) of k.
 //
 // Warp w owns W rows [32 (w % 4), 32 (w % 4) + 32) of the tile (two 16-row MMA A operands) and
-// k16 steps {2 (w / 4), 2 (w / 4) + 1} of each 64-k stage; its 2 x 2 kMTiles accumulators cover all
+// k16 steps {2 (w / 4), 2 (w / 4) + 1} of each 64-k stage; its 2 x 2 accumulators cover all
 // rows of A. The two k halves are added in a fixed order through shared memory at the end.
-template <int kMTiles>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -78,7 +76,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
   const int s_begin = split * stages_total / p.split_k;
   const int s_count = (split + 1) * stages_total / p.split_k - s_begin;
   const uint32_t smem_base = ptx::SharedAddress(smem);
-  auto w_slot = [&](int i) { return smem_base + i * StageBytes<kMTiles>(); };
+  auto w_slot = [&](int i) { return smem_base + i * kStageBytes; };
   auto a_slot = [&](int i) { return w_slot(i) + kWStageBytes; };
 
   // This thread's W copies: chunk tid % 8 of local rows tid / 8 + 32 j (a warp reads 4 whole
@@ -235,12 +233,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
   if (nsplit > 1) cluster.sync();
 }
 
-template <int kMTiles>
 absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
-  constexpr int smem = SmemBytes<kMTiles>();
+  constexpr int smem = kSmemBytes;
   // A function attribute, not a stream operation: legal while a graph is being captured.
-  TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(GemvTcKernel<kMTiles>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  TS_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(GemvTcKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim =
       dim3(static_cast<uint32_t>(GemvTcTiles(p.n, p.epilogue)), static_cast<uint32_t>(p.split_k));
@@ -259,7 +256,7 @@ absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
-  TS_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, GemvTcKernel<kMTiles>, p));
+  TS_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, GemvTcKernel, p));
   return absl::OkStatus();
 }
 
@@ -285,9 +282,7 @@ absl::Status LaunchGemvTc(const GemvParams& p, cudaStream_t stream) {
                                                    kTileRows, " at m > 8, got ",
                                                    p.rope.layout.head_dim));
   }
-  if (p.m <= 16) return LaunchTiles<1>(p, stream);
-  if (p.m <= 32) return LaunchTiles<2>(p, stream);
-  return LaunchTiles<4>(p, stream);
+  return LaunchTiles(p, stream);
 }
 
 int32_t ChooseGemvTcSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,

@@ -283,7 +283,7 @@ class CudaModel {
   // Decode with `rows` rows runs the fused GEMV layers (norms, residual adds, SwiGLU and RoPE
   // with the K/V write inside the GEMVs) rather than rmsnorm + cuBLASLt + silu_mul nodes.
   bool FusedDecodeLayers(int32_t rows) const;
-  // Decode with 8 < `rows` <= 64 runs the shared-memory GEMV (kernels/gemv.cuh) with RoPE and the
+  // Decode with 8 < `rows` <= 16 runs the shared-memory GEMV (kernels/gemv.cuh) with RoPE and the
   // K/V write, the residual adds and SwiGLU in its epilogues; the norms stay rmsnorm nodes.
   static bool GemvEpilogueLayers(const ModelDims& d, int32_t rows);
   absl::Status EnqueueAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,

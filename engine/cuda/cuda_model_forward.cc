@@ -252,8 +252,8 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     return absl::OkStatus();
   }
 
-  // cuBLASLt path (prefill, batches above 64) and the shared-memory GEMV path (decode at 8 < rows
-  // <= 64). On cuBLASLt, o_proj and down_proj write their bf16 output to xn and the next rmsnorm
+  // cuBLASLt path (prefill, batches above 16) and the shared-memory GEMV path (decode at 8 < rows
+  // <= 16). On cuBLASLt, o_proj and down_proj write their bf16 output to xn and the next rmsnorm
   // adds it into the residual (x), as transformers rounds: bf16(h + bf16(o)); down_proj's output
   // is added by the next layer's attn_norm. The GEMV adds into h itself (kAccumulate, the same
   // rounding) and carries RoPE with the K/V write and SwiGLU, so its layer has no rope_kv or

@@ -1,9 +1,9 @@
 // The shipped default model on the CUDA backend against transformers in bf16 on the GPU (issue
 // #14): greedy continuations equal transformers' token for token, through the decode graphs with
-// all four prompts batched (in the GEMV, shared-memory GEMV and cuBLASLt layers), and through the device loop's mixed steps with the prompts arriving
-// one by one while the others decode; teacher-forced top-1 through the same decode graphs and
-// through the prefill agrees at >= 99% of the 4 x 64 positions. The greedy case also runs over two
-// pipeline stages.
+// all four prompts batched (in larger buckets up to a tie), and through the device loop's mixed
+// steps with the prompts arriving one by one while the others decode; teacher-forced top-1 through
+// the same decode graphs and through the prefill agrees at >= 99% of the 4 x 64 positions. The
+// greedy case also runs over two pipeline stages.
 #include <cstdio>
 #include <memory>
 #include <vector>
@@ -47,8 +47,10 @@ TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16) {
 
 // The same with the four prompts padded into one bucket of 16 rows (the shared-memory GEMV layers:
 // RoPE, residual adds and SwiGLU in the GEMV epilogues, split-K reduced in the kernel) and of 128
-// rows (rmsnorm + cuBLASLt + rope_kv + silu_mul nodes).
-TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16InLargerBuckets) {
+// rows (rmsnorm + cuBLASLt + rope_kv + silu_mul nodes). Both sum each product in another order
+// than the m <= 8 GEMV, so they must equal transformers up to a tie: on the H200 both diverged
+// from the reference at the same token, at its margin 0.0625 (bench/results/2026-12-02d-h200.md).
+TEST(DefaultModelCudaTest, GreedyKeepsTransformersInLargerBucketsBf16) {
   const std::vector<DefaultCase> cases = LoadDefaultReference("bf16");
   ASSERT_FALSE(cases.empty());
   for (int32_t bucket : {16, 128}) {
@@ -57,7 +59,13 @@ TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16InLargerBuckets) {
     o.buckets = {bucket};
     auto backend = CudaBackend::Create(o);
     ASSERT_TRUE(backend.ok()) << backend.status();
-    ExpectGreedyEqualsReference(**backend, cases, kMaxContext);
+    std::vector<DriverRequest> reqs;
+    for (const DefaultCase& c : cases) {
+      reqs.push_back(GreedyRequest(c.prompt_ids, static_cast<int32_t>(c.greedy.size())));
+    }
+    const std::vector<DriverResult> got = RunTogether(**backend, reqs, kMaxContext);
+    ASSERT_EQ(got.size(), cases.size());
+    for (size_t i = 0; i < cases.size(); ++i) ExpectGreedyUpToTie(got[i].tokens, cases[i], i);
   }
 }
 
@@ -113,30 +121,11 @@ TEST(DefaultModelCudaTest, MixedStepsKeepTransformersGreedyBf16) {
     ReadAtLeast(readers.back().get(), 3);
   }
   // Mixed steps sum the decode rows' products in another order than the decode graphs do (and
-  // their prompt rows in another order than a plain chunk), while the reference is full of near
-  // ties: min_margin is 0 in three of the four cases, where transformers' own top two logits are
-  // equal in bf16, and 39 of its 256 margins are at most 0.25. So each stream must equal
-  // transformers' greedy tokens up to its first difference, and that difference must fall where
-  // the reference's top-1 margin is within kTieMargin: four of the 0.0625 steps its smallest
-  // nonzero margins show (one bf16 ulp for logits of 8 to 16). Two runs on the H200 diverged at
-  // margins 0.0625 and 0.125. A wrong row, position or KV write diverges where the margin is
-  // large: three of the four cases have a margin above kTieMargin at their first token.
-  constexpr float kTieMargin = 0.25f;
+  // their prompt rows in another order than a plain chunk): equal up to a tie.
   for (size_t i = 0; i < cases.size(); ++i) {
     ReadToEnd(readers[i].get());
     EXPECT_TRUE(readers[i]->status.ok()) << readers[i]->status;
-    const std::vector<int32_t>& got = readers[i]->tokens;
-    const std::vector<int32_t>& want = cases[i].greedy;
-    ASSERT_EQ(got.size(), want.size()) << cases[i].prompt;
-    size_t first = 0;
-    while (first < want.size() && got[first] == want[first]) ++first;
-    if (first == want.size()) continue;
-    ASSERT_LT(first, cases[i].forced_margin.size());
-    std::printf("case %zu diverges at token %zu of %zu, reference margin %.4f\n", i, first,
-                want.size(), cases[i].forced_margin[first]);
-    EXPECT_LE(cases[i].forced_margin[first], kTieMargin)
-        << cases[i].prompt << ": token " << first << " is " << got[first] << ", transformers' "
-        << want[first] << " by a margin no tie explains";
+    ExpectGreedyUpToTie(readers[i]->tokens, cases[i], i);
   }
   WaitIdle(**engine);
   // Every prompt after the first went through mixed steps, two at least (the shortest prompt

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -101,6 +102,29 @@ inline void ExpectGreedyEqualsReference(Backend& backend, const std::vector<Defa
   for (size_t i = 0; i < cases.size(); ++i) {
     EXPECT_EQ(got[i].tokens, cases[i].greedy) << cases[i].prompt;
   }
+}
+
+// A stream whose sums run in another order than the reference's decode graphs must equal
+// transformers' greedy tokens up to its first difference, and that difference must fall where the
+// reference's top-1 margin is within kTieMargin. The reference is full of near ties: min_margin is
+// 0 in three of the four cases, where transformers' own top two logits are equal in bf16, and 39
+// of its 256 margins are at most 0.25, four of the 0.0625 steps its smallest nonzero margins show
+// (one bf16 ulp for logits of 8 to 16). Runs on the H200 diverged at margins 0.0625 and 0.125. A
+// wrong row, position or KV write diverges where the margin is large: three of the four cases have
+// a margin above kTieMargin at their first token.
+inline constexpr float kTieMargin = 0.25f;
+inline void ExpectGreedyUpToTie(const std::vector<int32_t>& got, const DefaultCase& c, size_t i) {
+  const std::vector<int32_t>& want = c.greedy;
+  ASSERT_EQ(got.size(), want.size()) << c.prompt;
+  size_t first = 0;
+  while (first < want.size() && got[first] == want[first]) ++first;
+  if (first == want.size()) return;
+  ASSERT_LT(first, c.forced_margin.size());
+  std::printf("case %zu diverges at token %zu of %zu, reference margin %.4f\n", i, first,
+              want.size(), c.forced_margin[first]);
+  EXPECT_LE(c.forced_margin[first], kTieMargin)
+      << c.prompt << ": token " << first << " is " << got[first] << ", transformers' "
+      << want[first] << " by a margin no tie explains";
 }
 
 }  // namespace ts::testing
