@@ -1,5 +1,5 @@
 // tailserve-gemv-bench: the decode-shaped GEMMs of Llama-3.2-1B and Llama-3.1-8B (qkv, o, gate_up,
-// down, lm_head) at M = 1, 4, 8 (the register kernel) and 16, 32, 64 (the shared-memory kernel):
+// down, lm_head) at M = 1, 4, 8 (the register kernel) and 12, 16 (the shared-memory kernel):
 // kernels/gemv.cuh (plain and with programmatic dependent launch), with ChooseGemvSplitK's split,
 // against kernels/gemm.cuh's cuBLASLt Gemm. Each variant is captured as a graph
 // of `launches` back-to-back launches whose W rotates over enough copies that L2 (read off the
@@ -175,7 +175,7 @@ double DiffAgainstCublas(kernels::Gemm& gemm, const Operands& x, const Shape& s,
 void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm& gemm,
               cudaStream_t stream) {
   const Operands x(o, dev, s, kernels::kGemvMaxM);
-  const std::vector<int> ms = {1, 4, 8, 16, 32, 64};
+  const std::vector<int> ms = {1, 4, 8, 12, 16};
   size_t ws_bytes = 0;
   for (int m : ms) {
     ws_bytes = std::max(ws_bytes, kernels::GemvWorkspaceBytes(
