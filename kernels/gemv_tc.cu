@@ -8,7 +8,7 @@
 // of 16 KB per CTA, 2 CTAs per SM, keep the bytes in flight. Warps split each stage's k in two.
 //
 // Measured and given up (bench/results/2026-12-02d-h200.md): the same kernel with A padded to 32
-// and 64 rows ran the 8B projections at 0.55-0.82x cuBLASLt's speed. Every CTA reads its k range
+// and 64 rows ran the 8B projections at 0.46-0.83x cuBLASLt's speed. Every CTA reads its k range
 // of A from L2, m / 128 of the W bytes again (half at m = 64), and the mma.sync issue rate grows
 // with m; a wider tile per CTA, TMA multicast of A across a cluster, or wgmma would be needed.
 #include <cooperative_groups.h>

@@ -143,23 +143,27 @@ std::vector<int> Splits(int m, int n, int k) {
   return s;
 }
 
+// One (n, k) and m of a shape grid: every split of Splits, output against the fp64 product.
+void ExpectGridCase(const Weights& wt, int m) {
+  const int n = wt.n, k = wt.k;
+  Problem pr(wt, m, m * 131 + n + k);
+  const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, n, k);
+  for (int split : Splits(m, n, k)) {
+    SCOPED_TRACE(::testing::Message()
+                 << "m=" << m << " n=" << n << " k=" << k << " split_k=" << split);
+    pr.dc.Poison();
+    TS_ASSERT_OK(LaunchGemv(pr.Params(split), nullptr));
+    TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+    ExpectGemmCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
+    EXPECT_TRUE(pr.dc.GuardsIntact());
+    EXPECT_TRUE(pr.ws.GuardsIntact());
+  }
+}
+
 TEST(GemvTest, Bf16OutputMatchesReferenceOverShapeGrid) {
   for (const auto& [n, k] : kShapes) {
     const Weights wt(n, k, n * 7 + k);
-    for (int m : {1, 2, 3, 5, 8}) {
-      Problem pr(wt, m, m * 131 + n + k);
-      const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, n, k);
-      for (int split : Splits(m, n, k)) {
-        SCOPED_TRACE(::testing::Message()
-                     << "m=" << m << " n=" << n << " k=" << k << " split_k=" << split);
-        pr.dc.Poison();
-        TS_ASSERT_OK(LaunchGemv(pr.Params(split), nullptr));
-        TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-        ExpectGemmCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
-        EXPECT_TRUE(pr.dc.GuardsIntact());
-        EXPECT_TRUE(pr.ws.GuardsIntact());
-      }
-    }
+    for (int m : {1, 2, 3, 5, 8}) ExpectGridCase(wt, m);
   }
 }
 
@@ -174,18 +178,7 @@ TEST(GemvTest, SharedMemoryKernelMatchesReferenceOverShapeGrid) {
     const Weights wt(n, k, n * 5 + k);
     for (int m : ms) {
       ASSERT_TRUE(Affordable(m, n, k)) << m << " " << n << " " << k;
-      Problem pr(wt, m, m * 17 + n + k);
-      const std::vector<double> ref = Reference(pr.a, wt.w, nullptr, m, n, k);
-      for (int split : Splits(m, n, k)) {
-        SCOPED_TRACE(::testing::Message()
-                     << "m=" << m << " n=" << n << " k=" << k << " split_k=" << split);
-        pr.dc.Poison();
-        TS_ASSERT_OK(LaunchGemv(pr.Params(split), nullptr));
-        TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-        ExpectGemmCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
-        EXPECT_TRUE(pr.dc.GuardsIntact());
-        EXPECT_TRUE(pr.ws.GuardsIntact());
-      }
+      ExpectGridCase(wt, m);
     }
   }
 }
