@@ -35,8 +35,7 @@
 // programmatic stream serialization: each CTA issues its first W loads (and, with the norm
 // prologue, the copy of norm_weight into shared memory) before `griddepcontrol.wait`, so the
 // weight stream starts while the preceding kernel drains (A, C and the workspace are touched only
-// after the wait). Only valid when the preceding kernels write neither
-// W nor norm_weight.
+// after the wait). Only valid when the preceding kernels write neither W nor norm_weight.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -134,7 +133,8 @@ struct GemvParams {
 bool GemvCanFuseNorm(int32_t m, int32_t k);
 
 // Validates params (InvalidArgument naming the field, e.g. "gemv.k") and enqueues one kernel
-// (split_k == 1) or two (split_k > 1) on `stream`.
+// (split_k == 1, or any m > 8, whose split-K is reduced in the kernel) or two (m <= 8, split_k > 1)
+// on `stream`.
 absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream);
 
 // Host heuristic. m <= 8: 1 unless the n / 16 CTAs would fill less than half of the `num_sms`
