@@ -16,14 +16,15 @@
 // 1..8 all cost the same instructions. At 16 rows that design needs twice the registers and lost
 // to cuBLASLt (bench/results/2026-12-02b-h200.md), hence the second kernel.
 //
-// 8 < m <= kGemvMaxM (16), the shared-memory kernel (gemv_tc.cu): a CTA owns a tile of 128 W rows
-// and a range of K. W and A stream through a 4-stage cp.async ring in shared memory (no registers
-// hold bytes in flight), and ldmatrix feeds mma.m16n8k16 with W as the MMA's M and the rows of A,
-// padded to 16, as its N. Above 16 rows cuBLASLt is faster (gemv_tc.cu says why). Split-K is
-// reduced inside the kernel: the split_k CTAs of a tile are one thread-block cluster, each keeps
-// its fp32 partial in shared memory, and after a cluster barrier each reads all of them through
-// distributed shared memory, adds them in split order and runs its share of the epilogue. No
-// workspace, no extra node, and the same bits every run.
+// 8 < m <= kGemvMaxM (128), the shared-memory kernel (gemv_tc.cu): a CTA owns a tile of 128 W
+// rows and a range of K. W and A stream through a 3-4 stage cp.async ring in shared memory (no
+// registers hold bytes in flight) with the tile of A padded to 16, 64 or 128 rows (one instance
+// each). At 9-16 rows ldmatrix feeds mma.m16n8k16 with W as the MMA's M and A as its N; above 16
+// rows Hopper's wgmma (sm_90a) reads both straight from the ring, W's 128 rows as two warpgroups'
+// M = 64 and A as N. Split-K is reduced inside the kernel: the split_k CTAs of a tile are one
+// thread-block cluster, each keeps its fp32 partial in shared memory, and after a cluster barrier
+// each reads all of them through distributed shared memory, adds them in split order and runs its
+// share of the epilogue. No workspace, no extra node, and the same bits every run.
 //
 // Split-K (split_k > 1) at m <= 8: when n / 16 CTAs leave most SMs idle, CTAs also split K. Each
 // writes its fp32 partial to workspace [split_k, m, n] and a second small kernel adds the split_k
@@ -49,7 +50,7 @@
 
 namespace ts::kernels {
 
-inline constexpr int32_t kGemvMaxM = 16;         // rows of A one launch handles
+inline constexpr int32_t kGemvMaxM = 128;        // rows of A one launch handles
 inline constexpr int32_t kGemvRegisterMaxM = 8;  // rows the register-streaming kernel takes
 inline constexpr int32_t kGemvMaxSplitK = 64;    // upper bound on split_k
 inline constexpr int32_t kGemvTileN = 16;        // W rows per tile at m <= 8 (kSiluMul: 8 + 8)

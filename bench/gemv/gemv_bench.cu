@@ -1,13 +1,15 @@
 // tailserve-gemv-bench: the decode-shaped GEMMs of Llama-3.2-1B and Llama-3.1-8B (qkv, o, gate_up,
-// down, lm_head) at M = 1, 4, 8 (the register kernel) and 12, 16 (the shared-memory kernel):
-// kernels/gemv.cuh (plain and with programmatic dependent launch), with ChooseGemvSplitK's split,
-// against kernels/gemm.cuh's cuBLASLt Gemm. Each variant is captured as a graph
-// of `launches` back-to-back launches whose W rotates over enough copies that L2 (read off the
-// device) never holds it; a replay is timed with CUDA events after warm-up and the table shows the
-// median per launch in us and as a fraction of the 4.3 TB/s read roof (W bytes only), plus the
-// rel. L2 difference of our output against cuBLASLt's (a sanity check, ~1e-3 is bf16 rounding).
+// down, lm_head) at the M of --ms (default 1, 4, 8: the register kernel; 12-128: the shared-memory
+// kernel, whose instances pad A to 16, 64 and 128 rows): kernels/gemv.cuh (plain and with
+// programmatic dependent launch), with ChooseGemvSplitK's split, against kernels/gemm.cuh's
+// cuBLASLt Gemm. Each variant is captured as a graph of `launches` back-to-back launches whose W
+// rotates over enough copies that L2 (read off the device) never holds it; a replay is timed with
+// CUDA events after warm-up and the table shows the median per launch in us and as a fraction of
+// the 4.3 TB/s read roof (W bytes only), plus the rel. L2 difference of our output against
+// cuBLASLt's (a sanity check, ~1e-3 is bf16 rounding).
 //
-//   tailserve-gemv-bench [--model=all|1b|8b] [--iters=30] [--warmup=3] [--launches=20]
+//   tailserve-gemv-bench [--model=all|1b|8b] [--ms=1,4,8,12,16,24,32,48,64,96,128] [--iters=30]
+//                        [--warmup=3] [--launches=20]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -23,7 +25,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "bench/common/graph_timing.h"
 #include "kernels/gemm.cuh"
 #include "kernels/gemv.cuh"
@@ -38,6 +43,7 @@ struct Options {
   int iters = 30;
   int warmup = 3;
   int launches = 20;
+  std::vector<int> ms = {1, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128};
 };
 
 bool ParseInt(const char* arg, const char* name, int* out) {
@@ -52,6 +58,17 @@ bool Parse(int argc, char** argv, Options* o) {
     const char* a = argv[i];
     if (std::strncmp(a, "--model=", 8) == 0) {
       o->model = a + 8;
+    } else if (std::strncmp(a, "--ms=", 5) == 0) {
+      o->ms.clear();
+      for (absl::string_view part : absl::StrSplit(a + 5, ',')) {
+        int m = 0;
+        if (!absl::SimpleAtoi(part, &m) || m < 1 || m > kernels::kGemvMaxM) {
+          std::fprintf(stderr, "--ms: '%s' is not in [1, %d]\n", std::string(part).c_str(),
+                       kernels::kGemvMaxM);
+          return false;
+        }
+        o->ms.push_back(m);
+      }
     } else if (!(ParseInt(a, "iters", &o->iters) || ParseInt(a, "warmup", &o->warmup) ||
                  ParseInt(a, "launches", &o->launches))) {
       std::fprintf(stderr, "unknown flag %s\n", a);
@@ -59,7 +76,7 @@ bool Parse(int argc, char** argv, Options* o) {
     }
   }
   return (o->model == "all" || o->model == "1b" || o->model == "8b") && o->iters > 0 &&
-         o->launches > 0;
+         o->launches > 0 && !o->ms.empty();
 }
 
 // Uniform in (-1, 1), |x| >= 1/64: random data (zeros can run faster than real data), made on the
@@ -175,7 +192,7 @@ double DiffAgainstCublas(kernels::Gemm& gemm, const Operands& x, const Shape& s,
 void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm& gemm,
               cudaStream_t stream) {
   const Operands x(o, dev, s, kernels::kGemvMaxM);
-  const std::vector<int> ms = {1, 4, 8, 12, 16};
+  const std::vector<int>& ms = o.ms;
   size_t ws_bytes = 0;
   for (int m : ms) {
     ws_bytes = std::max(ws_bytes, kernels::GemvWorkspaceBytes(
@@ -216,7 +233,7 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
     const double roof = x.bytes / kRoofBytesPerUs;
     auto pct = [&](double us) { return 100.0 * roof / us; };
     std::printf(
-        "%-3s %-8s %6d %6d %2d %8.1f %7.2f | %8.2f %4.0f%% | %8.2f %4.0f%% | %8.2f %4.0f%% |"
+        "%-3s %-8s %6d %6d %3d %8.1f %7.2f | %8.2f %4.0f%% | %8.2f %4.0f%% | %8.2f %4.0f%% |"
         " %5d %9.1e %3d\n",
         s.model, s.layer, s.n, s.k, m, x.bytes / 1e6, roof, t_blas, pct(t_blas), t_gemv,
         pct(t_gemv), t_pdl, pct(t_pdl), gp.split_k, diff, x.copies);
@@ -249,7 +266,7 @@ int Main(int argc, char** argv) {
   CheckOk(gemm.status(), "gemm create");
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  std::printf("%-3s %-8s %6s %6s %2s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %9s %3s\n", "mdl",
+  std::printf("%-3s %-8s %6s %6s %3s %8s %7s | %8s %5s | %8s %5s | %8s %5s | %5s %9s %3s\n", "mdl",
               "layer", "n", "k", "M", "W MB", "roof us", "cublas", "roof", "gemv", "roof",
               "gemv+pdl", "roof", "split", "relL2", "cps");
   for (const Shape& s : shapes) {
