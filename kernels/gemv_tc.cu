@@ -113,6 +113,29 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
     }
   };
 
+  // The norm prologue (GemvParams::norm_weight): each thread normalises its own copies of A's
+  // stage i in place once they have landed, before the barrier that shows them to the MMAs.
+  __shared__ float inv_rms[kN];
+  const bool norm = p.norm_weight != nullptr;
+  auto normalize_a = [&](int i) {
+    const int64_t k0 = int64_t{s_begin + i} * kStageK;
+    unsigned char* slot = smem + (a_slot(i % kStages) - smem_base);
+#pragma unroll
+    for (int e = tid; e < kN * 8; e += kThreads) {
+      const int r = e >> 3, c = e & 7;
+      if (r >= p.m || k0 + c * 8 >= p.k) continue;
+      Bf16x8* x = reinterpret_cast<Bf16x8*>(slot + Swizzle(r, c));
+      const Bf16x8 w = LoadBf16x8(p.norm_weight + k0 + c * 8);
+      Bf16x8 o;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        o.h[j] = __float2bfloat16_rn(
+            RmsNormScale(__bfloat162float(x->h[j]), inv_rms[r], __bfloat162float(w.h[j])));
+      }
+      *x = o;
+    }
+  };
+
   // W does not depend on the kernel before: its first stages stream across the wait (one group).
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < s_count) load_w(i);
@@ -122,6 +145,15 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < s_count) load_a(i);
     ptx::CpAsyncCommit();
+  }
+  if (norm) {
+    if (tid < p.m) {  // the producer's per-tile sums, added in tile order
+      const int tiles = (p.k + kTileRows - 1) / kTileRows;
+      float ss = 0.f;
+      for (int t = 0; t < tiles; ++t) ss += p.row_sumsq_in[t * p.m + tid];
+      inv_rms[tid] = rsqrtf(ss / p.k + p.norm_eps);
+    }
+    __syncthreads();
   }
 
   // cs[i * kCsStride + r] = sum for A row i and local W row r.
@@ -137,6 +169,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
     for (int j = 0; j < kN / 2; ++j) acc[j] = 0.f;
     for (int i = 0; i < s_count; ++i) {
       ptx::CpAsyncWait<kStages - 2>();
+      if (norm) normalize_a(i);
       wgmma::FenceProxyAsync();  // this thread's copies, visible to the MMAs' (async) reads
       wgmma::WgmmaWait<0>();     // stage i - 1's MMAs are done with slot (i - 1) % kStages
       __syncthreads();
@@ -179,6 +212,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
     for (int i = 0; i < s_count; ++i) {
       // Stage i's W and A groups are complete once at most kStages - 2 newer ones are pending.
       ptx::CpAsyncWait<kStages - 2>();
+      if (norm) normalize_a(i);
       __syncthreads();  // everyone's copies visible; slot (i - 1) % kStages is free again
       if (i + kStages - 1 < s_count) {
         load_w(i + kStages - 1);
@@ -279,10 +313,31 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
       RopeEpilogue(p, i, static_cast<int32_t>(row0 / hd) + lh, d, value(i, j), value(i, j + half));
     }
   } else {
+    // With row_sumsq_out, quarter[4 i + q] = the sum of squares of row i's stored columns [32 q,
+    // 32 q + 32) of the tile: a warp's 32 consecutive e are one row's 32 consecutive columns, and
+    // a row's 128 columns lie in one 256-element chunk, so one CTA holds all four quarters.
+    __shared__ float quarter[kN * 4];
+    const bool sums = p.row_sumsq_out != nullptr;
     for (int e = first; e < m * kTileRows; e += step) {
       const int i = e / kTileRows, j = e % kTileRows;
       const int64_t col = int64_t{tile} * kTileRows + j;
-      if (col < p.n) StoreOutput(p, i * int64_t{p.n} + col, value(i, j));
+      float sq = 0.f;
+      if (col < p.n) {
+        const float v = StoreOutput(p, i * int64_t{p.n} + col, value(i, j));
+        sq = v * v;
+      }
+      if (sums) {
+        sq = WarpSum(sq);
+        if (lane == 0) quarter[4 * i + j / 32] = sq;
+      }
+    }
+    if (sums) {
+      __syncthreads();
+      // Row i's chunk is 128 i / 256, handled by split (i / 2) % nsplit.
+      if (tid < m && (tid / 2) % nsplit == split) {
+        const float* q = quarter + 4 * tid;
+        p.row_sumsq_out[int64_t{tile} * m + tid] = ((q[0] + q[1]) + q[2]) + q[3];
+      }
     }
   }
   // No CTA may leave while another still reads its shared memory.

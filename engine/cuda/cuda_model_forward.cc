@@ -252,12 +252,13 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     return absl::OkStatus();
   }
 
-  // cuBLASLt path (prefill, batches above 16) and the shared-memory GEMV path (decode at 8 < rows
-  // <= 16). On cuBLASLt, o_proj and down_proj write their bf16 output to xn and the next rmsnorm
-  // adds it into the residual (x), as transformers rounds: bf16(h + bf16(o)); down_proj's output
-  // is added by the next layer's attn_norm. The GEMV adds into h itself (kAccumulate, the same
-  // rounding) and carries RoPE with the K/V write and SwiGLU, so its layer has no rope_kv or
-  // silu_mul node and no split-K reduce node (reduced inside the kernel).
+  // cuBLASLt path (prefill, batches above kGemvMaxM) and the shared-memory GEMV path (decode at
+  // 8 < rows <= kGemvMaxM). On cuBLASLt, o_proj and down_proj write their bf16 output to xn and
+  // the next rmsnorm adds it into the residual (x), as transformers rounds: bf16(h + bf16(o));
+  // down_proj's output is added by the next layer's attn_norm. The GEMV adds into h itself
+  // (kAccumulate, the same rounding) with h's row sums of squares, and carries the next norm,
+  // RoPE with the K/V write and SwiGLU, so after the first rmsnorm a layer is 5 nodes: no norm,
+  // rope_kv or silu_mul node, and no split-K reduce node (reduced inside the kernel).
   // PDL (kernels/pdl.cuh) only behind a kernel of this sequence: its overlap and its wait are
   // defined against the kernel before, and a later pipeline stage's first norm follows the copy
   // of its input instead.
@@ -292,15 +293,21 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     return RunOp(observer, name, stream, [&] { return k::LaunchGemv(p, stream); });
   };
   const bf16* pending = nullptr;  // xn once a cuBLASLt o/down_proj output waits to be added
+  // GEMV path: once an o/down GEMV has left h's row sums of squares in f.row_sumsq, the next
+  // GEMV normalises h itself (its norm prologue), so only the first layer has an rmsnorm node.
+  bool sums = false;
   for (const LayerBuffers& layer : dev_.layers) {
-    TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
+    if (!sums) TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
     if (epilogues) {
-      TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", {.a = f.xn,
+      TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", {.a = sums ? f.h : f.xn,
                                                 .w = layer.qkv,
                                                 .c = f.q,
                                                 .n = d.qkv_dim(),
                                                 .k = d.hidden,
                                                 .epilogue = k::GemvEpilogue::kRopeKv,
+                                                .norm_weight = sums ? layer.attn_norm : nullptr,
+                                                .norm_eps = eps,
+                                                .row_sumsq_in = sums ? f.row_sumsq : nullptr,
                                                 .rope = rope_targets(layer)}));
     } else {
       TS_RETURN_IF_ERROR(linear("qkv_gemm", f.xn, layer.qkv, f.qkv, d.qkv_dim(), d.hidden));
@@ -313,26 +320,29 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                                          .c = f.h,
                                          .n = d.hidden,
                                          .k = d.q_dim(),
-                                         .epilogue = k::GemvEpilogue::kAccumulate}));
-    } else {
-      TS_RETURN_IF_ERROR(linear("o_gemm", f.attn, layer.o, f.xn, d.hidden, d.q_dim()));
-    }
-    TS_RETURN_IF_ERROR(norm("mlp_norm", epilogues ? nullptr : f.xn, layer.mlp_norm));
-    if (epilogues) {
-      TS_RETURN_IF_ERROR(gemv("gate_up_gemm", {.a = f.xn,
+                                         .epilogue = k::GemvEpilogue::kAccumulate,
+                                         .row_sumsq_out = f.row_sumsq}));
+      TS_RETURN_IF_ERROR(gemv("gate_up_gemm", {.a = f.h,
                                                .w = layer.gate_up,
                                                .c = f.act,
                                                .n = d.intermediate_padded,
                                                .k = d.hidden,
-                                               .epilogue = k::GemvEpilogue::kSiluMul}));
+                                               .epilogue = k::GemvEpilogue::kSiluMul,
+                                               .norm_weight = layer.mlp_norm,
+                                               .norm_eps = eps,
+                                               .row_sumsq_in = f.row_sumsq}));
       TS_RETURN_IF_ERROR(gemv("down_gemm", {.a = f.act,
                                             .w = layer.down,
                                             .c = f.h,
                                             .n = d.hidden,
                                             .k = d.intermediate_padded,
-                                            .epilogue = k::GemvEpilogue::kAccumulate}));
+                                            .epilogue = k::GemvEpilogue::kAccumulate,
+                                            .row_sumsq_out = f.row_sumsq}));
+      sums = true;
       continue;
     }
+    TS_RETURN_IF_ERROR(linear("o_gemm", f.attn, layer.o, f.xn, d.hidden, d.q_dim()));
+    TS_RETURN_IF_ERROR(norm("mlp_norm", f.xn, layer.mlp_norm));
     TS_RETURN_IF_ERROR(linear("gate_up_gemm", f.xn, layer.gate_up, f.gate_up,
                               2 * d.intermediate_padded, d.hidden));
     TS_RETURN_IF_ERROR(RunOp(observer, "silu_mul", stream, [&] {
