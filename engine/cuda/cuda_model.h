@@ -281,13 +281,10 @@ class CudaModel {
   absl::Status EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& attn,
                              const kernels::Gemm& gemm, cudaStream_t stream,
                              OpObserver* observer) const;
-  // Decode with `rows` rows runs the fused GEMV layers (norms, residual adds, SwiGLU and RoPE
-  // with the K/V write inside the GEMVs) rather than rmsnorm + cuBLASLt + silu_mul nodes.
-  bool FusedDecodeLayers(int32_t rows) const;
-  // Decode with 8 < `rows` <= kGemvMaxM runs the shared-memory GEMV (kernels/gemv.cuh) with the
-  // norms (from the row sums of squares its residual adds leave), RoPE with the K/V write, the
-  // residual adds and SwiGLU inside; only the first layer's norm is an rmsnorm node.
-  static bool GemvEpilogueLayers(const ModelDims& d, int32_t rows);
+  // Whether decode with `rows` rows runs the GEMV layers (kernels/gemv.cuh: the norms, residual
+  // adds, SwiGLU and RoPE with the K/V write inside the GEMVs) rather than rmsnorm + cuBLASLt +
+  // rope_kv + silu_mul nodes: up to kGemvMaxM rows, for the shapes the kernels take.
+  bool GemvDecodeLayers(int32_t rows) const;
   absl::Status EnqueueAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
                                 const Attention& attn, cudaStream_t stream) const;
   // Decode attention over q rows [0, rows) of f; prefill attention over the q rows from
