@@ -437,6 +437,10 @@ absl::Status Validate(const GemvParams& p) {
   if (p.norm_weight != nullptr && p.m > kGemvRegisterMaxM) {
     TS_RETURN_IF_ERROR(RequirePointer("gemv.norm_weight", p.norm_weight, 16));
     TS_RETURN_IF_ERROR(RequirePointer("gemv.row_sumsq_in", p.row_sumsq_in, alignof(float)));
+    if (p.k > kGemvTcMaxNormK) {
+      return absl::InvalidArgumentError(absl::StrCat("gemv.k must be <= ", kGemvTcMaxNormK,
+                                                     " with norm_weight at m > 8, got ", p.k));
+    }
     if (!(p.norm_eps > 0.0f)) {
       return absl::InvalidArgumentError(
           absl::StrCat("gemv.norm_eps must be > 0, got ", p.norm_eps));
@@ -542,6 +546,13 @@ int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms, GemvE
   const int64_t most = k / (kWarps * kBatchK);       // every warp keeps >= one batch
   return static_cast<int32_t>(
       std::max<int64_t>(1, std::min<int64_t>({want, most, int64_t{kGemvMaxSplitK}})));
+}
+
+absl::StatusOr<int32_t> GemvTcResidentCtasPerSm(int32_t m) {
+  if (m <= kGemvRegisterMaxM || m > kGemvMaxM) {
+    return absl::InvalidArgumentError(absl::StrCat("m must be in (8, ", kGemvMaxM, "], got ", m));
+  }
+  return gemv_internal::GemvTcOccupancy(m);
 }
 
 size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k) {

@@ -46,16 +46,19 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/kv_layout.cuh"
 
 namespace ts::kernels {
 
-inline constexpr int32_t kGemvMaxM = 128;        // rows of A one launch handles
-inline constexpr int32_t kGemvRegisterMaxM = 8;  // rows the register-streaming kernel takes
-inline constexpr int32_t kGemvMaxSplitK = 64;    // upper bound on split_k
-inline constexpr int32_t kGemvTileN = 16;        // W rows per tile at m <= 8 (kSiluMul: 8 + 8)
-inline constexpr int32_t kGemvTcTileN = 128;     // W rows per tile at m > 8 (kSiluMul: 64 + 64)
-inline constexpr int32_t kGemvTcMaxSplitK = 8;   // at m > 8: CTAs in a cluster (portable size)
+inline constexpr int32_t kGemvMaxM = 128;         // rows of A one launch handles
+inline constexpr int32_t kGemvRegisterMaxM = 8;   // rows the register-streaming kernel takes
+inline constexpr int32_t kGemvMaxSplitK = 64;     // upper bound on split_k
+inline constexpr int32_t kGemvTileN = 16;         // W rows per tile at m <= 8 (kSiluMul: 8 + 8)
+inline constexpr int32_t kGemvTcTileN = 128;      // W rows per tile at m > 8 (kSiluMul: 64 + 64)
+inline constexpr int32_t kGemvTcMaxSplitK = 8;    // at m > 8: CTAs in a cluster (portable size)
+inline constexpr int32_t kGemvTcMaxNormK = 8192;  // at m > 8 with norm_weight: 64 tiles of sums
+inline constexpr int32_t kGemvTcCtasPerSm = 2;    // at m > 8: what ChooseGemvSplitK assumes
 // Shared memory for the normalised A (m rows of k + 32 bf16; the pad staggers the rows' banks):
 // hidden sizes up to 8192 at m = 8 (one CTA per SM there; two up to 4096).
 inline constexpr int32_t kGemvMaxNormSmemBytes = 8 * (8192 + 32) * 2;
@@ -123,8 +126,9 @@ struct GemvParams {
   //     of squares from row_sumsq_in instead and normalises each stage of A as it lands.
   const __nv_bfloat16* norm_weight = nullptr;
   float norm_eps = 1e-5f;  // > 0 when norm_weight is set
-  // m > 8, with norm_weight: [ceil(k / kGemvTcTileN), m] fp32, the row_sumsq_out of the GEMV that
-  // wrote A (whose n is this k). Row i's sum of squares is the sum of its column in tile order.
+  // m > 8, with norm_weight (k <= kGemvTcMaxNormK): [ceil(k / kGemvTcTileN), m] fp32, the
+  // row_sumsq_out of the GEMV that wrote A (whose n is this k). Row i's sum of squares is the sum
+  // of its column in tile order.
   const float* row_sumsq_in = nullptr;
   // Optional, m > 8 with a bf16 c and kStore or kAccumulate: [ceil(n / kGemvTcTileN), m] fp32. For
   // each tile of kGemvTcTileN output columns and each row, the sum of the squares of the values
@@ -161,6 +165,10 @@ int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,
 // warps (8 per CTA), i.e. when whole tiles per warp still keep the GPU busy: on a 132-SM H200
 // (264 resident CTAs) that is Llama-8B's gate_up (1792 tiles) and larger.
 bool ChooseGemvWarpTiles(int32_t tiles, int32_t resident_ctas);
+
+// CTAs of the m > 8 kernel instance for m rows resident per SM on the current device (tests check
+// it equals kGemvTcCtasPerSm).
+absl::StatusOr<int32_t> GemvTcResidentCtasPerSm(int32_t m);
 
 // Bytes of fp32 workspace LaunchGemv needs for (m, n, split_k): 0 when split_k <= 1 or m > 8.
 size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k);

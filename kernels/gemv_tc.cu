@@ -36,7 +36,7 @@ constexpr int kStageK = 64;              // k per stage: 128 bytes of each row
 constexpr int kRowBytes = kStageK * 2;
 constexpr int kWStageBytes = kTileRows * kRowBytes;  // 16 KB
 constexpr int kCsStride = kTileRows + 4;             // floats per row of the fp32 result tile
-constexpr int kCtasPerSm = 2;
+constexpr int kCtasPerSm = kGemvTcCtasPerSm;
 constexpr int kSmemAlign =
     1024;  // wgmma's 128-byte swizzle repeats every 8 rows (kernels/wgmma.cuh)
 
@@ -147,11 +147,22 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
     ptx::CpAsyncCommit();
   }
   if (norm) {
-    if (tid < p.m) {  // the producer's per-tile sums, added in tile order
-      const int tiles = (p.k + kTileRows - 1) / kTileRows;
-      float ss = 0.f;
-      for (int t = 0; t < tiles; ++t) ss += p.row_sumsq_in[t * p.m + tid];
-      inv_rms[tid] = rsqrtf(ss / p.k + p.norm_eps);
+    // Row r's sum is its producer's per-tile sums (at most 64: k <= kGemvTcMaxNormK), lane t
+    // holding tiles t and t + 32, added by a fixed shuffle tree. Every load is issued before the
+    // first add: a loop of dependent L2 reads here cost ~10 us per GEMV.
+    const int tiles = (p.k + kTileRows - 1) / kTileRows;
+    float part[kN / 8];
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      const int r = warp + 8 * j;
+      part[j] = 0.f;
+      if (r < p.m && lane < tiles) part[j] = p.row_sumsq_in[lane * p.m + r];
+      if (r < p.m && lane + 32 < tiles) part[j] += p.row_sumsq_in[(lane + 32) * p.m + r];
+    }
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      const float ss = WarpSum(part[j]);
+      if (lane == 0 && warp + 8 * j < p.m) inv_rms[warp + 8 * j] = rsqrtf(ss / p.k + p.norm_eps);
     }
     __syncthreads();
   }
@@ -347,9 +358,15 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
 template <int kN>
 absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
   constexpr int smem = Tc<kN>::kSmemBytes;
-  // A function attribute, not a stream operation: legal while a graph is being captured.
+  // Function attributes, not stream operations: legal while a graph is being captured. Two CTAs
+  // of the 64- and 128-row instances need the largest shared-memory carveout (2 x 99 KB), which
+  // the driver does not pick by itself: with less, one CTA fits per SM and the grid, sized for
+  // two (ChooseGemvTcSplitK), runs in two waves.
   TS_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(GemvTcKernel<kN>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(GemvTcKernel<kN>,
+                                               cudaFuncAttributePreferredSharedMemoryCarveout,
+                                               cudaSharedmemCarveoutMaxShared));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim =
       dim3(static_cast<uint32_t>(GemvTcTiles(p.n, p.epilogue)), static_cast<uint32_t>(p.split_k));
@@ -373,6 +390,22 @@ absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+absl::StatusOr<int32_t> GemvTcOccupancy(int32_t m) {
+  auto query = [](auto kernel, int smem) -> absl::StatusOr<int32_t> {
+    TS_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    int n = 0;
+    TS_CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem));
+    return n;
+  };
+  if (m <= 16) return query(GemvTcKernel<16>, Tc<16>::kSmemBytes);
+  if (m <= 64) return query(GemvTcKernel<64>, Tc<64>::kSmemBytes);
+  return query(GemvTcKernel<128>, Tc<128>::kSmemBytes);
+}
 
 int32_t GemvTcTiles(int32_t n, GemvEpilogue epilogue) {
   const int32_t cols = epilogue == GemvEpilogue::kSiluMul ? kTileRows / 2 : kTileRows;

@@ -71,7 +71,8 @@ bool CudaModel::GemvDecodeLayers(int32_t rows) const {
   if (d.hidden % 8 != 0 || d.q_dim() % 8 != 0 || d.intermediate_padded % 8 != 0) return false;
   if (rows <= k::kGemvRegisterMaxM) return k::GemvCanFuseNorm(rows, d.hidden);
   // Above 8 rows the qkv GEMV always carries RoPE, and its 128-row tiles must hold whole heads.
-  return rows <= k::kGemvMaxM && d.head_dim % 16 == 0 && k::kGemvTcTileN % d.head_dim == 0;
+  return rows <= k::kGemvMaxM && d.head_dim % 16 == 0 && k::kGemvTcTileN % d.head_dim == 0 &&
+         d.hidden <= k::kGemvTcMaxNormK;
 }
 
 absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
