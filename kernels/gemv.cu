@@ -548,13 +548,6 @@ int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms, GemvE
       std::max<int64_t>(1, std::min<int64_t>({want, most, int64_t{kGemvMaxSplitK}})));
 }
 
-absl::StatusOr<int32_t> GemvTcResidentCtasPerSm(int32_t m) {
-  if (m <= kGemvRegisterMaxM || m > kGemvMaxM) {
-    return absl::InvalidArgumentError(absl::StrCat("m must be in (8, ", kGemvMaxM, "], got ", m));
-  }
-  return gemv_internal::GemvTcOccupancy(m);
-}
-
 size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k) {
   if (split_k <= 1 || m < 1 || n < 1 || m > kGemvRegisterMaxM) return 0;
   return static_cast<size_t>(split_k) * m * n * sizeof(float);

@@ -16,15 +16,14 @@
 // 1..8 all cost the same instructions. At 16 rows that design needs twice the registers and lost
 // to cuBLASLt (bench/results/2026-12-02b-h200.md), hence the second kernel.
 //
-// 8 < m <= kGemvMaxM (128), the shared-memory kernel (gemv_tc.cu): a CTA owns a tile of 128 W
-// rows and a range of K. W and A stream through a 3-4 stage cp.async ring in shared memory (no
-// registers hold bytes in flight) with the tile of A padded to 16, 64 or 128 rows (one instance
-// each). At 9-16 rows ldmatrix feeds mma.m16n8k16 with W as the MMA's M and A as its N; above 16
-// rows Hopper's wgmma (sm_90a) reads both straight from the ring, W's 128 rows as two warpgroups'
-// M = 64 and A as N. Split-K is reduced inside the kernel: the split_k CTAs of a tile are one
-// thread-block cluster, each keeps its fp32 partial in shared memory, and after a cluster barrier
-// each reads all of them through distributed shared memory, adds them in split order and runs its
-// share of the epilogue. No workspace, no extra node, and the same bits every run.
+// 8 < m <= kGemvMaxM (16), the shared-memory kernel (gemv_tc.cu): a CTA owns a tile of 128 W rows
+// and a range of K. W and A stream through a 4-stage cp.async ring in shared memory (no registers
+// hold bytes in flight), and ldmatrix feeds mma.m16n8k16 with W as the MMA's M and the rows of A,
+// padded to 16, as its N. Above 16 rows cuBLASLt is faster (gemv_tc.cu says why). Split-K is
+// reduced inside the kernel: the split_k CTAs of a tile are one thread-block cluster, each keeps
+// its fp32 partial in shared memory, and after a cluster barrier each reads all of them through
+// distributed shared memory, adds them in split order and runs its share of the epilogue. No
+// workspace, no extra node, and the same bits every run.
 //
 // Split-K (split_k > 1) at m <= 8: when n / 16 CTAs leave most SMs idle, CTAs also split K. Each
 // writes its fp32 partial to workspace [split_k, m, n] and a second small kernel adds the split_k
@@ -46,19 +45,17 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
 #include "kernels/kv_layout.cuh"
 
 namespace ts::kernels {
 
-inline constexpr int32_t kGemvMaxM = 128;         // rows of A one launch handles
+inline constexpr int32_t kGemvMaxM = 16;          // rows of A one launch handles
 inline constexpr int32_t kGemvRegisterMaxM = 8;   // rows the register-streaming kernel takes
 inline constexpr int32_t kGemvMaxSplitK = 64;     // upper bound on split_k
 inline constexpr int32_t kGemvTileN = 16;         // W rows per tile at m <= 8 (kSiluMul: 8 + 8)
 inline constexpr int32_t kGemvTcTileN = 128;      // W rows per tile at m > 8 (kSiluMul: 64 + 64)
 inline constexpr int32_t kGemvTcMaxSplitK = 8;    // at m > 8: CTAs in a cluster (portable size)
 inline constexpr int32_t kGemvTcMaxNormK = 8192;  // at m > 8 with norm_weight: 64 tiles of sums
-inline constexpr int32_t kGemvTcCtasPerSm = 2;    // at m > 8: what ChooseGemvSplitK assumes
 // Shared memory for the normalised A (m rows of k + 32 bf16; the pad staggers the rows' banks):
 // hidden sizes up to 8192 at m = 8 (one CTA per SM there; two up to 4096).
 inline constexpr int32_t kGemvMaxNormSmemBytes = 8 * (8192 + 32) * 2;
@@ -165,10 +162,6 @@ int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,
 // warps (8 per CTA), i.e. when whole tiles per warp still keep the GPU busy: on a 132-SM H200
 // (264 resident CTAs) that is Llama-8B's gate_up (1792 tiles) and larger.
 bool ChooseGemvWarpTiles(int32_t tiles, int32_t resident_ctas);
-
-// CTAs of the m > 8 kernel instance for m rows resident per SM on the current device (tests check
-// it equals kGemvTcCtasPerSm).
-absl::StatusOr<int32_t> GemvTcResidentCtasPerSm(int32_t m);
 
 // Bytes of fp32 workspace LaunchGemv needs for (m, n, split_k): 0 when split_k <= 1 or m > 8.
 size_t GemvWorkspaceBytes(int32_t m, int32_t n, int32_t split_k);

@@ -8,7 +8,6 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
 #include "kernels/bf16_vec.cuh"
 #include "kernels/gemv.cuh"
 #include "kernels/kv_layout.cuh"
@@ -64,6 +63,5 @@ __device__ __forceinline__ void RopeEpilogue(const GemvParams& p, int i, int32_t
 absl::Status LaunchGemvTc(const GemvParams& p, cudaStream_t stream);
 int32_t ChooseGemvTcSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms, GemvEpilogue epilogue);
 int32_t GemvTcTiles(int32_t n, GemvEpilogue epilogue);
-absl::StatusOr<int32_t> GemvTcOccupancy(int32_t m);
 
 }  // namespace ts::kernels::gemv_internal

@@ -1,18 +1,18 @@
-// The m > 8 kernel of the GEMV op (kernels/gemv.cuh), for 9-128 rows: W and A through a cp.async
-// ring in shared memory, tensor-core MMAs, split-K reduced inside the kernel across a cluster of
-// CTAs. One template, instantiated for A padded to 16 rows (9-16: ldmatrix and mma.sync) and to 64
-// and 128 rows (17-64, 65-128: wgmma straight from the ring, sm_90a).
+// The m > 8 kernel of the GEMV op (kernels/gemv.cuh), for 9-16 rows: W and A through a cp.async
+// ring in shared memory, ldmatrix and mma.sync, split-K reduced inside the kernel across a cluster
+// of CTAs.
 //
 // Why this shape (Llama-3.1-8B on the H200, 4.3 TB/s over 132 SMs): each SM must take ~16 bytes of
 // W per clock. Keeping ~32 KB of W in flight per SM takes registers in the m <= 8 kernel (and at 16
-// rows twice as many, which lost to cuBLASLt); here the copies land in shared memory, so 3-4 stages
-// of 16 KB of W per CTA, 2 CTAs per SM, keep the bytes in flight.
+// rows twice as many, which lost to cuBLASLt); here the copies land in shared memory, so 3 stages
+// of 16 KB per CTA, 2 CTAs per SM, keep the bytes in flight. Warps split each stage's k in two.
 //
-// Measured and given up (bench/results/2026-12-02d-h200.md): the mma.sync kernel with A padded to
-// 32 and 64 rows ran the 8B projections at 0.46-0.83x cuBLASLt's speed: each warp's ldmatrix and
-// mma.sync issue grows with m, with a barrier per stage. wgmma reads both operands from shared
-// memory itself, so above 16 rows the warps only issue the copies. Every CTA still reads its k
-// range of A from L2: m / 128 of the W bytes again.
+// Measured and given up (bench/results/2026-12-02d-h200.md): the same kernel with A padded to 32
+// and 64 rows ran the 8B projections at 0.46-0.83x cuBLASLt's speed. Every CTA reads its k range
+// of A from L2, m / 128 of the W bytes again (half at m = 64), and the mma.sync issue rate grows
+// with m; a wider tile per CTA, TMA multicast of A across a cluster, or wgmma would be needed.
+// A wgmma instance (both operands read from the ring, A padded to 64 and 128 rows) ran them at
+// 0.5-0.6x cuBLASLt's speed (bench/results/2026-12-02e-h200.md) and was cut too.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -23,7 +23,6 @@
 #include "kernels/gemv_internal.cuh"
 #include "kernels/pdl.cuh"
 #include "kernels/ptx.cuh"
-#include "kernels/wgmma.cuh"
 
 namespace ts::kernels::gemv_internal {
 namespace {
@@ -33,22 +32,17 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 256;
 constexpr int kTileRows = kGemvTcTileN;  // W rows per tile
 constexpr int kStageK = 64;              // k per stage: 128 bytes of each row
+constexpr int kStages = 4;
 constexpr int kRowBytes = kStageK * 2;
 constexpr int kWStageBytes = kTileRows * kRowBytes;  // 16 KB
 constexpr int kCsStride = kTileRows + 4;             // floats per row of the fp32 result tile
-constexpr int kCtasPerSm = kGemvTcCtasPerSm;
-constexpr int kSmemAlign =
-    1024;  // wgmma's 128-byte swizzle repeats every 8 rows (kernels/wgmma.cuh)
+constexpr int kCtasPerSm = 2;
 
-// One instance per padding of A: kN rows (the MMA's N). Above 64 rows only 3 stages fit two CTAs
-// per SM.
-template <int kN>
-struct Tc {
-  static constexpr bool kWgmma = kN > 16;
-  static constexpr int kStages = kN <= 64 ? 4 : 3;
-  static constexpr int kStageBytes = kWStageBytes + kN * kRowBytes;  // multiples of 1024
-  static constexpr int kSmemBytes = std::max(kStages * kStageBytes, kN* kCsStride * 4) + kSmemAlign;
-};
+// A's rows padded to 16 (the MMA's N, two 8-row halves). 32 and 64 rows (two and four such
+// blocks) were built and measured slower than cuBLASLt (see the header).
+constexpr int kMTiles = 1;
+constexpr int kStageBytes = kWStageBytes + 16 * kMTiles * kRowBytes;
+constexpr int kSmemBytes = std::max(kStages * kStageBytes, 16 * kMTiles * kCsStride * 4);
 
 // Byte offset of 16-byte chunk c of row r in a [rows][128 B] block: chunks XOR-swizzled by row,
 // so the 8 rows an ldmatrix phase reads at one logical chunk sit in 8 different bank groups.
@@ -69,18 +63,16 @@ __device__ __forceinline__ int64_t WRow(const GemvParams& p, int tile, int r) {
   return row < p.n ? row : -1;
 }
 
-// grid: (tiles, split_k), block 256, dynamic smem Tc<kN>::kSmemBytes. CTA (tile, s) multiplies
-// W rows of `tile` by A (m <= kN rows) over stages [s * stages / split_k, (s + 1) * stages /
-// split_k) of k, into an fp32 tile cs[kN][kCsStride] in shared memory, then runs the epilogue.
-template <int kN>
+// grid: (tiles, split_k), block 256, dynamic smem kSmemBytes. CTA (tile, s) multiplies
+// W rows of `tile` by A over stages [s * stages / split_k, (s + 1) * stages / split_k) of k.
+//
+// Warp w owns W rows [32 (w % 4), 32 (w % 4) + 32) of the tile (two 16-row MMA A operands) and
+// k16 steps {2 (w / 4), 2 (w / 4) + 1} of each 64-k stage; its 2 x 2 accumulators cover all
+// rows of A. The two k halves are added in a fixed order through shared memory at the end.
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams p) {
-  constexpr int kStages = Tc<kN>::kStages;
-  constexpr int kStageBytes = Tc<kN>::kStageBytes;
-  extern __shared__ unsigned char smem_raw[];
-  // Every CTA of the kernel pads by the same amount, so DSMEM addresses map rank to rank.
-  unsigned char* smem =
-      smem_raw + (kSmemAlign - ptx::SharedAddress(smem_raw) % kSmemAlign) % kSmemAlign;
+  extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wn = warp & 3, wk = warp >> 2;
   const int tile = blockIdx.x, split = blockIdx.y;
   const int stages_total = (p.k + kStageK - 1) / kStageK;
   const int s_begin = split * stages_total / p.split_k;
@@ -104,8 +96,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
   };
   auto load_a = [&](int i) {  // rows past m and k past the end are zero-filled
     const int64_t k0 = int64_t{s_begin + i} * kStageK;
-#pragma unroll
-    for (int e = tid; e < kN * 8; e += kThreads) {
+    for (int e = tid; e < 16 * kMTiles * 8; e += kThreads) {
       const int r = e >> 3, c = e & 7;
       const bool in = r < p.m && k0 + c * 8 < p.k;
       ptx::CpAsync16(a_slot(i % kStages) + Swizzle(r, c),
@@ -114,14 +105,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
   };
 
   // The norm prologue (GemvParams::norm_weight): each thread normalises its own copies of A's
-  // stage i in place once they have landed, before the barrier that shows them to the MMAs.
-  __shared__ float inv_rms[kN];
+  // stage i in place once they have landed, before the barrier that shows them to the warps.
+  constexpr int kARows = 16 * kMTiles;
+  __shared__ float inv_rms[kARows];
   const bool norm = p.norm_weight != nullptr;
   auto normalize_a = [&](int i) {
     const int64_t k0 = int64_t{s_begin + i} * kStageK;
     unsigned char* slot = smem + (a_slot(i % kStages) - smem_base);
-#pragma unroll
-    for (int e = tid; e < kN * 8; e += kThreads) {
+    for (int e = tid; e < kARows * 8; e += kThreads) {
       const int r = e >> 3, c = e & 7;
       if (r >= p.m || k0 + c * 8 >= p.k) continue;
       Bf16x8* x = reinterpret_cast<Bf16x8*>(slot + Swizzle(r, c));
@@ -151,130 +142,84 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
     // holding tiles t and t + 32, added by a fixed shuffle tree. Every load is issued before the
     // first add: a loop of dependent L2 reads here cost ~10 us per GEMV.
     const int tiles = (p.k + kTileRows - 1) / kTileRows;
-    float part[kN / 8];
+    float part[kARows / 8];
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
+    for (int j = 0; j < kARows / 8; ++j) {
       const int r = warp + 8 * j;
       part[j] = 0.f;
       if (r < p.m && lane < tiles) part[j] = p.row_sumsq_in[lane * p.m + r];
       if (r < p.m && lane + 32 < tiles) part[j] += p.row_sumsq_in[(lane + 32) * p.m + r];
     }
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
+    for (int j = 0; j < kARows / 8; ++j) {
       const float ss = WarpSum(part[j]);
       if (lane == 0 && warp + 8 * j < p.m) inv_rms[warp + 8 * j] = rsqrtf(ss / p.k + p.norm_eps);
     }
     __syncthreads();
   }
 
-  // cs[i * kCsStride + r] = sum for A row i and local W row r.
+  float acc[2][2 * kMTiles][4] = {};
+  const int q = lane >> 3, r8 = lane & 7;
+  for (int i = 0; i < s_count; ++i) {
+    // Stage i's W and A groups are complete once at most kStages - 2 newer ones are pending.
+    ptx::CpAsyncWait<kStages - 2>();
+    if (norm) normalize_a(i);
+    __syncthreads();  // everyone's copies visible; slot (i - 1) % kStages is free again
+    if (i + kStages - 1 < s_count) {
+      load_w(i + kStages - 1);
+      load_a(i + kStages - 1);
+    }
+    ptx::CpAsyncCommit();
+    const uint32_t ws = w_slot(i % kStages), as = a_slot(i % kStages);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int ks = 2 * wk + h;  // k16 step in the stage: chunks 2 ks, 2 ks + 1
+      uint32_t wf[2][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        // A operand: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (0-7, k 8-15), (8-15, 8-15).
+        const int row = 32 * wn + 16 * t + (q & 1) * 8 + r8;
+        ptx::LdMatrixX4(wf[t], ws + Swizzle(row, 2 * ks + (q >> 1)));
+      }
+#pragma unroll
+      for (int j = 0; j < kMTiles; ++j) {
+        // B operands of A rows 16 j..16 j + 7 (regs 0, 1) and 16 j + 8.. (regs 2, 3).
+        uint32_t af[4];
+        ptx::LdMatrixX4(af, as + Swizzle(16 * j + (q >> 1) * 8 + r8, 2 * ks + (q & 1)));
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          ptx::MmaBf16(acc[t][2 * j], wf[t], af[0], af[1]);
+          ptx::MmaBf16(acc[t][2 * j + 1], wf[t], af[2], af[3]);
+        }
+      }
+    }
+  }
+  // Our W reads are done: the next kernel may start its prologue (it waits for our completion
+  // before reading anything we write).
+  GridDepLaunchDependents();
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();  // the ring is reused for the result tile
+
+  // cs[i * kCsStride + r] = sum for A row i and local W row r. C fragment: W rows g, g + 8 (the
+  // MMA's M) by A rows 2t, 2t + 1 (its N).
   float* cs = reinterpret_cast<float*>(smem);
   const int g = lane >> 2, t4 = lane & 3;
-  if constexpr (Tc<kN>::kWgmma) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    // Warpgroup wg owns W rows [64 wg, 64 wg + 64) of the tile (the MMA's M) and all kN rows of A
-    // (its N), over each stage's whole k: four m64nNk16 per stage, reading the ring directly.
-    const int wg = warp >> 2;
-    float acc[kN / 2];
+  for (int half = 0; half < 2; ++half) {
+    if (wk == half) {
 #pragma unroll
-    for (int j = 0; j < kN / 2; ++j) acc[j] = 0.f;
-    for (int i = 0; i < s_count; ++i) {
-      ptx::CpAsyncWait<kStages - 2>();
-      if (norm) normalize_a(i);
-      wgmma::FenceProxyAsync();  // this thread's copies, visible to the MMAs' (async) reads
-      wgmma::WgmmaWait<0>();     // stage i - 1's MMAs are done with slot (i - 1) % kStages
-      __syncthreads();
-      if (i + kStages - 1 < s_count) {
-        load_w(i + kStages - 1);
-        load_a(i + kStages - 1);
-      }
-      ptx::CpAsyncCommit();
-      const uint32_t ws = w_slot(i % kStages) + wg * 64 * kRowBytes, as = a_slot(i % kStages);
-      wgmma::WgmmaFence();
+      for (int t = 0; t < 2; ++t) {
 #pragma unroll
-      for (int ks = 0; ks < kStageK / 16; ++ks) {
-        wgmma::WgmmaBf16<kN>(acc, wgmma::DescSw128(ws + 32 * ks), wgmma::DescSw128(as + 32 * ks));
-      }
-      wgmma::WgmmaCommit();
-    }
-    wgmma::WgmmaWait<0>();
-    GridDepLaunchDependents();  // our W reads are done (see the mma.sync branch)
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncthreads();  // the ring is reused for the result tile
-    const int r0 = 64 * wg + 16 * (warp & 3) + g;
+        for (int nt = 0; nt < 2 * kMTiles; ++nt) {
+          const int r = 32 * wn + 16 * t + g, i = 8 * nt + 2 * t4;
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        cs[(8 * j + 2 * t4 + (e & 1)) * kCsStride + r0 + 8 * (e >> 1)] = acc[4 * j + e];
-      }
-    }
-    __syncthreads();
-#else
-    __trap();  // wgmma needs sm_90a (CMAKE_CUDA_ARCHITECTURES 90a, the top-level default)
-#endif
-  } else {
-    // Warp w owns W rows [32 (w % 4), 32 (w % 4) + 32) of the tile (two 16-row MMA A operands)
-    // and k16 steps {2 (w / 4), 2 (w / 4) + 1} of each 64-k stage; its 2 x 2 accumulators cover
-    // all 16 rows of A. The two k halves are added in a fixed order through shared memory.
-    const int wn = warp & 3, wk = warp >> 2;
-    float acc[2][2][4] = {};
-    const int q = lane >> 3, r8 = lane & 7;
-    for (int i = 0; i < s_count; ++i) {
-      // Stage i's W and A groups are complete once at most kStages - 2 newer ones are pending.
-      ptx::CpAsyncWait<kStages - 2>();
-      if (norm) normalize_a(i);
-      __syncthreads();  // everyone's copies visible; slot (i - 1) % kStages is free again
-      if (i + kStages - 1 < s_count) {
-        load_w(i + kStages - 1);
-        load_a(i + kStages - 1);
-      }
-      ptx::CpAsyncCommit();
-      const uint32_t ws = w_slot(i % kStages), as = a_slot(i % kStages);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int ks = 2 * wk + h;  // k16 step in the stage: chunks 2 ks, 2 ks + 1
-        uint32_t wf[2][4];
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          // A operand: matrices (rows 0-7, k 0-7), (8-15, k 0-7), (0-7, k 8-15), (8-15, 8-15).
-          const int row = 32 * wn + 16 * t + (q & 1) * 8 + r8;
-          ptx::LdMatrixX4(wf[t], ws + Swizzle(row, 2 * ks + (q >> 1)));
-        }
-        // B operands of A rows 0..7 (regs 0, 1) and 8..15 (regs 2, 3).
-        uint32_t af[4];
-        ptx::LdMatrixX4(af, as + Swizzle((q >> 1) * 8 + r8, 2 * ks + (q & 1)));
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-          ptx::MmaBf16(acc[t][0], wf[t], af[0], af[1]);
-          ptx::MmaBf16(acc[t][1], wf[t], af[2], af[3]);
-        }
-      }
-    }
-    // Our W reads are done: the next kernel may start its prologue (it waits for our completion
-    // before reading anything we write).
-    GridDepLaunchDependents();
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncthreads();  // the ring is reused for the result tile
-
-    // C fragment: W rows g, g + 8 (the MMA's M) by A rows 2 t4, 2 t4 + 1 (its N).
-    for (int half = 0; half < 2; ++half) {
-      if (wk == half) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            const int r = 32 * wn + 16 * t + g, i = 8 * nt + 2 * t4;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              float* dst = cs + (i + (e & 1)) * kCsStride + r + (e >> 1) * 8;
-              *dst = half == 0 ? acc[t][nt][e] : *dst + acc[t][nt][e];
-            }
+          for (int e = 0; e < 4; ++e) {
+            float* dst = cs + (i + (e & 1)) * kCsStride + r + (e >> 1) * 8;
+            *dst = half == 0 ? acc[t][nt][e] : *dst + acc[t][nt][e];
           }
         }
       }
-      __syncthreads();
     }
+    __syncthreads();
   }
 
   const int m = p.m;
@@ -327,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
     // With row_sumsq_out, quarter[4 i + q] = the sum of squares of row i's stored columns [32 q,
     // 32 q + 32) of the tile: a warp's 32 consecutive e are one row's 32 consecutive columns, and
     // a row's 128 columns lie in one 256-element chunk, so one CTA holds all four quarters.
-    __shared__ float quarter[kN * 4];
+    __shared__ float quarter[kARows * 4];
     const bool sums = p.row_sumsq_out != nullptr;
     for (int e = first; e < m * kTileRows; e += step) {
       const int i = e / kTileRows, j = e % kTileRows;
@@ -355,18 +300,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
   if (nsplit > 1) cluster.sync();
 }
 
-template <int kN>
 absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
-  constexpr int smem = Tc<kN>::kSmemBytes;
-  // Function attributes, not stream operations: legal while a graph is being captured. Two CTAs
-  // of the 64- and 128-row instances need the largest shared-memory carveout (2 x 99 KB), which
-  // the driver does not pick by itself: with less, one CTA fits per SM and the grid, sized for
-  // two (ChooseGemvTcSplitK), runs in two waves.
+  constexpr int smem = kSmemBytes;
+  // A function attribute, not a stream operation: legal while a graph is being captured.
   TS_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(GemvTcKernel<kN>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(GemvTcKernel<kN>,
-                                               cudaFuncAttributePreferredSharedMemoryCarveout,
-                                               cudaSharedmemCarveoutMaxShared));
+      cudaFuncSetAttribute(GemvTcKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim =
       dim3(static_cast<uint32_t>(GemvTcTiles(p.n, p.epilogue)), static_cast<uint32_t>(p.split_k));
@@ -385,27 +323,11 @@ absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
-  TS_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, GemvTcKernel<kN>, p));
+  TS_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, GemvTcKernel, p));
   return absl::OkStatus();
 }
 
 }  // namespace
-
-absl::StatusOr<int32_t> GemvTcOccupancy(int32_t m) {
-  auto query = [](auto kernel, int smem) -> absl::StatusOr<int32_t> {
-    TS_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    int n = 0;
-    TS_CUDA_RETURN_IF_ERROR(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem));
-    return n;
-  };
-  if (m <= 16) return query(GemvTcKernel<16>, Tc<16>::kSmemBytes);
-  if (m <= 64) return query(GemvTcKernel<64>, Tc<64>::kSmemBytes);
-  return query(GemvTcKernel<128>, Tc<128>::kSmemBytes);
-}
 
 int32_t GemvTcTiles(int32_t n, GemvEpilogue epilogue) {
   const int32_t cols = epilogue == GemvEpilogue::kSiluMul ? kTileRows / 2 : kTileRows;
@@ -427,9 +349,7 @@ absl::Status LaunchGemvTc(const GemvParams& p, cudaStream_t stream) {
                                                    kTileRows, " at m > 8, got ",
                                                    p.rope.layout.head_dim));
   }
-  if (p.m <= 16) return LaunchTiles<16>(p, stream);
-  if (p.m <= 64) return LaunchTiles<64>(p, stream);
-  return LaunchTiles<128>(p, stream);
+  return LaunchTiles(p, stream);
 }
 
 int32_t ChooseGemvTcSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,

@@ -1,14 +1,13 @@
 // tailserve-gemv-bench: the decode-shaped GEMMs of Llama-3.2-1B and Llama-3.1-8B (qkv, o, gate_up,
-// down, lm_head) at the M of --ms (default 1, 4, 8: the register kernel; 12-128: the shared-memory
-// kernel, whose instances pad A to 16, 64 and 128 rows): kernels/gemv.cuh (plain and with
-// programmatic dependent launch), with ChooseGemvSplitK's split, against kernels/gemm.cuh's
-// cuBLASLt Gemm. Each variant is captured as a graph of `launches` back-to-back launches whose W
-// rotates over enough copies that L2 (read off the device) never holds it; a replay is timed with
-// CUDA events after warm-up and the table shows the median per launch in us and as a fraction of
-// the 4.3 TB/s read roof (W bytes only), plus the rel. L2 difference of our output against
-// cuBLASLt's (a sanity check, ~1e-3 is bf16 rounding).
+// down, lm_head) at the M of --ms (default 1, 4, 8: the register kernel; 12, 16: the shared-memory
+// kernel): kernels/gemv.cuh (plain and with programmatic dependent launch), with
+// ChooseGemvSplitK's split, against kernels/gemm.cuh's cuBLASLt Gemm. Each variant is captured as
+// a graph of `launches` back-to-back launches whose W rotates over enough copies that L2 (read off
+// the device) never holds it; a replay is timed with CUDA events after warm-up and the table shows
+// the median per launch in us and as a fraction of the 4.3 TB/s read roof (W bytes only), plus the
+// rel. L2 difference of our output against cuBLASLt's (a sanity check, ~1e-3 is bf16 rounding).
 //
-//   tailserve-gemv-bench [--model=all|1b|8b] [--ms=1,4,8,12,16,24,32,48,64,96,128] [--iters=30]
+//   tailserve-gemv-bench [--model=all|1b|8b] [--ms=1,4,8,12,16] [--iters=30]
 //                        [--warmup=3] [--launches=20]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -43,7 +42,7 @@ struct Options {
   int iters = 30;
   int warmup = 3;
   int launches = 20;
-  std::vector<int> ms = {1, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128};
+  std::vector<int> ms = {1, 4, 8, 12, 16};
 };
 
 bool ParseInt(const char* arg, const char* name, int* out) {

@@ -6,7 +6,7 @@
 //       L x (rmsnorm, qkv GEMM, rope + KV write, decode attention + combine, o GEMM, residual
 //       add + rmsnorm, gate_up GEMM, silu * up, down GEMM, residual add) -> norm -> lm_head ->
 //       fp32 logits (read rounded to bf16) -> sampling -> postprocess (ring append + stop checks
-//       + counts). Up to kGemvMaxM (128) rows the norms, residual adds, silu * up and RoPE with
+//       + counts). Up to kGemvMaxM (16) rows the norms, residual adds, silu * up and RoPE with
 //       the K/V write ride inside the GEMV kernels (qkv, o, gate_up, down): 6 graph nodes per
 //       layer with the attention's split and combine kernels (above 8 rows plus the first
 //       layer's rmsnorm), 10 on the cuBLASLt path (prefill, larger buckets).
