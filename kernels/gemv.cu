@@ -423,30 +423,13 @@ absl::Status Validate(const GemvParams& p) {
     return absl::InvalidArgumentError(
         "gemv.epilogue kSiluMul needs a bf16 c, and split_k = 1 at m <= 8");
   }
-  if (p.row_sumsq_out != nullptr) {
-    TS_RETURN_IF_ERROR(RequirePointer("gemv.row_sumsq_out", p.row_sumsq_out, alignof(float)));
-    if (p.m <= kGemvRegisterMaxM || p.c == nullptr ||
-        (p.epilogue != GemvEpilogue::kStore && p.epilogue != GemvEpilogue::kAccumulate)) {
-      return absl::InvalidArgumentError(
-          "gemv.row_sumsq_out needs m > 8, a bf16 c, and kStore or kAccumulate");
-    }
-  }
-  if (p.row_sumsq_in != nullptr && (p.norm_weight == nullptr || p.m <= kGemvRegisterMaxM)) {
-    return absl::InvalidArgumentError("gemv.row_sumsq_in needs norm_weight and m > 8");
-  }
-  if (p.norm_weight != nullptr && p.m > kGemvRegisterMaxM) {
+  if (p.norm_weight != nullptr) {
     TS_RETURN_IF_ERROR(RequirePointer("gemv.norm_weight", p.norm_weight, 16));
-    TS_RETURN_IF_ERROR(RequirePointer("gemv.row_sumsq_in", p.row_sumsq_in, alignof(float)));
-    if (p.k > kGemvTcMaxNormK) {
-      return absl::InvalidArgumentError(absl::StrCat("gemv.k must be <= ", kGemvTcMaxNormK,
-                                                     " with norm_weight at m > 8, got ", p.k));
-    }
-    if (!(p.norm_eps > 0.0f)) {
+    if (p.m > kGemvRegisterMaxM) {
       return absl::InvalidArgumentError(
-          absl::StrCat("gemv.norm_eps must be > 0, got ", p.norm_eps));
+          absl::StrCat("gemv.norm_weight needs m <= ", kGemvRegisterMaxM, ", got ", p.m,
+                       "; normalise with rmsnorm instead"));
     }
-  } else if (p.norm_weight != nullptr) {
-    TS_RETURN_IF_ERROR(RequirePointer("gemv.norm_weight", p.norm_weight, 16));
     if (!GemvCanFuseNorm(p.m, p.k)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "gemv.norm_weight: m = ", p.m, ", k = ", p.k, " needs more than ", kGemvMaxNormSmemBytes,

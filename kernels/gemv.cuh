@@ -49,13 +49,12 @@
 
 namespace ts::kernels {
 
-inline constexpr int32_t kGemvMaxM = 16;          // rows of A one launch handles
-inline constexpr int32_t kGemvRegisterMaxM = 8;   // rows the register-streaming kernel takes
-inline constexpr int32_t kGemvMaxSplitK = 64;     // upper bound on split_k
-inline constexpr int32_t kGemvTileN = 16;         // W rows per tile at m <= 8 (kSiluMul: 8 + 8)
-inline constexpr int32_t kGemvTcTileN = 128;      // W rows per tile at m > 8 (kSiluMul: 64 + 64)
-inline constexpr int32_t kGemvTcMaxSplitK = 8;    // at m > 8: CTAs in a cluster (portable size)
-inline constexpr int32_t kGemvTcMaxNormK = 8192;  // at m > 8 with norm_weight: 64 tiles of sums
+inline constexpr int32_t kGemvMaxM = 16;         // rows of A one launch handles
+inline constexpr int32_t kGemvRegisterMaxM = 8;  // rows the register-streaming kernel takes
+inline constexpr int32_t kGemvMaxSplitK = 64;    // upper bound on split_k
+inline constexpr int32_t kGemvTileN = 16;        // W rows per tile at m <= 8 (kSiluMul: 8 + 8)
+inline constexpr int32_t kGemvTcTileN = 128;     // W rows per tile at m > 8 (kSiluMul: 64 + 64)
+inline constexpr int32_t kGemvTcMaxSplitK = 8;   // at m > 8: CTAs in a cluster (portable size)
 // Shared memory for the normalised A (m rows of k + 32 bf16; the pad staggers the rows' banks):
 // hidden sizes up to 8192 at m = 8 (one CTA per SM there; two up to 4096).
 inline constexpr int32_t kGemvMaxNormSmemBytes = 8 * (8192 + 32) * 2;
@@ -114,24 +113,12 @@ struct GemvParams {
   int32_t n = 0;               // >= 1, any value
   int32_t k = 0;               // positive multiple of 8 (16-byte loads)
   GemvEpilogue epilogue = GemvEpilogue::kStore;
-  // Optional, [k]: RMSNorm folded into the kernel, with LlamaRMSNorm's bf16 rounding: a' =
-  // bf16(norm_weight * bf16(a * rsqrt(mean(a^2) + norm_eps))), multiplied instead of A. Replaces
-  // a separate rmsnorm kernel (a graph node).
-  //   m <= 8: each CTA normalises A into shared memory first; needs m * (k + 8) * 2 <=
-  //     kGemvMaxNormSmemBytes and split_k = 1.
-  //   m > 8: each CTA would have to read whole rows of A for mean(a^2), so it takes the row sums
-  //     of squares from row_sumsq_in instead and normalises each stage of A as it lands.
+  // Optional, [k]: RMSNorm folded into the kernel. Each CTA normalises A into shared memory
+  // first, with LlamaRMSNorm's bf16 rounding: a' = bf16(norm_weight * bf16(a * rsqrt(mean(a^2) +
+  // norm_eps))), and multiplies a' instead of A. Needs m <= 8, m * (k + 8) * 2 <=
+  // kGemvMaxNormSmemBytes and split_k = 1. Replaces a separate rmsnorm kernel (a graph node).
   const __nv_bfloat16* norm_weight = nullptr;
   float norm_eps = 1e-5f;  // > 0 when norm_weight is set
-  // m > 8, with norm_weight (k <= kGemvTcMaxNormK): [ceil(k / kGemvTcTileN), m] fp32, the
-  // row_sumsq_out of the GEMV that wrote A (whose n is this k). Row i's sum of squares is the sum
-  // of its column in tile order.
-  const float* row_sumsq_in = nullptr;
-  // Optional, m > 8 with a bf16 c and kStore or kAccumulate: [ceil(n / kGemvTcTileN), m] fp32. For
-  // each tile of kGemvTcTileN output columns and each row, the sum of the squares of the values
-  // stored to c (as rounded to bf16): the next GEMV's row_sumsq_in, so that it can fuse the RMSNorm
-  // of this output. Written in a fixed order: the same bits every run.
-  float* row_sumsq_out = nullptr;
   // 1..kGemvMaxSplitK; 1 = no split. At m > 8 at most kGemvTcMaxSplitK and the k range's
   // 64-wide stages.
   int32_t split_k = 1;

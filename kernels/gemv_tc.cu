@@ -11,8 +11,8 @@
 // and 64 rows ran the 8B projections at 0.46-0.83x cuBLASLt's speed. Every CTA reads its k range
 // of A from L2, m / 128 of the W bytes again (half at m = 64), and the mma.sync issue rate grows
 // with m; a wider tile per CTA, TMA multicast of A across a cluster, or wgmma would be needed.
-// A wgmma instance (both operands read from the ring, A padded to 64 and 128 rows) ran them at
-// 0.5-0.6x cuBLASLt's speed (bench/results/2026-12-02e-h200.md) and was cut too.
+// A wgmma version (both operands read from the ring, A padded to 64 and 128 rows, two CTAs per
+// SM) ran them at 0.52-0.76x cuBLASLt's speed (bench/results/2026-12-02e-h200.md) and was cut.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -104,36 +104,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
     }
   };
 
-  // The norm prologue (GemvParams::norm_weight): each thread normalises its own copy of A's
-  // stage i (chunk tid % 8 of row tid / 8, as load_a copied it) in place once it has landed,
-  // before the barrier that shows it to the warps. Its 16 bytes of norm_weight are loaded a stage
-  // ahead: an L2 read between the wait and the barrier cost ~0.3 us per stage, and 8B's gate_up
-  // runs 64 stages in a row per CTA.
-  constexpr int kARows = 16 * kMTiles;
-  static_assert(kARows * 8 <= kThreads, "one chunk of A per thread");
-  __shared__ float inv_rms[kARows];
-  const bool norm = p.norm_weight != nullptr;
-  const int a_row = tid >> 3, a_chunk = tid & 7;
-  const bool normalizes = norm && a_row < p.m;
-  auto norm_weight_of = [&](int i) {
-    const int64_t kk = int64_t{s_begin + i} * kStageK + a_chunk * 8;
-    return kk < p.k ? LoadBf16x8(p.norm_weight + kk) : Bf16x8{};
-  };
-  auto normalize_a = [&](int i, const Bf16x8& w) {
-    if (int64_t{s_begin + i} * kStageK + a_chunk * 8 >= p.k) return;
-    Bf16x8* x = reinterpret_cast<Bf16x8*>(smem + (a_slot(i % kStages) - smem_base) +
-                                          Swizzle(a_row, a_chunk));
-    Bf16x8 o;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      o.h[j] = __float2bfloat16_rn(
-          RmsNormScale(__bfloat162float(x->h[j]), inv_rms[a_row], __bfloat162float(w.h[j])));
-    }
-    *x = o;
-  };
-  Bf16x8 w_next{};
-  if (normalizes && s_count > 0) w_next = norm_weight_of(0);
-
   // W does not depend on the kernel before: its first stages stream across the wait (one group).
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < s_count) load_w(i);
@@ -144,37 +114,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
     if (i < s_count) load_a(i);
     ptx::CpAsyncCommit();
   }
-  if (norm) {
-    // Row r's sum is its producer's per-tile sums (at most 64: k <= kGemvTcMaxNormK), lane t
-    // holding tiles t and t + 32, added by a fixed shuffle tree. Every load is issued before the
-    // first add: a loop of dependent L2 reads here cost ~10 us per GEMV.
-    const int tiles = (p.k + kTileRows - 1) / kTileRows;
-    float part[kARows / 8];
-#pragma unroll
-    for (int j = 0; j < kARows / 8; ++j) {
-      const int r = warp + 8 * j;
-      part[j] = 0.f;
-      if (r < p.m && lane < tiles) part[j] = p.row_sumsq_in[lane * p.m + r];
-      if (r < p.m && lane + 32 < tiles) part[j] += p.row_sumsq_in[(lane + 32) * p.m + r];
-    }
-#pragma unroll
-    for (int j = 0; j < kARows / 8; ++j) {
-      const float ss = WarpSum(part[j]);
-      if (lane == 0 && warp + 8 * j < p.m) inv_rms[warp + 8 * j] = rsqrtf(ss / p.k + p.norm_eps);
-    }
-    __syncthreads();
-  }
 
   float acc[2][2 * kMTiles][4] = {};
   const int q = lane >> 3, r8 = lane & 7;
   for (int i = 0; i < s_count; ++i) {
     // Stage i's W and A groups are complete once at most kStages - 2 newer ones are pending.
     ptx::CpAsyncWait<kStages - 2>();
-    if (normalizes) {
-      const Bf16x8 w = w_next;
-      if (i + 1 < s_count) w_next = norm_weight_of(i + 1);
-      normalize_a(i, w);
-    }
     __syncthreads();  // everyone's copies visible; slot (i - 1) % kStages is free again
     if (i + kStages - 1 < s_count) {
       load_w(i + kStages - 1);
@@ -280,31 +225,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
       RopeEpilogue(p, i, static_cast<int32_t>(row0 / hd) + lh, d, value(i, j), value(i, j + half));
     }
   } else {
-    // With row_sumsq_out, quarter[4 i + q] = the sum of squares of row i's stored columns [32 q,
-    // 32 q + 32) of the tile: a warp's 32 consecutive e are one row's 32 consecutive columns, and
-    // a row's 128 columns lie in one 256-element chunk, so one CTA holds all four quarters.
-    __shared__ float quarter[kARows * 4];
-    const bool sums = p.row_sumsq_out != nullptr;
     for (int e = first; e < m * kTileRows; e += step) {
       const int i = e / kTileRows, j = e % kTileRows;
       const int64_t col = int64_t{tile} * kTileRows + j;
-      float sq = 0.f;
-      if (col < p.n) {
-        const float v = StoreOutput(p, i * int64_t{p.n} + col, value(i, j));
-        sq = v * v;
-      }
-      if (sums) {
-        sq = WarpSum(sq);
-        if (lane == 0) quarter[4 * i + j / 32] = sq;
-      }
-    }
-    if (sums) {
-      __syncthreads();
-      // Row i's chunk is 128 i / 256, handled by split (i / 2) % nsplit.
-      if (tid < m && (tid / 2) % nsplit == split) {
-        const float* q = quarter + 4 * tid;
-        p.row_sumsq_out[int64_t{tile} * m + tid] = ((q[0] + q[1]) + q[2]) + q[3];
-      }
+      if (col < p.n) StoreOutput(p, i * int64_t{p.n} + col, value(i, j));
     }
   }
   // No CTA may leave while another still reads its shared memory.

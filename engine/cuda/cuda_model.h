@@ -6,10 +6,9 @@
 //       L x (rmsnorm, qkv GEMM, rope + KV write, decode attention + combine, o GEMM, residual
 //       add + rmsnorm, gate_up GEMM, silu * up, down GEMM, residual add) -> norm -> lm_head ->
 //       fp32 logits (read rounded to bf16) -> sampling -> postprocess (ring append + stop checks
-//       + counts). Up to kGemvMaxM (16) rows the norms, residual adds, silu * up and RoPE with
-//       the K/V write ride inside the GEMV kernels (qkv, o, gate_up, down): 6 graph nodes per
-//       layer with the attention's split and combine kernels (above 8 rows plus the first
-//       layer's rmsnorm), 10 on the cuBLASLt path (prefill, larger buckets).
+//       + counts). At m <= 8 rows the norms, residual adds, silu * up and RoPE with the K/V
+//       write ride inside the GEMV kernels (qkv, o, gate_up, down): 6 graph nodes per layer
+//       with the attention's split and combine kernels, 10 on the cuBLASLt path.
 //       Every op rounds to bf16 where transformers' bf16 Llama does, so logits track it to fp32
 //       summation order.
 //   - EnqueuePrefill + EnqueuePrefillSample: the same layers over a packed, chunked prompt
@@ -281,10 +280,12 @@ class CudaModel {
   absl::Status EnqueueLayers(const ForwardBuffers& f, int32_t rows, const Attention& attn,
                              const kernels::Gemm& gemm, cudaStream_t stream,
                              OpObserver* observer) const;
-  // Whether decode with `rows` rows runs the GEMV layers (kernels/gemv.cuh: the norms, residual
-  // adds, SwiGLU and RoPE with the K/V write inside the GEMVs) rather than rmsnorm + cuBLASLt +
-  // rope_kv + silu_mul nodes: up to kGemvMaxM rows, for the shapes the kernels take.
-  bool GemvDecodeLayers(int32_t rows) const;
+  // Decode with `rows` rows runs the fused GEMV layers (norms, residual adds, SwiGLU and RoPE
+  // with the K/V write inside the GEMVs) rather than rmsnorm + cuBLASLt + silu_mul nodes.
+  bool FusedDecodeLayers(int32_t rows) const;
+  // Decode with 8 < `rows` <= 16 runs the shared-memory GEMV (kernels/gemv.cuh) with RoPE and the
+  // K/V write, the residual adds and SwiGLU in its epilogues; the norms stay rmsnorm nodes.
+  static bool GemvEpilogueLayers(const ModelDims& d, int32_t rows);
   absl::Status EnqueueAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
                                 const Attention& attn, cudaStream_t stream) const;
   // Decode attention over q rows [0, rows) of f; prefill attention over the q rows from

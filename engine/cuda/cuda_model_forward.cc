@@ -66,13 +66,16 @@ absl::Status CudaModel::LaunchLinear(const k::Gemm& gemm, const k::GemmParams& p
   return gemm.Launch(p, stream);
 }
 
-bool CudaModel::GemvDecodeLayers(int32_t rows) const {
+bool CudaModel::FusedDecodeLayers(int32_t rows) const {
   const ModelDims& d = dims();
-  if (d.hidden % 8 != 0 || d.q_dim() % 8 != 0 || d.intermediate_padded % 8 != 0) return false;
-  if (rows <= k::kGemvRegisterMaxM) return k::GemvCanFuseNorm(rows, d.hidden);
-  // Above 8 rows the qkv GEMV always carries RoPE, and its 128-row tiles must hold whole heads.
-  return rows <= k::kGemvMaxM && d.head_dim % 16 == 0 && k::kGemvTcTileN % d.head_dim == 0 &&
-         d.hidden <= k::kGemvTcMaxNormK;
+  return rows <= k::kGemvRegisterMaxM && k::GemvCanFuseNorm(rows, d.hidden) && d.hidden % 8 == 0 &&
+         d.q_dim() % 8 == 0 && d.intermediate_padded % 8 == 0;
+}
+
+bool CudaModel::GemvEpilogueLayers(const ModelDims& d, int32_t rows) {
+  return rows > k::kGemvRegisterMaxM && rows <= k::kGemvMaxM && d.head_dim % 16 == 0 &&
+         k::kGemvTcTileN % d.head_dim == 0 && d.hidden % 8 == 0 && d.q_dim() % 8 == 0 &&
+         d.intermediate_padded % 8 == 0;
 }
 
 absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
@@ -159,6 +162,7 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   const ModelDims& d = dims();
   const ArenaShape& s = plan_.shape;
   const float eps = config_.rms_norm_eps;
+  const bool fused = at.decode && FusedDecodeLayers(rows);
   const k::KvLayout kv_layout{s.num_kv_blocks, d.num_kv_heads, s.kv_block_size, d.head_dim};
   auto rope_kv = [&](const LayerBuffers& layer) {
     return RunOp(observer, "rope_kv", stream, [&] {
@@ -194,9 +198,70 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                  [&] { return EnqueueAttention(f, rows, layer, at, stream); });
   };
 
+  if (fused) {
+    // Decode at m <= 8: four GEMV nodes per layer carry the norms, the residual adds, SwiGLU and
+    // (head_dim a multiple of 16) RoPE with the K/V write, so a layer is 6 graph nodes with the
+    // attention's split and combine, instead of 10 (each node costs ~1.7 us at batch 1,
+    // docs/gpu-facts.md, Per-step launch cost). Each fusion was measured against the separate
+    // nodes and kept (bench/results/2026-11-29*-h200.md).
+    auto gemv = [&](const char* name, k::GemvParams p) {
+      p.m = rows;
+      p.warp_tiles = k::GemvWarpTiles::kAuto;
+      p.pdl = true;  // nothing in the step writes weights; A and C are read after the wait
+      return RunOp(observer, name, stream, [&] { return k::LaunchGemv(p, stream); });
+    };
+    for (const LayerBuffers& layer : dev_.layers) {
+      k::GemvParams qkv{.a = f.h,
+                        .w = layer.qkv,
+                        .c = f.qkv,
+                        .n = d.qkv_dim(),
+                        .k = d.hidden,
+                        .norm_weight = layer.attn_norm,
+                        .norm_eps = eps};
+      if (d.head_dim % 16 == 0) {
+        qkv.c = f.q;  // rotated q only; k and v go straight to the cache
+        qkv.epilogue = k::GemvEpilogue::kRopeKv;
+        qkv.rope = rope_targets(layer);
+        TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", qkv));
+      } else {
+        TS_RETURN_IF_ERROR(gemv("qkv_gemm", qkv));
+        TS_RETURN_IF_ERROR(rope_kv(layer));
+      }
+      TS_RETURN_IF_ERROR(attention(layer));
+      TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
+                                         .w = layer.o,
+                                         .c = f.h,
+                                         .n = d.hidden,
+                                         .k = d.q_dim(),
+                                         .epilogue = k::GemvEpilogue::kAccumulate}));
+      TS_RETURN_IF_ERROR(gemv("gate_up_gemm", {.a = f.h,
+                                               .w = layer.gate_up,
+                                               .c = f.act,
+                                               .n = d.intermediate_padded,
+                                               .k = d.hidden,
+                                               .epilogue = k::GemvEpilogue::kSiluMul,
+                                               .norm_weight = layer.mlp_norm,
+                                               .norm_eps = eps}));
+      TS_RETURN_IF_ERROR(gemv("down_gemm", {.a = f.act,
+                                            .w = layer.down,
+                                            .c = f.h,
+                                            .n = d.hidden,
+                                            .k = d.intermediate_padded,
+                                            .epilogue = k::GemvEpilogue::kAccumulate}));
+    }
+    return absl::OkStatus();
+  }
+
+  // cuBLASLt path (prefill, batches above 16) and the shared-memory GEMV path (decode at 8 < rows
+  // <= 16). On cuBLASLt, o_proj and down_proj write their bf16 output to xn and the next rmsnorm
+  // adds it into the residual (x), as transformers rounds: bf16(h + bf16(o)); down_proj's output
+  // is added by the next layer's attn_norm. The GEMV adds into h itself (kAccumulate, the same
+  // rounding) and carries RoPE with the K/V write and SwiGLU, so its layer has no rope_kv or
+  // silu_mul node and no split-K reduce node (reduced inside the kernel).
   // PDL (kernels/pdl.cuh) only behind a kernel of this sequence: its overlap and its wait are
   // defined against the kernel before, and a later pipeline stage's first norm follows the copy
   // of its input instead.
+  const bool epilogues = at.decode && GemvEpilogueLayers(d, rows);
   bool behind_kernel = stage().has_embedding;
   auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
     const bool pdl = behind_kernel;
@@ -213,94 +278,61 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                               stream);
     });
   };
-
-  if (at.decode && GemvDecodeLayers(rows)) {
-    // Decode up to kGemvMaxM rows: four GEMV nodes per layer carry the norms, the residual adds
-    // (into h, rounded as transformers' bf16(h + bf16(o))), SwiGLU and (head_dim a multiple of
-    // 16) RoPE with the K/V write, so a layer is 6 graph nodes with the attention's split and
-    // combine, instead of 10 (each node costs ~1.7 us at batch 1, docs/gpu-facts.md, Per-step
-    // launch cost). At m <= 8 a GEMV computes its norm's mean(a^2) over whole rows of A itself;
-    // above, a CTA reads only its k range of A, so the residual adds leave h's row sums of squares
-    // in f.row_sumsq for the next GEMV, and the first layer's norm is an rmsnorm node. Each fusion
-    // was measured against the separate nodes and kept (bench/results/2026-11-29*-h200.md,
-    // 2026-12-02*-h200.md).
-    const bool wide = rows > k::kGemvRegisterMaxM;
-    auto gemv = [&](const char* name, k::GemvParams p) {
-      p.m = rows;
-      // m > 8 reduces split-K inside the kernel (a cluster); m <= 8 with the norm needs split 1.
-      p.split_k = wide ? k::ChooseGemvSplitK(rows, p.n, p.k, num_sms_, p.epilogue) : 1;
-      p.warp_tiles = k::GemvWarpTiles::kAuto;
-      p.pdl = true;  // nothing in the step writes weights; A and C are read after the wait
-      return RunOp(observer, name, stream, [&] { return k::LaunchGemv(p, stream); });
-    };
-    float* sums_out = wide ? f.row_sumsq : nullptr;
-    const float* sums_in = sums_out;
-    bool norm_inside = !wide;  // whether the qkv GEMV can normalise h itself
-    for (const LayerBuffers& layer : dev_.layers) {
-      if (!norm_inside) TS_RETURN_IF_ERROR(norm("attn_norm", nullptr, layer.attn_norm));
-      k::GemvParams qkv{.a = norm_inside ? f.h : f.xn,
-                        .w = layer.qkv,
-                        .c = f.qkv,
-                        .n = d.qkv_dim(),
-                        .k = d.hidden,
-                        .norm_weight = norm_inside ? layer.attn_norm : nullptr,
-                        .norm_eps = eps,
-                        .row_sumsq_in = norm_inside ? sums_in : nullptr};
-      if (d.head_dim % 16 == 0) {
-        qkv.c = f.q;  // rotated q only; k and v go straight to the cache
-        qkv.epilogue = k::GemvEpilogue::kRopeKv;
-        qkv.rope = rope_targets(layer);
-        TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", qkv));
-      } else {
-        TS_RETURN_IF_ERROR(gemv("qkv_gemm", qkv));
-        TS_RETURN_IF_ERROR(rope_kv(layer));
-      }
-      TS_RETURN_IF_ERROR(attention(layer));
-      TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
-                                         .w = layer.o,
-                                         .c = f.h,
-                                         .n = d.hidden,
-                                         .k = d.q_dim(),
-                                         .epilogue = k::GemvEpilogue::kAccumulate,
-                                         .row_sumsq_out = sums_out}));
-      TS_RETURN_IF_ERROR(gemv("gate_up_gemm", {.a = f.h,
-                                               .w = layer.gate_up,
-                                               .c = f.act,
-                                               .n = d.intermediate_padded,
-                                               .k = d.hidden,
-                                               .epilogue = k::GemvEpilogue::kSiluMul,
-                                               .norm_weight = layer.mlp_norm,
-                                               .norm_eps = eps,
-                                               .row_sumsq_in = sums_in}));
-      TS_RETURN_IF_ERROR(gemv("down_gemm", {.a = f.act,
-                                            .w = layer.down,
-                                            .c = f.h,
-                                            .n = d.hidden,
-                                            .k = d.intermediate_padded,
-                                            .epilogue = k::GemvEpilogue::kAccumulate,
-                                            .row_sumsq_out = sums_out}));
-      norm_inside = true;
-    }
-    return absl::OkStatus();
-  }
-
-  // cuBLASLt (prefill, and decode above kGemvMaxM rows): o_proj and down_proj write their bf16
-  // output to xn and the next rmsnorm adds it into the residual (x), as transformers rounds:
-  // bf16(h + bf16(o)); down_proj's output is added by the next layer's attn_norm.
   auto linear = [&](const char* name, const bf16* a, const bf16* w, bf16* c, int32_t n,
                     int32_t kdim) {
     return RunOp(observer, name, stream, [&] {
       return LaunchLinear(gemm, {.a = a, .w = w, .c = c, .m = rows, .n = n, .k = kdim}, stream);
     });
   };
-  const bf16* pending = nullptr;  // xn once an o/down_proj output waits to be added
+  // Split-K at m > 8 needs no workspace (reduced across a cluster, kernels/gemv.cuh).
+  auto gemv = [&](const char* name, k::GemvParams p) {
+    p.m = rows;
+    p.split_k = k::ChooseGemvSplitK(rows, p.n, p.k, num_sms_, p.epilogue);
+    p.pdl = true;  // behind a norm or attention kernel; nothing in the step writes weights
+    return RunOp(observer, name, stream, [&] { return k::LaunchGemv(p, stream); });
+  };
+  const bf16* pending = nullptr;  // xn once a cuBLASLt o/down_proj output waits to be added
   for (const LayerBuffers& layer : dev_.layers) {
     TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
-    TS_RETURN_IF_ERROR(linear("qkv_gemm", f.xn, layer.qkv, f.qkv, d.qkv_dim(), d.hidden));
-    TS_RETURN_IF_ERROR(rope_kv(layer));
+    if (epilogues) {
+      TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", {.a = f.xn,
+                                                .w = layer.qkv,
+                                                .c = f.q,
+                                                .n = d.qkv_dim(),
+                                                .k = d.hidden,
+                                                .epilogue = k::GemvEpilogue::kRopeKv,
+                                                .rope = rope_targets(layer)}));
+    } else {
+      TS_RETURN_IF_ERROR(linear("qkv_gemm", f.xn, layer.qkv, f.qkv, d.qkv_dim(), d.hidden));
+      TS_RETURN_IF_ERROR(rope_kv(layer));
+    }
     TS_RETURN_IF_ERROR(attention(layer));
-    TS_RETURN_IF_ERROR(linear("o_gemm", f.attn, layer.o, f.xn, d.hidden, d.q_dim()));
-    TS_RETURN_IF_ERROR(norm("mlp_norm", f.xn, layer.mlp_norm));
+    if (epilogues) {
+      TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
+                                         .w = layer.o,
+                                         .c = f.h,
+                                         .n = d.hidden,
+                                         .k = d.q_dim(),
+                                         .epilogue = k::GemvEpilogue::kAccumulate}));
+    } else {
+      TS_RETURN_IF_ERROR(linear("o_gemm", f.attn, layer.o, f.xn, d.hidden, d.q_dim()));
+    }
+    TS_RETURN_IF_ERROR(norm("mlp_norm", epilogues ? nullptr : f.xn, layer.mlp_norm));
+    if (epilogues) {
+      TS_RETURN_IF_ERROR(gemv("gate_up_gemm", {.a = f.xn,
+                                               .w = layer.gate_up,
+                                               .c = f.act,
+                                               .n = d.intermediate_padded,
+                                               .k = d.hidden,
+                                               .epilogue = k::GemvEpilogue::kSiluMul}));
+      TS_RETURN_IF_ERROR(gemv("down_gemm", {.a = f.act,
+                                            .w = layer.down,
+                                            .c = f.h,
+                                            .n = d.hidden,
+                                            .k = d.intermediate_padded,
+                                            .epilogue = k::GemvEpilogue::kAccumulate}));
+      continue;
+    }
     TS_RETURN_IF_ERROR(linear("gate_up_gemm", f.xn, layer.gate_up, f.gate_up,
                               2 * d.intermediate_padded, d.hidden));
     TS_RETURN_IF_ERROR(RunOp(observer, "silu_mul", stream, [&] {

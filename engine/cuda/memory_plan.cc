@@ -6,7 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
-#include "kernels/gemv.cuh"
 
 namespace ts {
 namespace {
@@ -61,9 +60,6 @@ void CarveForward(const ArenaShape& s, int32_t rows, Carver& c, size_t* cat, For
   f->tokens = c.Take<int32_t>(m, cat);
   f->positions = c.Take<int32_t>(m, cat);
   f->slot_mapping = c.Take<int32_t>(m, cat);
-  const size_t tiles = (static_cast<size_t>(d.hidden) + kernels::kGemvTcTileN - 1) /
-                       static_cast<size_t>(kernels::kGemvTcTileN);
-  f->row_sumsq = c.Take<float>(tiles * m, cat);
 }
 
 void CarveHead(const ArenaShape& s, Carver& c, size_t* cat, HeadBuffers* h) {

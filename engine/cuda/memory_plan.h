@@ -158,10 +158,6 @@ struct ForwardBuffers {
   int32_t* tokens = nullptr;         // [M]
   int32_t* positions = nullptr;      // [M]
   int32_t* slot_mapping = nullptr;   // [M] block * block_size + offset; -1 = no KV write
-  // [ceil(hidden / kernels::kGemvTcTileN), M]: the residual's row sums of squares per 128-column
-  // tile, left by the o/down GEMVs for the next GEMV's fused RMSNorm (kernels/gemv.cuh,
-  // row_sumsq_out; decode at 8 < M <= kGemvMaxM).
-  float* row_sumsq = nullptr;
 };
 
 // lm_head -> fp32 logits -> sampling -> postprocess for up to `rows` rows.
