@@ -27,46 +27,77 @@ struct CombineArgs {
   SplitGeometry geo;
 };
 
+// Splits merged with every load issued at once: the split kernel's usual split counts at decode
+// contexts. More splits take the loop below, a load round trip per split.
+constexpr int kUnrolledSplits = 8;
+
 // One warp per (seq, head) row; lanes own 4 consecutive dims each.
 template <int D>
 __global__ void __launch_bounds__(kCombineWarps * 32) AttentionCombineKernel(CombineArgs a) {
   static_assert(D % 4 == 0 && D / 4 <= 32, "a warp covers the head in float4s");
-  // The partials come from the split kernel just before (kernels/pdl.cuh).
-  GridDepWait();
-  GridDepLaunchDependents();
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kCombineWarps + (threadIdx.x >> 5);
+  // The context lengths come from a kernel older than the split kernel, so they are read before
+  // the wait, through L2 (the chain rule of kernels/pdl.cuh); the partials only after it.
+  int n = 0;
+  if (row < a.num_rows) {
+    const int ctx = ClampedContext(a.geo, __ldcg(a.context_lens + row / a.num_heads));
+    n = ctx > 0 ? NumActiveSplits(a.geo, ctx) : 0;
+  }
+  GridDepWait();
+  GridDepLaunchDependents();
   if (row >= a.num_rows) return;
-  const int seq = row / a.num_heads;
-  const int ctx = ClampedContext(a.geo, a.context_lens[seq]);
-  const int n = ctx > 0 ? NumActiveSplits(a.geo, ctx) : 0;
   if (a.geo.num_splits == 1 && n == 1) return;  // the split kernel wrote this row itself
   const float* lse = a.partial_lse + static_cast<int64_t>(row) * a.max_splits;
+  const float* po = a.partial_out + static_cast<int64_t>(row) * a.max_splits * D + lane * 4;
+  const bool lane_in = lane * 4 < D;
 
-  float m = -INFINITY;
-  for (int i = lane; i < n; i += 32) m = fmaxf(m, lse[i]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-
+  // Splits below n are never empty (NumActiveSplits); an empty one would have lse -inf and an
+  // undefined output, skipped below in either path.
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   float wsum = 0.f;
-  if (m != -INFINITY) {
-    const float* po = a.partial_out + static_cast<int64_t>(row) * a.max_splits * D + lane * 4;
-    for (int i = 0; i < n; ++i) {
-      const float l = lse[i];
-      if (l == -INFINITY) continue;  // an empty split: its partial output is not defined
-      const float w = exp2f(l - m);
-      wsum += w;
-      if (lane * 4 < D) {
-        const float4 v = *reinterpret_cast<const float4*>(po + static_cast<int64_t>(i) * D);
-        acc[0] += w * v.x;
-        acc[1] += w * v.y;
-        acc[2] += w * v.z;
-        acc[3] += w * v.w;
+  auto add = [&](float l, float m, const float4& v) {
+    const float w = exp2f(l - m);
+    wsum += w;
+    acc[0] += w * v.x;
+    acc[1] += w * v.y;
+    acc[2] += w * v.z;
+    acc[3] += w * v.w;
+  };
+  if (n <= kUnrolledSplits) {
+    float l[kUnrolledSplits];
+    float4 v[kUnrolledSplits];
+#pragma unroll
+    for (int i = 0; i < kUnrolledSplits; ++i) {
+      l[i] = i < n ? lse[i] : -INFINITY;
+      v[i] = i < n && lane_in ? *reinterpret_cast<const float4*>(po + static_cast<int64_t>(i) * D)
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kUnrolledSplits; ++i) m = fmaxf(m, l[i]);
+    if (m != -INFINITY) {
+#pragma unroll
+      for (int i = 0; i < kUnrolledSplits; ++i) {
+        if (l[i] != -INFINITY) add(l[i], m, v[i]);
+      }
+    }
+  } else {
+    float m = -INFINITY;
+    for (int i = lane; i < n; i += 32) m = fmaxf(m, lse[i]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (m != -INFINITY) {
+      for (int i = 0; i < n; ++i) {
+        const float l = lse[i];
+        if (l == -INFINITY) continue;
+        add(l, m,
+            lane_in ? *reinterpret_cast<const float4*>(po + static_cast<int64_t>(i) * D)
+                    : make_float4(0.f, 0.f, 0.f, 0.f));
       }
     }
   }
-  if (lane * 4 < D) {
+  if (lane_in) {
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
     __nv_bfloat162* o =
         reinterpret_cast<__nv_bfloat162*>(a.out + static_cast<int64_t>(row) * D + lane * 4);

@@ -4,6 +4,11 @@
 // split kernel used, so splits that were never written are never read. With num_splits == 1 the
 // split kernel writes every non-empty row's output itself (no partials), and this kernel only
 // zeroes the rows of empty sequences.
+//
+// With pdl the kernel starts while the split kernel runs: it reads the context lengths before its
+// wait (kernels/pdl.cuh, the chain rule) and the partials after it, all of a row's splits at once
+// when there are at most 8 (a merge of n splits cost n load round trips in a row, about 6 us a
+// layer on the critical path at batch 1, bench/results/2026-12-02f-h200.md).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -6,6 +6,14 @@
 // visible. The overlap hides the launch latency and lets a kernel start its own independent
 // reads (weights) early: 1.2 -> 0.86 us per node for a chain of 1 MB kernels (docs/gpu-facts.md,
 // PDL). Both device calls are no-ops in a kernel launched without the attribute.
+//
+// The chain rule: every kernel of ours calls GridDepWait before GridDepLaunchDependents (a kernel
+// that never triggers counts as triggering at its exit, and cuBLASLt's are launched without the
+// attribute). So when a kernel starts, the kernel before it has passed its wait, and every kernel
+// older than that one has completed with its writes in L2. A kernel may therefore read before its
+// own wait, through L2 (ld.global.cg, not an L1-cached load), what only older kernels wrote: the
+// attention combine reads the context lengths that way (kernels/attention_combine.cu). A kernel
+// that triggers before it waits would break this for the kernel after it.
 #pragma once
 
 #include <cuda_runtime.h>
