@@ -155,10 +155,10 @@ __host__ __device__ __forceinline__ bool StagesNormWeight(int m, int k) {
 // MMA, and W and A agree because both are indexed by t alone. Rows of W past n and rows of A past
 // m are clamped to row 0 (loaded, never stored), which keeps the hot loop free of predicates.
 //
-// kWarpTiles: each warp owns whole tiles (tile = blockIdx.x * 8 + warp, stepping by 8 gridDim.x)
-// and streams all of K itself, so no tile needs the CTA's barrier and shared-memory reduction:
-// thread (g, t) holds the finished sums of W rows g and g + 8 for A rows 2t and 2t + 1 and stores
-// them directly. Chosen when tiles are plentiful (ChooseGemvWarpTiles; split_k = 1).
+// kWarpTiles: each warp owns whole tiles (tile = warp * gridDim.x + blockIdx.x, stepping by 8
+// gridDim.x) and streams all of K itself, so no tile needs the CTA's barrier and shared-memory
+// reduction: thread (g, t) holds the finished sums of W rows g and g + 8 for A rows 2t and 2t + 1
+// and stores them directly. Chosen when tiles are plentiful (ChooseGemvWarpTiles; split_k = 1).
 template <bool kWarpTiles>
 __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -230,7 +230,9 @@ __global__ void __launch_bounds__(kThreads, 2) GemvKernel(GemvParams p) {
   const int32_t b_first = kWarpTiles ? b_begin : b_begin + warp;
   const int32_t b_step = kWarpTiles ? 1 : kWarps;
   const int32_t tile_step = kWarpTiles ? gridDim.x * kWarps : gridDim.x;
-  int32_t tile = kWarpTiles ? blockIdx.x * kWarps + warp : blockIdx.x;
+  // Warp tiles are dealt warp-major (warp w of every CTA before warp w + 1 of any), so that a grid
+  // of all resident CTAs spreads them evenly over the SMs.
+  int32_t tile = kWarpTiles ? warp * gridDim.x + blockIdx.x : blockIdx.x;
   set_tile(tile < tiles ? tile : 0);
   int32_t b = tile < tiles ? b_first : b_end;
   // The first batch of W is in flight across the wait (and the norm prologue).
@@ -500,7 +502,9 @@ absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
       (p.warp_tiles == GemvWarpTiles::kAlways ||
        (p.warp_tiles == GemvWarpTiles::kAuto && ChooseGemvWarpTiles(tiles, resident)));
   if (warp_tiles) {
-    const int32_t ctas = std::min(resident, (tiles + kWarps - 1) / kWarps);
+    // Every resident CTA, each with a share of the tiles: 8B's gate_up (1792 tiles) in 224 CTAs of
+    // 8 busy warps left 40 of the 264 CTA slots empty, and its SMs with two CTAs set the time.
+    const int32_t ctas = std::min(resident, tiles);
     return Launch(GemvKernel<true>, dim3(ctas), p, smem, stream);
   }
   const dim3 grid(std::min(tiles, resident), p.split_k);
