@@ -16,7 +16,7 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} >/
 if [ -z "${TARGETS:-}" ]; then
   # Every gpu-labelled test plus the benchmarks (ctest knows the labels once built targets exist).
   TARGETS=$(ninja -C "$BUILD_DIR" -t targets all | sed -n 's/^\([A-Za-z0-9_-]*\): phony$/\1/p' |
-            grep -E '^(kernels_|graphs_|engine_cuda|engine_nccl|server_cuda|tailserve-(bench|attn-bench|graph-bench|gemv-bench|cublaslt-sweep|load)$|tailserve$)' || true)
+            grep -E '^(kernels_|graphs_|engine_cuda|engine_nccl|server_cuda|tailserve-(bench|attn-bench|graph-bench|gemv-bench|cublaslt-sweep|load)$|tailserve$|ts_kernel_trace$)' || true)
 fi
 echo "gpu-bundle: building $(echo $TARGETS | wc -w) targets"
 cmake --build "$BUILD_DIR" -j "${JOBS:-2}" --target $TARGETS
@@ -38,6 +38,14 @@ sp=$(find "$BUILD_DIR" -name libts_sentencepiece.so | head -1)
 if [ -n "$sp" ]; then
   cp "$sp" .bundle/lib/
   ldd "$sp" | awk '/libsentencepiece/ {print $3}' | xargs -r -I{} cp -L {} .bundle/lib/
+fi
+# The kernel tracer (bench/trace/README.md), loaded through CUDA_INJECTION64_PATH, with the CUPTI
+# it links (the device's toolkit may lack it), and its timeline script.
+tr=$(find "$BUILD_DIR" -name libts_kernel_trace.so | head -1)
+if [ -n "$tr" ]; then
+  cp "$tr" .bundle/lib/
+  ldd "$tr" | awk '/libcupti/ {print $3}' | xargs -r -I{} cp -L {} .bundle/lib/
+  cp bench/trace/step_timeline.py .bundle/bin/
 fi
 # Which tests are gpu-labelled, so the device runs exactly those, each with the TIMEOUT that
 # tailserve_add_test registered (one line each: name, seconds).
