@@ -41,8 +41,8 @@ void CUPTIAPI BufferCompleted(CUcontext, uint32_t, uint8_t* buffer, size_t, size
   while (cuptiActivityGetNextRecord(buffer, valid, &a) == CUPTI_SUCCESS) {
     if (a->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
     const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(a);
-    records->push_back({k->start, k->end, k->graphNodeId, k->graphId, k->gridX, k->gridY,
-                        k->gridZ, k->clusterY, k->name != nullptr ? k->name : "?"});
+    records->push_back({k->start, k->end, k->graphNodeId, k->graphId, k->gridX, k->gridY, k->gridZ,
+                        k->clusterY, k->name != nullptr ? k->name : "?"});
   }
   free(buffer);
 }
