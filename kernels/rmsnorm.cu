@@ -27,7 +27,7 @@ __device__ float BlockSum(float v, float* scratch /* [32] */) {
   return WarpSum(v);  // every warp reduces the same 32 values, so all threads get the total
 }
 
-__global__ void RmsNormKernel(RmsNormParams p) {
+__global__ void __launch_bounds__(kMaxThreads) RmsNormKernel(RmsNormParams p) {
   __shared__ float scratch[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * p.hidden;
   const int vecs = p.hidden / 8;
@@ -41,18 +41,26 @@ __global__ void RmsNormKernel(RmsNormParams p) {
   }
   GridDepWait();
   GridDepLaunchDependents();
-  Bf16x8 r[kVecsPerThread];
-  float sum_sq = 0.0f;
+  // Every load is issued before the first store: a store to the residual may alias a later
+  // load as far as the compiler knows, so a loop that added and stored one vector at a time took
+  // one memory round trip per vector (x may alias out, which is written only at the end).
+  Bf16x8 r[kVecsPerThread], x[kVecsPerThread];
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     if (v >= vecs) continue;
     r[i] = LoadBf16x8Coherent(p.residual + base + v * 8);
+    if (p.x != nullptr) x[i] = LoadBf16x8Coherent(p.x + base + v * 8);
+  }
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v >= vecs) continue;
     if (p.x != nullptr) {
-      const Bf16x8 x = LoadBf16x8Coherent(p.x + base + v * 8);  // x may alias out
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        r[i].h[j] = __float2bfloat16_rn(__bfloat162float(r[i].h[j]) + __bfloat162float(x.h[j]));
+        r[i].h[j] = __float2bfloat16_rn(__bfloat162float(r[i].h[j]) + __bfloat162float(x[i].h[j]));
       StoreBf16x8(p.residual + base + v * 8, r[i]);
     }
 #pragma unroll
