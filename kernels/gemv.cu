@@ -74,28 +74,11 @@ __device__ __forceinline__ void StageNormWeight(const GemvParams& p, __nv_bfloat
 // The rows of A the CTA multiplies, normalised into shared memory (LlamaRMSNorm, see the header).
 // Row i lives at a_s[i * stride]; all threads take part (two __syncthreads). w_s: norm_weight
 // staged by StageNormWeight, or nullptr to read it from global memory.
-//
-// Every row's copy is in flight at once (cp.async, no registers), so the prologue costs one L2
-// round trip whatever m. A load-and-store loop per row issued the rows one after another: at
-// m = 8 that was 8 round trips before the first MMA, and 8B's qkv GEMV took 26 us a layer in the
-// batch-8 step against 16 at batch 1 (bench/results/2026-12-02f-h200.md).
 __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride,
                            const __nv_bfloat16* w_s) {
   __shared__ float partial[kWarps][kGemvRegisterMaxM];
   __shared__ float inv_rms[kGemvRegisterMaxM];
   const int vecs = p.k / 8;
-  for (int i = 0; i < p.m; ++i) {
-    for (int v = threadIdx.x; v < vecs; v += kThreads) {
-      const uint32_t dst =
-          static_cast<uint32_t>(__cvta_generic_to_shared(a_s + i * stride + v * 8));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
-                   "l"(p.a + static_cast<int64_t>(i) * p.k + v * 8)
-                   : "memory");
-    }
-  }
-  // Until the normalised rows are complete, a thread reads only the 16-byte pieces of A and
-  // norm_weight it copied itself (the same v), which its own wait makes visible: no barrier here.
-  asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
   float ss[kGemvRegisterMaxM];
 #pragma unroll
   for (int i = 0; i < kGemvRegisterMaxM; ++i) ss[i] = 0.f;
@@ -103,7 +86,8 @@ __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride,
   for (int i = 0; i < kGemvRegisterMaxM; ++i) {
     if (i >= p.m) break;
     for (int v = threadIdx.x; v < vecs; v += kThreads) {
-      const Bf16x8 x = *reinterpret_cast<const Bf16x8*>(a_s + i * stride + v * 8);
+      const Bf16x8 x = LoadBf16x8Coherent(p.a + static_cast<int64_t>(i) * p.k + v * 8);
+      *reinterpret_cast<Bf16x8*>(a_s + i * stride + v * 8) = x;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float f = __bfloat162float(x.h[j]);
@@ -117,6 +101,8 @@ __device__ void NormalizeA(const GemvParams& p, __nv_bfloat16* a_s, int stride,
     const float s = WarpSum(ss[i]);
     if (lane == 0) partial[warp][i] = s;
   }
+  // This thread's weight copies have landed; the barrier shows everyone's to the whole CTA.
+  if (w_s != nullptr) asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
   if (threadIdx.x < kGemvRegisterMaxM) {
     float s = 0.f;
