@@ -9,7 +9,11 @@ summed over its launches in one step:
         increments add up to the step's span, so this column is where the step's time goes;
   gap   its start minus the previous kernel's end, per launch (negative: it overlapped, PDL).
 
-  step_timeline.py trace.csv [--steps 20] [--marker PrepareDecodeKernel]"""
+With --layers L, an op launched k L times a step (k > 1) is split by its place in the layer:
+the i-th launch is op #(i mod k), so two projections of one grid (8B's qkv and gate_up at m <= 8)
+stay apart.
+
+  step_timeline.py trace.csv [--steps 20] [--marker PrepareDecodeKernel] [--layers 0]"""
 import argparse
 import collections
 import csv
@@ -51,7 +55,7 @@ def read_trace(path):
     return sorted(out, key=lambda k: k[0])
 
 
-def summarize(kernels, steps=20, marker='PrepareDecodeKernel'):
+def summarize(kernels, steps=20, marker='PrepareDecodeKernel', layers=0):
     """(number of steps, kernels per step, median span us, [(name, grid, n, dur, path, gap)])."""
     cuts = [i for i, k in enumerate(kernels) if k[2] == marker] + [len(kernels)]
     cut = [kernels[cuts[i]:cuts[i + 1]] for i in range(len(cuts) - 1)]
@@ -60,6 +64,22 @@ def summarize(kernels, steps=20, marker='PrepareDecodeKernel'):
     common = collections.Counter(len(s) for s in cut).most_common(1)[0][0]
     cut = [s for s in cut if len(s) == common][-steps:]
     span = statistics.median(max(k[1] for k in s) - s[0][0] for s in cut) / 1e3
+    if layers > 0:  # every kept step has the same kernels, so the first one's counts do
+        counts = collections.Counter((k[2], k[3]) for k in cut[0])
+        per_layer = {key: c // layers for key, c in counts.items() if c % layers == 0 and c > layers}
+        relabelled = []
+        for s in cut:
+            seen = collections.Counter()
+            out = []
+            for start, end, name, grid in s:
+                k = per_layer.get((name, grid), 0)
+                if k:
+                    out.append((start, end, f'{name}#{seen[(name, grid)] % k}', grid))
+                    seen[(name, grid)] += 1
+                else:
+                    out.append((start, end, name, grid))
+            relabelled.append(out)
+        cut = relabelled
     per_op = collections.OrderedDict()
     for s in cut:
         latest = prev_end = s[0][0]
@@ -88,8 +108,10 @@ def main():
     ap.add_argument('csv')
     ap.add_argument('--steps', type=int, default=20)
     ap.add_argument('--marker', default='PrepareDecodeKernel')
+    ap.add_argument('--layers', type=int, default=0,
+                    help='split an op launched k > 1 times a layer by its place in the layer')
     a = ap.parse_args()
-    n, per_step, span, rows = summarize(read_trace(a.csv), a.steps, a.marker)
+    n, per_step, span, rows = summarize(read_trace(a.csv), a.steps, a.marker, a.layers)
     if n == 0:
         print(f'no {a.marker} in {a.csv}')
         return 1

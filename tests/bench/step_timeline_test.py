@@ -56,6 +56,33 @@ class StepTimelineTest(unittest.TestCase):
         self.assertAlmostEqual(sum(r[4] for r in rows), 20.0)
         self.assertAlmostEqual(span, 20.0)
 
+    def test_layers_split_one_grid_by_its_place_in_the_layer(self):
+        # Two layers a step, each a 264-CTA GEMV of 3 us then one of 7 us (same name and grid),
+        # and a 256-CTA GEMV launched once a layer, which stays whole.
+        def two_layer_step(t0):
+            us = lambda x: int((t0 + x) * 1000)  # noqa: E731
+            gemv = '_ZN2ts7kernels10GemvKernelENS_10GemvParamsE'
+            lines = [f'{us(0)},{us(1)},1,1,1,1,1,0,_ZN2ts7kernels19PrepareDecodeKernelEv']
+            t = 1
+            for _ in range(2):
+                for grid, length in (('264', 3), ('264', 7), ('256', 2)):
+                    lines.append(f'{us(t)},{us(t + length)},1,2,{grid},1,1,0,{gemv}')
+                    t += length
+            return lines
+        n, _, span, rows = self.summarize(two_layer_step(0) + two_layer_step(100), layers=2)
+        self.assertEqual(n, 2)
+        by_op = {(r[0], r[1]): r for r in rows}
+        self.assertEqual(set(by_op), {('PrepareDecodeKernel', '1x1x1'), ('GemvKernel#0', '264x1x1'),
+                                      ('GemvKernel#1', '264x1x1'), ('GemvKernel', '256x1x1')})
+        self.assertEqual(by_op[('GemvKernel#0', '264x1x1')][2], 2)
+        self.assertAlmostEqual(by_op[('GemvKernel#0', '264x1x1')][4], 6.0)
+        self.assertAlmostEqual(by_op[('GemvKernel#1', '264x1x1')][4], 14.0)
+        self.assertAlmostEqual(by_op[('GemvKernel', '256x1x1')][4], 4.0)
+        self.assertAlmostEqual(span, 25.0)
+        # Without --layers the two 264-CTA ops are one.
+        _, _, _, rows = self.summarize(two_layer_step(0) + two_layer_step(100))
+        self.assertAlmostEqual({(r[0], r[1]): r for r in rows}[('GemvKernel', '264x1x1')][4], 20.0)
+
     def test_no_marker_means_no_steps(self):
         n, _, _, rows = self.summarize(step(0, 15)[1:])
         self.assertEqual(n, 0)
