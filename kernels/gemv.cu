@@ -473,6 +473,10 @@ bool GemvCanFuseNorm(int32_t m, int32_t k) {
          NormSmemBytes(m, k) <= static_cast<size_t>(kGemvMaxNormSmemBytes);
 }
 
+bool GemvNormProloguePays(int32_t m, int32_t k) {
+  return GemvCanFuseNorm(m, k) && int64_t{m} * k <= kGemvNormPrologueMaxElems;
+}
+
 absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(Validate(p));
   if (p.m > kGemvRegisterMaxM) return gemv_internal::LaunchGemvTc(p, stream);

@@ -131,6 +131,14 @@ struct GemvParams {
 
 // True when LaunchGemv accepts norm_weight for this (m, k).
 bool GemvCanFuseNorm(int32_t m, int32_t k);
+// Host heuristic: true when the norm prologue is faster than a separate rmsnorm kernel before the
+// GEMV, m * k <= kGemvNormPrologueMaxElems. Every CTA normalises all of A itself before its first
+// multiply, so the prologue's cost grows with m * k while the node it saves costs a fixed launch.
+// Measured in decode steps on the H200 (bench/results/2026-12-03-h200.md): fused, 1B (k 2048) at
+// m = 1 and 2 was 4.3% and 1.6% faster and 8B (k 4096) at m = 1 level; at m * k = 8192 and above
+// the separate node won, by up to 10% of the 8B step at m = 8.
+inline constexpr int64_t kGemvNormPrologueMaxElems = 4096;
+bool GemvNormProloguePays(int32_t m, int32_t k);
 
 // Validates params (InvalidArgument naming the field, e.g. "gemv.k") and enqueues one kernel
 // (split_k == 1, or any m > 8, whose split-K is reduced in the kernel) or two (m <= 8, split_k > 1)

@@ -6,9 +6,10 @@
 //       L x (rmsnorm, qkv GEMM, rope + KV write, decode attention + combine, o GEMM, residual
 //       add + rmsnorm, gate_up GEMM, silu * up, down GEMM, residual add) -> norm -> lm_head ->
 //       fp32 logits (read rounded to bf16) -> sampling -> postprocess (ring append + stop checks
-//       + counts). At m <= 8 rows the norms, residual adds, silu * up and RoPE with the K/V
-//       write ride inside the GEMV kernels (qkv, o, gate_up, down): 6 graph nodes per layer
-//       with the attention's split and combine kernels, 10 on the cuBLASLt path.
+//       + counts). At m <= 8 rows the residual adds, silu * up, RoPE with the K/V write and,
+//       for a small enough A (k::GemvNormProloguePays), the norms ride inside the GEMV kernels
+//       (qkv, o, gate_up, down): 6 graph nodes per layer with the attention's split and combine
+//       kernels (8 with the rmsnorm nodes), 10 on the cuBLASLt path.
 //       Every op rounds to bf16 where transformers' bf16 Llama does, so logits track it to fp32
 //       summation order.
 //   - EnqueuePrefill + EnqueuePrefillSample: the same layers over a packed, chunked prompt

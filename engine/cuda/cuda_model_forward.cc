@@ -199,32 +199,51 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   };
 
   if (fused) {
-    // Decode at m <= 8: four GEMV nodes per layer carry the norms, the residual adds, SwiGLU and
-    // (head_dim a multiple of 16) RoPE with the K/V write, so a layer is 6 graph nodes with the
-    // attention's split and combine, instead of 10 (each node costs ~1.7 us at batch 1,
-    // docs/gpu-facts.md, Per-step launch cost). Each fusion was measured against the separate
-    // nodes and kept (bench/results/2026-11-29*-h200.md).
+    // Decode at m <= 8: four GEMV nodes per layer carry the residual adds, SwiGLU, (head_dim a
+    // multiple of 16) RoPE with the K/V write and, where A is small enough that normalising it in
+    // every CTA costs less than a node (k::GemvNormProloguePays), the norms: a layer is 6 graph
+    // nodes with the attention's split and combine, or 8 with rmsnorm nodes, instead of 10 (each
+    // node costs ~1.7 us at batch 1, docs/gpu-facts.md, Per-step launch cost). Each fusion was
+    // measured against the separate nodes (bench/results/2026-11-29*-h200.md, 2026-12-03-h200.md).
+    const bool norm_prologue = k::GemvNormProloguePays(rows, d.hidden);
     auto gemv = [&](const char* name, k::GemvParams p) {
       p.m = rows;
       p.warp_tiles = k::GemvWarpTiles::kAuto;
       p.pdl = true;  // nothing in the step writes weights; A and C are read after the wait
       return RunOp(observer, name, stream, [&] { return k::LaunchGemv(p, stream); });
     };
+    // A GEMV of RMSNorm(h) by `norm_weight`: the prologue, or a rmsnorm node into xn first (the
+    // GEMVs add into h themselves, so no output waits to be added).
+    auto normed_gemv = [&](const char* norm_name, const bf16* norm_weight, const char* name,
+                           k::GemvParams p) {
+      p.a = f.h;
+      if (norm_prologue) {
+        p.norm_weight = norm_weight;
+        p.norm_eps = eps;
+        return gemv(name, p);
+      }
+      TS_RETURN_IF_ERROR(RunOp(observer, norm_name, stream, [&] {
+        return k::LaunchRmsNorm({.residual = f.h,
+                                 .weight = norm_weight,
+                                 .out = f.xn,
+                                 .rows = rows,
+                                 .hidden = d.hidden,
+                                 .eps = eps,
+                                 .pdl = true},
+                                stream);
+      }));
+      p.a = f.xn;
+      return gemv(name, p);
+    };
     for (const LayerBuffers& layer : dev_.layers) {
-      k::GemvParams qkv{.a = f.h,
-                        .w = layer.qkv,
-                        .c = f.qkv,
-                        .n = d.qkv_dim(),
-                        .k = d.hidden,
-                        .norm_weight = layer.attn_norm,
-                        .norm_eps = eps};
+      k::GemvParams qkv{.w = layer.qkv, .c = f.qkv, .n = d.qkv_dim(), .k = d.hidden};
       if (d.head_dim % 16 == 0) {
         qkv.c = f.q;  // rotated q only; k and v go straight to the cache
         qkv.epilogue = k::GemvEpilogue::kRopeKv;
         qkv.rope = rope_targets(layer);
-        TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", qkv));
+        TS_RETURN_IF_ERROR(normed_gemv("attn_norm", layer.attn_norm, "qkv_rope_gemm", qkv));
       } else {
-        TS_RETURN_IF_ERROR(gemv("qkv_gemm", qkv));
+        TS_RETURN_IF_ERROR(normed_gemv("attn_norm", layer.attn_norm, "qkv_gemm", qkv));
         TS_RETURN_IF_ERROR(rope_kv(layer));
       }
       TS_RETURN_IF_ERROR(attention(layer));
@@ -234,14 +253,12 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                                          .n = d.hidden,
                                          .k = d.q_dim(),
                                          .epilogue = k::GemvEpilogue::kAccumulate}));
-      TS_RETURN_IF_ERROR(gemv("gate_up_gemm", {.a = f.h,
-                                               .w = layer.gate_up,
-                                               .c = f.act,
-                                               .n = d.intermediate_padded,
-                                               .k = d.hidden,
-                                               .epilogue = k::GemvEpilogue::kSiluMul,
-                                               .norm_weight = layer.mlp_norm,
-                                               .norm_eps = eps}));
+      TS_RETURN_IF_ERROR(normed_gemv("mlp_norm", layer.mlp_norm, "gate_up_gemm",
+                                     {.w = layer.gate_up,
+                                      .c = f.act,
+                                      .n = d.intermediate_padded,
+                                      .k = d.hidden,
+                                      .epilogue = k::GemvEpilogue::kSiluMul}));
       TS_RETURN_IF_ERROR(gemv("down_gemm", {.a = f.act,
                                             .w = layer.down,
                                             .c = f.h,

@@ -440,6 +440,16 @@ TEST(GemvTest, NormPrologueMatchesRmsNormThenGemv) {
   EXPECT_TRUE(GemvCanFuseNorm(1, 65536));
 }
 
+TEST(GemvTest, NormProloguePaysOnlyForASmallA) {
+  EXPECT_TRUE(GemvNormProloguePays(1, 2048));  // 1B decode at batch 1 and 2
+  EXPECT_TRUE(GemvNormProloguePays(2, 2048));
+  EXPECT_TRUE(GemvNormProloguePays(1, 4096));  // 8B at batch 1
+  EXPECT_FALSE(GemvNormProloguePays(2, 4096));
+  EXPECT_FALSE(GemvNormProloguePays(4, 2048));
+  EXPECT_FALSE(GemvNormProloguePays(8, 4096));
+  EXPECT_FALSE(GemvNormProloguePays(1, 8256 * 8));  // past what the prologue can take
+}
+
 // SwiGLU epilogue over a fused [2n, k] gate_up weight, with and without the norm prologue (the
 // decode step uses both), against transformers' rounding of gate, up, silu and the product.
 TEST(GemvTest, SiluMulEpilogueMatchesGateUpThenSiluMul) {
