@@ -441,8 +441,10 @@ absl::Status GraphCache::UpdateIdleExecs(const Regime& regime, UpdateStats* st) 
   }
   st->capture_us = UsSince(t);
 
-  // From here on the idle execs hold neither the old prepared regime nor, on failure, the new.
+  // From here on the idle execs hold neither the old prepared regime (nor a part of one) nor, on
+  // failure, the new.
   prepared_.reset();
+  preparing_.reset();
   t = Clock::now();
   for (int32_t i = 0; i < n; ++i) TS_RETURN_IF_ERROR(UpdateIdleExec(i, graphs[i].get()));
   st->exec_update_us = UsSince(t);
@@ -450,21 +452,44 @@ absl::Status GraphCache::UpdateIdleExecs(const Regime& regime, UpdateStats* st) 
 }
 
 absl::Status GraphCache::PrepareRegime(const Regime& regime) {
+  for (;;) {
+    TS_ASSIGN_OR_RETURN(const bool done, PrepareRegimeStep(regime));
+    if (done) return absl::OkStatus();
+  }
+}
+
+absl::StatusOr<bool> GraphCache::PrepareRegimeStep(const Regime& regime) {
   TS_RETURN_IF_ERROR(EnsureBuilt("PrepareRegime"));
   TS_RETURN_IF_ERROR(ValidateRegime(regime));
-  if (prepared_ == regime) return absl::OkStatus();
+  if (prepared_ == regime) return true;
   TS_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Set(options_.device));
-  UpdateStats st;
-  TS_RETURN_IF_ERROR(UpdateIdleExecs(regime, &st));
-  // On the private stream, beside whatever runs the current execs; UpdateRegime orders its flip
-  // after these uploads through prepared_event_.
-  for (int32_t i = 0; i < num_buckets(); ++i) {
+  if (preparing_ != regime) {
+    // As in UpdateIdleExecs: the idle execs are idle once the previous flip has completed.
+    TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(flip_event_));
+    prepared_.reset();
+    preparing_ = regime;
+    prepare_next_ = 0;
+  }
+  const int32_t i = prepare_next_;
+  absl::Status s = [&]() -> absl::Status {
+    TS_ASSIGN_OR_RETURN(cudaGraph_t g, Capture(i, regime));
+    GraphPtr graph(g);
+    TS_RETURN_IF_ERROR(UpdateIdleExec(i, graph.get()));
+    // On the private stream, beside whatever runs the current execs; UpdateRegime orders its
+    // flip after these uploads through prepared_event_.
     TS_CUDA_RETURN_IF_ERROR(
         cudaGraphUpload(buckets_[i].execs[buckets_[i].current ^ 1], capture_stream_));
+    return absl::OkStatus();
+  }();
+  if (!s.ok()) {
+    preparing_.reset();
+    return s;
   }
+  if (++prepare_next_ < num_buckets()) return false;
   TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(prepared_event_, capture_stream_));
+  preparing_.reset();
   prepared_ = regime;
-  return absl::OkStatus();
+  return true;
 }
 
 absl::Status GraphCache::UpdateRegime(const Regime& regime, cudaStream_t stream) {

@@ -129,6 +129,12 @@ class GraphCache {
   // another regime, replaces what was prepared. The graphs in the execs are the same as
   // UpdateRegime's would be, so results do not depend on whether a regime was prepared.
   absl::Status PrepareRegime(const Regime& regime);
+  // PrepareRegime one bucket per call, so that a caller with other work (the engine thread
+  // draining the streams beside a running device loop) is never held for the whole capture:
+  // returns true once every bucket is prepared (prepared() == regime then), false while buckets
+  // remain. A call with another regime, or an UpdateRegime, starts over. On error nothing counts
+  // as prepared and the current execs are untouched.
+  absl::StatusOr<bool> PrepareRegimeStep(const Regime& regime);
   // The regime PrepareRegime left in the idle execs, if it has not been flipped to since.
   const std::optional<Regime>& prepared() const { return prepared_; }
 
@@ -189,6 +195,8 @@ class GraphCache {
   cudaEvent_t flip_event_ = nullptr;         // recorded on the update stream after each table write
   cudaEvent_t prepared_event_ = nullptr;     // recorded on capture_stream_ after PrepareRegime
   std::optional<Regime> prepared_;           // what the idle execs hold, see prepared()
+  std::optional<Regime> preparing_;          // PrepareRegimeStep's regime, buckets < prepare_next_
+  int32_t prepare_next_ = 0;                 //   of it in the idle execs and uploaded
   BuildStats build_stats_;
   UpdateStats last_update_;
   int64_t instantiation_count_ = 0;

@@ -233,6 +233,68 @@ TEST_F(GraphCacheTest, UpdateRegimeTakesEffectOnTheNextLaunchWithoutReinstantiat
             absl::StatusCode::kInvalidArgument);
 }
 
+// PrepareRegimeStep prepares one bucket per call: the current execs serve the old regime all the
+// while, nothing counts as prepared until the last bucket, a switch to another regime part-way
+// starts over, and the update afterwards only flips.
+TEST_F(GraphCacheTest, StepwisePreparationTakesOneBucketPerCallAndRestartsForAnotherRegime) {
+  cache_ = std::make_unique<GraphCache>(Options());
+  TS_ASSERT_OK(cache_->Build(stream_));
+  const int32_t n = cache_->num_buckets();
+  ASSERT_GE(n, 2);
+  const Regime r1{.attention_num_splits = 4, .max_context_len = 512};
+  const Regime r2{.attention_num_splits = 2, .max_context_len = 8192};
+
+  auto step = [&](const Regime& r) {
+    absl::StatusOr<bool> done = cache_->PrepareRegimeStep(r);
+    EXPECT_TRUE(done.ok()) << done.status();
+    return done.ok() && *done;
+  };
+  EXPECT_FALSE(step(r1));  // bucket 0 of r1
+  EXPECT_FALSE(cache_->prepared().has_value());
+  // Another regime part-way: r2 needs every bucket again.
+  for (int32_t i = 0; i + 1 < n; ++i) {
+    EXPECT_FALSE(step(r2)) << "bucket " << i;
+    EXPECT_FALSE(cache_->prepared().has_value());
+    for (int32_t k = 0; k < n; ++k) {
+      Poison();
+      TS_ASSERT_OK(cache_->Launch(k, stream_));
+      ExpectOnlyBucket(k, Regime{});  // still Build's regime
+    }
+  }
+  EXPECT_TRUE(step(r2));
+  ASSERT_TRUE(cache_->prepared().has_value());
+  EXPECT_EQ(*cache_->prepared(), r2);
+  EXPECT_TRUE(step(r2));  // a no-op once prepared
+  EXPECT_EQ(cache_->update_count(), 0);
+
+  TS_ASSERT_OK(cache_->UpdateRegime(r2, stream_));
+  EXPECT_TRUE(cache_->last_update().prepared);
+  EXPECT_EQ(cache_->last_update().capture_us, 0);
+  EXPECT_EQ(cache_->regime(), r2);
+  ExpectDeviceTableMatches();
+  for (int32_t k = 0; k < n; ++k) {
+    Poison();
+    TS_ASSERT_OK(cache_->Launch(k, stream_));
+    ExpectOnlyBucket(k, r2);
+  }
+
+  // Part-way, then an update to that very regime: the whole update, and the partial work is
+  // discarded (the next step starts from bucket 0).
+  EXPECT_FALSE(step(r1));
+  TS_ASSERT_OK(cache_->UpdateRegime(r1, stream_));
+  EXPECT_FALSE(cache_->last_update().prepared);
+  EXPECT_EQ(cache_->regime(), r1);
+  for (int32_t k = 0; k < n; ++k) {
+    Poison();
+    TS_ASSERT_OK(cache_->Launch(k, stream_));
+    ExpectOnlyBucket(k, r1);
+  }
+  EXPECT_FALSE(step(r2));
+  EXPECT_FALSE(cache_->prepared().has_value());
+  EXPECT_EQ(cache_->PrepareRegimeStep(Regime{.attention_num_splits = 0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // PrepareRegime does everything but the flip while the current execs keep serving; the update
 // to the same regime then only flips (no capture), and an update to another regime discards what
 // was prepared and does the whole update.
