@@ -314,9 +314,11 @@ class CudaBackend : public Backend {
   absl::Status MaybeUpdateRegime();
   // The graphs' regime for contexts up to `bound` (a RegimeBound).
   graphs::Regime RegimeFor(int32_t bound) const;
-  // Device loop: while it runs with the longest context near the window's top, prepares the next
-  // regime up in the idle execs (GraphCache::PrepareRegime), so that the exit for it only flips.
-  absl::Status MaybePrepareRegime();
+  // Device loop: while the loop, a chunk or mixed steps run, prepares in the idle execs
+  // (GraphCache::PrepareRegime) the larger regime the loop's next launch will choose (the
+  // longest context near the window's top, or a queued prompt past it), so that the launch only
+  // flips to it. One bucket per call unless `whole` (GraphCache::PrepareRegimeStep).
+  absl::Status MaybePrepareRegime(bool whole);
   absl::Status CheckErrorFlag(const char* where) const;
   void AfterStep(const std::vector<SlotId>& rows);
   // The regime upper bound for a context: 128 * 2^k, capped at max_context.

@@ -239,7 +239,7 @@ absl::Status CudaBackend::RunLoop() {
   TS_RETURN_IF_ERROR(LoopError());
   DropCancelledPrefills();
   RefreshSlots();
-  if (loop_->Running()) TS_RETURN_IF_ERROR(MaybePrepareRegime());
+  if (loop_->Running() || chunk_pending_) TS_RETURN_IF_ERROR(MaybePrepareRegime(false));
   if (pause_requested_ && !loop_->Running()) {
     // The pause word must have landed before the next Launch clears it, or it could land after.
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream_));
@@ -259,6 +259,9 @@ absl::Status CudaBackend::RunLoop() {
         return EnqueueMixedStep();
       case LoopAction::kPlainChunk:
         TS_RETURN_IF_ERROR(EnqueueChunk(options_.prefill_chunk_tokens));
+        // Behind the chunk, not in the launch that follows: the GPU runs the chunk meanwhile,
+        // and no stream decodes, so nothing waits for the whole capture.
+        TS_RETURN_IF_ERROR(MaybePrepareRegime(true));
         continue;
       case LoopAction::kLaunch:
         return LaunchLoop();
@@ -267,17 +270,37 @@ absl::Status CudaBackend::RunLoop() {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::MaybePrepareRegime() {
+absl::Status CudaBackend::MaybePrepareRegime(bool whole) {
   const int32_t hi = graphs_->regime().max_context_len;
   if (hi >= model_->max_context()) return absl::OkStatus();  // no larger regime
   // The loop exits when the longest context passes hi, and the host-driven mode changes regime
-  // at that same step; the exit then only flips to what is prepared here. Capturing takes the
-  // host 1.4-3.5 ms (measured on the H200), which the running loop now hides instead of
-  // waiting on. Only once the loop has stepped: the last flip, before its launch on the same
-  // stream, has then run, and PrepareRegime does not wait for it.
-  if (max_active_context() + kPrepareRegimeAhead <= hi) return absl::OkStatus();
-  if (loop_->steps() <= launch_steps_) return absl::OkStatus();
-  return graphs_->PrepareRegime(RegimeFor(RegimeBound(hi + 1)));  // once: a no-op when prepared
+  // at that same step; the launch after it then only flips to what is prepared here, if it is
+  // exactly the regime the host-driven mode picks (GraphCache::UpdateRegime), so that both modes
+  // decode with the same split counts. Capturing takes the host 1.4-3.5 ms (measured on the
+  // H200), which the running loop, a chunk or the mixed steps queued ahead of the GPU hide,
+  // instead of the GPU waiting on it. Unless `whole`, one bucket per call: the engine thread
+  // drains the rings between calls, and a whole capture held the streams' tokens back for
+  // ~3 ms (engine_cuda_long_prefill_test saw that interval as its longest).
+  // - A prompt decides it from the moment it is queued: its first decode step's context. A 32k
+  //   prompt's regime captured at the loop's relaunch behind its prefill was the longest
+  //   interval of the streams beside it (engine_cuda_long_prefill_test).
+  // - Decoding streams decide it kPrepareRegimeAhead steps before the longest reaches hi.
+  const int32_t active = max_active_context();
+  int32_t next = active + 1;  // the longest context of the next step
+  for (SlotId i = 0; i < info_.max_slots; ++i) {
+    if (table_->state(i) == SlotState::kQueued) next = std::max(next, slots_[i].prompt_len + 1);
+  }
+  if (next <= hi) {
+    if (active + kPrepareRegimeAhead <= hi) return absl::OkStatus();
+    next = hi + 1;
+  }
+  // While the loop runs, only once it has stepped: the last flip, before its launch on the same
+  // stream, has then run, and PrepareRegime does not wait for it. Once the loop has exited, its
+  // flip has run too.
+  if (loop_->Running() && loop_->steps() <= launch_steps_) return absl::OkStatus();
+  const graphs::Regime regime = RegimeFor(RegimeBound(next));
+  if (whole) return graphs_->PrepareRegime(regime);  // a no-op when prepared
+  return graphs_->PrepareRegimeStep(regime).status();
 }
 
 absl::Status CudaBackend::LaunchLoop() {

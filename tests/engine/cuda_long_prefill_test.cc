@@ -13,6 +13,7 @@
 
 #include "engine/cuda/cuda_backend.h"
 #include "engine/engine.h"
+#include "graphs/graph_cache.h"
 #include "models/llama_shapes.h"
 #include "tests/engine/stream_reader.h"
 
@@ -123,6 +124,13 @@ TEST(LongPrefillTest, ThirtyTwoThousandTokenPromptBesideThirtyTwoStreamsKeepsThe
   }
   ASSERT_FALSE(longp.at.empty()) << "no first token for the long prompt";
   const Clock::time_point first_token = longp.at.front();
+  // Its second token comes from the loop relaunched behind the prefill, after the regime update
+  // for its context and before the update that shrinks the regime once it ends (4 tokens).
+  while (longp.at.size() < 2 && !longp.reader->finished && Clock::now() < give_up) {
+    poll_all();
+    longp.Poll();
+  }
+  const graphs::UpdateStats relaunch = g_backend->graph_cache().last_update();
   // Some more tokens after it, then end everything.
   std::vector<size_t> until(streams.size());
   for (size_t i = 0; i < streams.size(); ++i) until[i] = streams[i].at.size();
@@ -166,11 +174,12 @@ TEST(LongPrefillTest, ThirtyTwoThousandTokenPromptBesideThirtyTwoStreamsKeepsThe
       if (gap > 1.5 * medians[0]) std::printf(" %.1f:%.2f", Ms(at[k] - submitted), gap);
     }
     std::printf("\nfirst token of the long prompt at %.1f ms\n", Ms(first_token - submitted));
-    const graphs::UpdateStats& u = g_backend->graph_cache().last_update();
+    const graphs::UpdateStats& u = relaunch;
     std::printf(
-        "last regime update: %.0f us (wait %.0f, capture %.0f, exec update %.0f, upload %.0f, "
-        "flip %.0f)\n",
-        u.total_us, u.wait_us, u.capture_us, u.exec_update_us, u.upload_us, u.flip_us);
+        "regime update at the relaunch: %.0f us (wait %.0f, capture %.0f, exec update %.0f, "
+        "upload %.0f, flip %.0f; prepared ahead: %s)\n",
+        u.total_us, u.wait_us, u.capture_us, u.exec_update_us, u.upload_us, u.flip_us,
+        u.prepared ? "yes" : "no");
   }
   const double ttft = Ms(first_token - submitted);
   std::printf(
@@ -180,6 +189,53 @@ TEST(LongPrefillTest, ThirtyTwoThousandTokenPromptBesideThirtyTwoStreamsKeepsThe
       kLongPrompt, ttft, median_of_medians, worst_ms, worst_ratio, worst_stall_ms);
   // Steps kept completing: never a stall of more than a few intervals.
   EXPECT_LT(worst_stall_ms, 10 * median_of_medians + 5);
+  // The long prompt's regime was captured while the steps ran, not at the loop's relaunch.
+  EXPECT_TRUE(relaunch.prepared);
+}
+
+// A prompt longer than the decode graphs' window is known from the moment it is queued: its
+// regime is captured while the loop and the mixed steps run, and the loop's relaunch behind its
+// prefill only flips the device table (docs/device-loop.md, Regimes).
+TEST(LongPrefillTest, AQueuedPromptsRegimeIsPreparedBeforeTheLoopRelaunches) {
+  std::unique_ptr<Engine> engine = MakeEngine();
+  ASSERT_NE(engine, nullptr);
+  std::mt19937 rng(5);
+  std::vector<std::unique_ptr<StreamReader>> decoding;
+  for (int i = 0; i < 8; ++i) {
+    auto s = engine->Submit(Request("d" + std::to_string(i), 32, 300, rng));
+    ASSERT_TRUE(s.ok()) << s.status();
+    decoding.push_back(std::make_unique<StreamReader>(*s));
+  }
+  for (auto& r : decoding) ReadAtLeast(r.get(), 5);
+  const int32_t window = g_backend->graph_cache().regime().max_context_len;
+  ASSERT_LT(window, 3000) << "the streams' window already covers the prompt";
+  const int64_t updates = g_backend->graph_cache().update_count();
+  auto s = engine->Submit(Request("long", 3000, 8, rng));
+  ASSERT_TRUE(s.ok()) << s.status();
+  StreamReader longp(*s);
+  // The second token comes from the relaunched loop; the regime shrinks only after the prompt's
+  // stream ends.
+  ReadAtLeast(&longp, 2);
+  const graphs::GraphCache& cache = g_backend->graph_cache();
+  const int32_t relaunch_window = cache.regime().max_context_len;
+  const int64_t relaunch_updates = cache.update_count();
+  const graphs::UpdateStats relaunch = cache.last_update();
+  ReadToEnd(&longp);
+  EXPECT_EQ(longp.reason, FinishReason::kLength);
+  EXPECT_EQ(longp.tokens.size(), 8u);
+  EXPECT_GE(relaunch_window, 3001);
+  EXPECT_GT(relaunch_updates, updates);
+  EXPECT_TRUE(relaunch.prepared) << "the regime was captured at the relaunch: " << relaunch.total_us
+                                 << " us";
+  for (auto& r : decoding) {
+    ReadToEnd(r.get());
+    EXPECT_EQ(r->reason, FinishReason::kLength);
+    EXPECT_EQ(r->tokens.size(), 300u);
+  }
+  WaitIdle(*engine);
+  EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total);
+  // Down again once it ended: the streams' 332-token contexts need no more than 512.
+  EXPECT_LE(cache.regime().max_context_len, 512);
 }
 
 TEST(LongPrefillTest, APromptCancelledPartWayThroughItsChunksEndsAtOnce) {
