@@ -60,6 +60,28 @@ GenerateRequest Request(const std::string& id, int32_t prompt_len, int32_t max_n
   return r;
 }
 
+// `n` streams of `prompt_len`-token prompts decoding `max_new` tokens, each with 5 read.
+std::vector<std::unique_ptr<StreamReader>> StartDecoding(Engine& engine, int n, int32_t prompt_len,
+                                                         int32_t max_new, std::mt19937& rng) {
+  std::vector<std::unique_ptr<StreamReader>> decoding;
+  for (int i = 0; i < n; ++i) {
+    auto s = engine.Submit(Request("d" + std::to_string(i), prompt_len, max_new, rng));
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (s.ok()) decoding.push_back(std::make_unique<StreamReader>(*s));
+  }
+  for (auto& r : decoding) ReadAtLeast(r.get(), 5);
+  return decoding;
+}
+
+// Reads each stream to its end, which must be its length limit.
+void ExpectEndAtLength(const std::vector<std::unique_ptr<StreamReader>>& decoding, size_t max_new) {
+  for (auto& r : decoding) {
+    ReadToEnd(r.get());
+    EXPECT_EQ(r->reason, FinishReason::kLength);
+    EXPECT_EQ(r->tokens.size(), max_new);
+  }
+}
+
 // A stream and the arrival time of each of its tokens, as a client sees them.
 struct Timed {
   std::unique_ptr<StreamReader> reader;
@@ -195,18 +217,14 @@ TEST(LongPrefillTest, ThirtyTwoThousandTokenPromptBesideThirtyTwoStreamsKeepsThe
 
 // A prompt longer than the decode graphs' window is known from the moment it is queued: its
 // regime is captured while the loop and the mixed steps run, and the loop's relaunch behind its
-// prefill only flips the device table (docs/device-loop.md, Regimes).
+// prefill only flips the device table (docs/device-loop.md, The attention regime).
 TEST(LongPrefillTest, AQueuedPromptsRegimeIsPreparedBeforeTheLoopRelaunches) {
   std::unique_ptr<Engine> engine = MakeEngine();
   ASSERT_NE(engine, nullptr);
   std::mt19937 rng(5);
-  std::vector<std::unique_ptr<StreamReader>> decoding;
-  for (int i = 0; i < 8; ++i) {
-    auto s = engine->Submit(Request("d" + std::to_string(i), 32, 300, rng));
-    ASSERT_TRUE(s.ok()) << s.status();
-    decoding.push_back(std::make_unique<StreamReader>(*s));
-  }
-  for (auto& r : decoding) ReadAtLeast(r.get(), 5);
+  const std::vector<std::unique_ptr<StreamReader>> decoding =
+      StartDecoding(*engine, 8, 32, 300, rng);
+  ASSERT_EQ(decoding.size(), 8u);
   const int32_t window = g_backend->graph_cache().regime().max_context_len;
   ASSERT_LT(window, 3000) << "the streams' window already covers the prompt";
   const int64_t updates = g_backend->graph_cache().update_count();
@@ -227,11 +245,7 @@ TEST(LongPrefillTest, AQueuedPromptsRegimeIsPreparedBeforeTheLoopRelaunches) {
   EXPECT_GT(relaunch_updates, updates);
   EXPECT_TRUE(relaunch.prepared) << "the regime was captured at the relaunch: " << relaunch.total_us
                                  << " us";
-  for (auto& r : decoding) {
-    ReadToEnd(r.get());
-    EXPECT_EQ(r->reason, FinishReason::kLength);
-    EXPECT_EQ(r->tokens.size(), 300u);
-  }
+  ExpectEndAtLength(decoding, 300);
   WaitIdle(*engine);
   EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total);
   // Down again once it ended: the streams' 332-token contexts need no more than 512.
@@ -242,13 +256,9 @@ TEST(LongPrefillTest, APromptCancelledPartWayThroughItsChunksEndsAtOnce) {
   std::unique_ptr<Engine> engine = MakeEngine();
   ASSERT_NE(engine, nullptr);
   std::mt19937 rng(4);
-  std::vector<std::unique_ptr<StreamReader>> decoding;
-  for (int i = 0; i < 8; ++i) {
-    auto s = engine->Submit(Request("d" + std::to_string(i), 32, 400, rng));
-    ASSERT_TRUE(s.ok()) << s.status();
-    decoding.push_back(std::make_unique<StreamReader>(*s));
-  }
-  for (auto& r : decoding) ReadAtLeast(r.get(), 5);
+  const std::vector<std::unique_ptr<StreamReader>> decoding =
+      StartDecoding(*engine, 8, 32, 400, rng);
+  ASSERT_EQ(decoding.size(), 8u);
   auto s = engine->Submit(Request("long", kLongPrompt, 4, rng));
   ASSERT_TRUE(s.ok()) << s.status();
   StreamReader longp(*s);
@@ -265,11 +275,7 @@ TEST(LongPrefillTest, APromptCancelledPartWayThroughItsChunksEndsAtOnce) {
   EXPECT_TRUE(longp.tokens.empty());
   std::printf("cancel part-way through the chunks: the stream ended after %.2f ms\n", ms);
   EXPECT_LT(ms, 50.0);
-  for (auto& r : decoding) {
-    ReadToEnd(r.get());
-    EXPECT_EQ(r->reason, FinishReason::kLength);
-    EXPECT_EQ(r->tokens.size(), 400u);
-  }
+  ExpectEndAtLength(decoding, 400);
   WaitIdle(*engine);
   EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total);
 }
