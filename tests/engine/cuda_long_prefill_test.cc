@@ -146,6 +146,9 @@ TEST(LongPrefillTest, ThirtyTwoThousandTokenPromptBesideThirtyTwoStreamsKeepsThe
   }
   ASSERT_FALSE(longp.at.empty()) << "no first token for the long prompt";
   const Clock::time_point first_token = longp.at.front();
+  // Some more tokens after it, then end everything.
+  std::vector<size_t> until(streams.size());
+  for (size_t i = 0; i < streams.size(); ++i) until[i] = streams[i].at.size();
   // Its second token comes from the loop relaunched behind the prefill, after the regime update
   // for its context and before the update that shrinks the regime once it ends (4 tokens).
   while (longp.at.size() < 2 && !longp.reader->finished && Clock::now() < give_up) {
@@ -153,9 +156,6 @@ TEST(LongPrefillTest, ThirtyTwoThousandTokenPromptBesideThirtyTwoStreamsKeepsThe
     longp.Poll();
   }
   const graphs::UpdateStats relaunch = g_backend->graph_cache().last_update();
-  // Some more tokens after it, then end everything.
-  std::vector<size_t> until(streams.size());
-  for (size_t i = 0; i < streams.size(); ++i) until[i] = streams[i].at.size();
   while (min_tokens() < until[0] + 20 && Clock::now() < give_up) poll_all();
   for (Timed& t : streams) engine->Cancel(t.reader->stream->id());
   ReadToEnd(longp.reader.get());
