@@ -10,11 +10,12 @@
 #include "kernels/attention_common.cuh"
 #include "kernels/cuda_check.h"
 #include "kernels/pdl.cuh"
+#include "kernels/ptx.cuh"
 
 namespace ts::kernels {
 namespace {
 
-using attention_internal::CheckedBlock;
+using attention_internal::CheckedBlockId;
 using attention_internal::ClampedContext;
 using attention_internal::kLog2e;
 using attention_internal::MmaBf16;
@@ -61,81 +62,47 @@ struct DecodeArgs {
 constexpr int kHeads = 8;
 // Keys per warp step: the m dimension of S^T = K Q^T and the k dimension of O^T += V^T P^T.
 constexpr int kChunk = 16;
+// Chunks each warp has in shared memory: the one it computes and the next, in flight.
+constexpr int kStages = 2;
 
+// A CTA's shared memory: each warp's ring of kStages chunks (K rows, then V rows), which the warps'
+// merge buffers overlay once the tile's loop is done. Rows are padded by 16 bytes so that the 8
+// rows an ldmatrix reads lie in 8 different bank groups (row strides of 2D + 16 bytes).
 template <int D>
-struct MergeSmem {
-  float m[kWarps][kHeads];
-  float l[kWarps][kHeads];
-  float acc[kWarps][kHeads][D];
+struct TileSmem {
+  static constexpr int kRowBytes = 2 * D + 16;
+  static constexpr int kChunkBytes = kChunk * kRowBytes;  // the K (or V) rows of one chunk
+  static constexpr int kStageBytes = 2 * kChunkBytes;
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+  // Accumulators padded to D + 4 floats a head: the stores of the O^T fragments, heads 2t and dims
+  // g, then fall in 32 different banks.
+  struct Merge {
+    float m[kWarps][kHeads];
+    float l[kWarps][kHeads];
+    float acc[kWarps][kHeads][D + 4];
+  };
+  static constexpr int kBytes = std::max<int>(kWarps * kWarpBytes, sizeof(Merge));
 };
 
-// Loads kWords 32-bit words of one row for this lane from element `off` of `row`: one or two
-// words in a single load, otherwise 16-byte pieces kStride elements apart. Zeros when !valid
-// (nothing is read).
-template <int kWords, int kStride>
-__device__ __forceinline__ void LoadWords(const __nv_bfloat16* row, int off, bool valid,
-                                          uint32_t (&w)[kWords]) {
-  if constexpr (kWords == 1) {
-    w[0] = valid ? __ldg(reinterpret_cast<const uint32_t*>(row + off)) : 0u;
-  } else if constexpr (kWords == 2) {
-    const uint2 v = valid ? __ldg(reinterpret_cast<const uint2*>(row + off)) : make_uint2(0, 0);
-    w[0] = v.x;
-    w[1] = v.y;
-  } else {
-#pragma unroll
-    for (int i = 0; i < kWords / 4; ++i) {
-      const uint4 v = valid ? __ldg(reinterpret_cast<const uint4*>(row + kStride * i + off))
-                            : make_uint4(0, 0, 0, 0);
-      w[4 * i] = v.x;
-      w[4 * i + 1] = v.y;
-      w[4 * i + 2] = v.z;
-      w[4 * i + 3] = v.w;
-    }
-  }
-}
-
-// Dot products are invariant under any permutation of the head dimension applied to both q and k,
-// so each lane reads contiguous K (and q) pieces instead of the mma's column pairs. Lane t of a
-// quad holds D/4 of a row's dims as D/8 words; word 2s feeds mma k-step s at columns 2t, 2t+1 and
-// word 2s+1 at columns 2t+8, 2t+9. For D >= 64 the quad's four lanes read 64 contiguous bytes per
-// load: 16-byte piece i of lane t covers dims [32i + 8t, 32i + 8t + 8).
-template <int D>
-__device__ __forceinline__ void LoadKRow(const __nv_bfloat16* row, int t, bool valid,
-                                         uint32_t (&w)[D / 8]) {
-  LoadWords<D / 8, 32>(row, (D == 16 ? 4 : 8) * t, valid, w);
-}
-
-// O^T's rows are output dims, also permuted: lane group g owns D/8 contiguous dims of every V row
-// and of the output, as D/16 words; word j holds the dims of O^T m-tile j at rows g (low half) and
-// g + 8 (high half). For D >= 64, 16-byte piece i of group g covers dims [64i + 8g, 64i + 8g + 8).
-template <int D>
-__host__ __device__ __forceinline__ int VDim(int g, int j) {
-  if constexpr (D == 16) {
-    return 2 * g;
-  } else {
-    return 64 * (j / 4) + 8 * g + 2 * (j % 4);
-  }
-}
-
-template <int D>
-__device__ __forceinline__ void LoadVRow(const __nv_bfloat16* row, int g, bool valid,
-                                         uint32_t (&w)[D / 16]) {
-  LoadWords<D / 16, 64>(row, (D == 16 ? 2 : 8) * g, valid, w);
-}
-
 // One tile: query heads [hc*kHeads, hc*kHeads + nh) of kv head `kvh`'s group, tokens of split
-// `split`, on the tensor cores. Per 16-key chunk a warp computes S^T = K Q^T (16 keys x 8 heads),
-// an fp32 online softmax per head (column), and O^T += V^T P^T with P rounded to bf16 (as flash
-// attention and the prefill kernel do; the row sums stay fp32). The CTA's four warps take
-// alternate chunks, and their states are merged once at the end.
+// `split`, on the tensor cores. Each of the CTA's warps takes every fourth 16-key chunk and
+// streams it through its own two-stage cp.async ring, so no register holds a byte in flight and
+// the next chunk's copy runs while this one is computed. Per chunk it computes S^T = K Q^T (16
+// keys x 8 heads), an fp32 online softmax per head (column), and O^T += V^T P^T with P rounded to
+// bf16 (as flash attention and the prefill kernel do; the row sums stay fp32); K and V^T come
+// from ldmatrix (V^T transposed on the way). The warps' states are merged once at the end.
 template <int D>
-__device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int split,
-                            MergeSmem<D>& sm) {
-  constexpr int KSTEPS = D / 16;  // k steps of S^T; m tiles of O^T
+__device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int split, char* smem) {
+  using L = TileSmem<D>;
+  constexpr int KSTEPS = D / 16;                  // k steps of S^T; m tiles of O^T
+  constexpr int kPieces = D / 8;                  // 16-byte pieces of a row
+  constexpr int kCopies = kChunk * kPieces / 32;  // K pieces (and as many V) a lane copies
+  static_assert(kCopies >= 1 && kChunk * kPieces % 32 == 0, "head_dim too small for the copy");
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
+  auto& sm = *reinterpret_cast<typename L::Merge*>(smem);
 
   const int ctx = ClampedContext(a.geo, a.context_lens[seq]);
   const int per = SplitTokens(a.geo, ctx);
@@ -153,71 +120,93 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
     return;
   }
 
-  // Q^T as B fragments: head g's dims in the K permutation; heads past nh are zero.
-  uint32_t qb[D / 8];
-  LoadKRow<D>(a.q + (row0 + min(g, nh - 1)) * D, t, g < nh, qb);
-
   const int32_t* bt = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
   const int bs_mask = (1 << a.block_shift) - 1;
   const int64_t head_stride = static_cast<int64_t>(D) << a.block_shift;
   const int64_t block_stride = head_stride * a.num_kv_heads;
   const __nv_bfloat16* kbase = a.k_cache + kvh * head_stride;
   const __nv_bfloat16* vbase = a.v_cache + kvh * head_stride;
-  // Rows this lane loads: K rows g and g+8 (its S^T rows), V rows 2t, 2t+1, 2t+8, 2t+9 (its
-  // columns of the P^T fragment).
-  const int krow[2] = {g, g + 8};
-  const int vrow[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+  const uint32_t ring = ptx::SharedAddress(smem) + warp * L::kWarpBytes;
+
+  // Lane r < 16 reads the table entry of row r of a chunk (lanes 16-31 repeat rows 0-15), a chunk
+  // before the copy that needs it, so the table's latency never stalls a copy. Rows at or past
+  // t_end read nothing, not even their entry (padding, kInvalidKvBlock).
+  auto lookup = [&](int base) -> int32_t {
+    const int tok = base + (lane & 15);
+    return tok < t_end ? __ldg(bt + (tok >> a.block_shift)) : 0;
+  };
+  // The chunk's K and V rows into `stage`, 16 B per cp.async: lane l copies pieces l + 32 i, row
+  // (l + 32 i) / kPieces. Rows at or past t_end are zero-filled (src-size 0): masked P times
+  // garbage V could be NaN.
+  auto copy_chunk = [&](int base, int32_t ids, int stage) {
+    const uint32_t dst0 = ring + stage * L::kStageBytes;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int c = lane + 32 * i;
+      const int row = c / kPieces;
+      const int piece = c % kPieces;
+      const int tok = base + row;
+      const int32_t id =
+          CheckedBlockId(__shfl_sync(0xffffffffu, ids, row), a.num_blocks, a.error_flag);
+      const int64_t off = id * block_stride + static_cast<int64_t>(tok & bs_mask) * D + piece * 8;
+      const uint32_t dst = dst0 + row * L::kRowBytes + piece * 16;
+      const uint32_t bytes = tok < t_end ? 16u : 0u;
+      ptx::CpAsync16(dst, kbase + off, bytes);
+      ptx::CpAsync16(dst + L::kChunkBytes, vbase + off, bytes);
+    }
+  };
+
+  constexpr int kStride = kWarps * kChunk;
+  int base = t_begin + warp * kChunk;
+  int32_t ids = 0;
+  if (base < t_end) copy_chunk(base, lookup(base), 0);
+  ptx::CpAsyncCommit();
+  if (base + kStride < t_end) ids = lookup(base + kStride);
+
+  // Q^T as B fragments (k = dims, n = heads): head g's dims 16s + 2t, +1 and 16s + 2t + 8, +9;
+  // heads past nh are zero. Loaded while the first chunk is in flight.
+  uint32_t qb[KSTEPS][2];
+  {
+    const __nv_bfloat16* qrow = a.q + (row0 + min(g, nh - 1)) * D + 2 * t;  // [D], from dim 2t
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+      qb[s][0] = g < nh ? __ldg(reinterpret_cast<const uint32_t*>(qrow + 16 * s)) : 0u;
+      qb[s][1] = g < nh ? __ldg(reinterpret_cast<const uint32_t*>(qrow + 16 * s + 8)) : 0u;
+    }
+  }
 
   float m[2] = {-INFINITY, -INFINITY};  // heads 2t, 2t+1
   float l[2] = {0.f, 0.f};              // this lane's keys only; summed over g at the end
-  float acc[KSTEPS][4];
+  float acc[KSTEPS][4];                 // O^T m-tile j: dims 16j + g (0, 1), 16j + g + 8 (2, 3)
 #pragma unroll
   for (int j = 0; j < KSTEPS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-  // Block ids are looked up a chunk ahead so the K/V loads never wait on the block table; rows
-  // past t_end read nothing, not even their table entry (padding, kInvalidKvBlock).
-  auto block_of = [&](int tok) -> int32_t {
-    return tok < t_end ? CheckedBlock(bt, tok >> a.block_shift, a.num_blocks, a.error_flag) : 0;
-  };
-  auto row_at = [&](int32_t blk, int tok) -> int64_t {
-    return static_cast<int64_t>(blk) * block_stride + static_cast<int64_t>(tok & bs_mask) * D;
-  };
-  constexpr int kStride = kWarps * kChunk;
-  int base = t_begin + warp * kChunk;
-  int32_t kblk[2], vblk[4];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) kblk[r] = block_of(base + krow[r]);
-#pragma unroll
-  for (int r = 0; r < 4; ++r) vblk[r] = block_of(base + vrow[r]);
+  // ldmatrix row addresses of this lane within a stage. K as the A fragment of S^T: matrix i =
+  // keys 8 (i & 1) + 0..7 at dims 8 (i >> 1) + 0..7 of a k step. V^T as the A fragment of O^T,
+  // transposed: matrix i = keys 8 (i >> 1) + 0..7 at dims 8 (i & 1) + 0..7 of an m tile.
+  const uint32_t k_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * L::kRowBytes + (lane >> 4) * 16;
+  const uint32_t v_lane =
+      L::kChunkBytes + ((lane & 7) + (lane >> 4) * 8) * L::kRowBytes + ((lane >> 3) & 1) * 16;
 
-  // Each warp keeps one chunk's loads in flight; occupancy (four CTAs per SM) hides the latency.
-  // Loading the next chunk during this one's compute needs ~40 more registers and three CTAs per
-  // SM, which measured slower at 64 sequences of 256 tokens (34.5 against 29.0 us).
+  int stage = 0;
   for (; base < t_end; base += kStride) {
-    uint32_t kw[2][D / 8];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int tok = base + krow[r];
-      LoadKRow<D>(kbase + row_at(kblk[r], tok), t, tok < t_end, kw[r]);
-    }
-    uint32_t vw[4][D / 16];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int tok = base + vrow[r];
-      LoadVRow<D>(vbase + row_at(vblk[r], tok), g, tok < t_end, vw[r]);
-    }
     const int next = base + kStride;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) kblk[r] = block_of(next + krow[r]);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) vblk[r] = block_of(next + vrow[r]);
+    if (next < t_end) {
+      copy_chunk(next, ids, stage ^ 1);
+      if (next + kStride < t_end) ids = lookup(next + kStride);
+    }
+    ptx::CpAsyncCommit();   // possibly empty: "all but the newest group" is then this chunk
+    ptx::CpAsyncWait<1>();  // this lane's copies of the chunk have landed
+    __syncwarp();           // and every lane's
+    const uint32_t st = ring + stage * L::kStageBytes;
 
     // c[0..1]: key g, heads 2t, 2t+1; c[2..3]: key g + 8.
     float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s) {
-      const uint32_t ka[4] = {kw[0][2 * s], kw[1][2 * s], kw[0][2 * s + 1], kw[1][2 * s + 1]};
-      MmaBf16(c, ka, qb[2 * s], qb[2 * s + 1]);
+      uint32_t ka[4];
+      ptx::LdMatrixX4(ka, st + k_lane + s * 32);
+      MmaBf16(c, ka, qb[s][0], qb[s][1]);
     }
     const bool valid_lo = base + g < t_end;
     const bool valid_hi = base + g + 8 < t_end;
@@ -250,12 +239,12 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
       acc[j][1] *= alpha[1];
       acc[j][2] *= alpha[0];
       acc[j][3] *= alpha[1];
-      // V^T as the A fragment: row (dim) g from the low halves, row g + 8 from the high halves.
-      const uint32_t va[4] = {
-          __byte_perm(vw[0][j], vw[1][j], 0x5410), __byte_perm(vw[0][j], vw[1][j], 0x7632),
-          __byte_perm(vw[2][j], vw[3][j], 0x5410), __byte_perm(vw[2][j], vw[3][j], 0x7632)};
+      uint32_t va[4];
+      ptx::LdMatrixX4Trans(va, st + v_lane + j * 32);
       MmaBf16(acc[j], va, pb0, pb1);
     }
+    __syncwarp();  // every lane is done with this stage before the next step refills it
+    stage ^= 1;
   }
 
   // Sum l over the lanes that hold the other keys (g); m is already uniform over g.
@@ -265,13 +254,14 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 8);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 16);
   }
+  __syncthreads();  // the merge buffers overlay the other warps' rings
 #pragma unroll
   for (int j = 0; j < KSTEPS; ++j) {
-    const int d = VDim<D>(g, j);
+    const int d = 16 * j + g;
     sm.acc[warp][2 * t][d] = acc[j][0];
     sm.acc[warp][2 * t + 1][d] = acc[j][1];
-    sm.acc[warp][2 * t][d + 1] = acc[j][2];
-    sm.acc[warp][2 * t + 1][d + 1] = acc[j][3];
+    sm.acc[warp][2 * t][d + 8] = acc[j][2];
+    sm.acc[warp][2 * t + 1][d + 8] = acc[j][3];
   }
   if (g == 0) {
 #pragma unroll
@@ -365,9 +355,11 @@ __device__ __forceinline__ int FindSeq(const int32_t* s_prefix, int num_seqs, in
 // inlined copy of the tile loop.
 template <int D>
 __global__ void __launch_bounds__(kThreads, 4) DecodeAttentionKernel(DecodeArgs a) {
-  __shared__ MergeSmem<D> sm;
+  // [TileSmem<D>::kBytes: the warps' rings, then the merge], then for the work queue
+  // [num_seqs + 1] int32 of the chunk prefix sum.
+  extern __shared__ __align__(16) char smem[];
+  int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + TileSmem<D>::kBytes);
   __shared__ int32_t s_claim;
-  extern __shared__ int32_t s_prefix[];  // work queue: [num_seqs + 1]
   // q, the cache and the context lengths come from earlier kernels (kernels/pdl.cuh).
   GridDepWait();
   GridDepLaunchDependents();
@@ -402,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeAttentionKernel(DecodeArgs 
         kv_slot = blockIdx.y;
         split = blockIdx.x;
       }
-      ProcessTile<D>(a, seq, kv_slot / a.head_chunks, kv_slot % a.head_chunks, split, sm);
+      ProcessTile<D>(a, seq, kv_slot / a.head_chunks, kv_slot % a.head_chunks, split, smem);
     }
   }
   // Every CTA has made its final claim before it counts itself done, so the last one to finish may
@@ -483,13 +475,28 @@ absl::Status ValidateMode(const DecodeAttentionParams& p) {
   return absl::OkStatus();
 }
 
+// Above the default 48 KB of dynamic shared memory at D = 128 (and with a long work-queue prefix
+// sum), and all of the SM's L1 as shared memory so that three CTAs fit: the K/V copies bypass L1.
+// Function attributes: legal during capture.
+template <int D>
+absl::Status SetSmemAttributes() {
+  TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      DecodeAttentionKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(TileSmem<D>::kBytes + (kMaxWorkQueueSeqs + 1) * sizeof(int32_t))));
+  TS_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(DecodeAttentionKernel<D>,
+                                               cudaFuncAttributePreferredSharedMemoryCarveout,
+                                               cudaSharedmemCarveoutMaxShared));
+  return absl::OkStatus();
+}
+
 template <int D>
 absl::Status LaunchSplitKernel(const DecodeAttentionParams& p, const DecodeArgs& a,
                                cudaStream_t stream) {
   const bool queue = p.mode == DecodeAttentionMode::kWorkQueue;
   const dim3 grid = queue ? dim3(p.persistent_ctas)
                           : dim3(p.num_splits, p.num_kv_heads * a.head_chunks, p.num_seqs);
-  const size_t smem = queue ? (p.num_seqs + 1) * sizeof(int32_t) : 0;
+  const size_t smem = TileSmem<D>::kBytes + (queue ? (p.num_seqs + 1) * sizeof(int32_t) : 0);
+  TS_RETURN_IF_ERROR(SetSmemAttributes<D>());
   TS_CUDA_RETURN_IF_ERROR(
       LaunchWithPdl(DecodeAttentionKernel<D>, grid, dim3(kThreads), smem, stream, p.pdl, a));
   TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -523,8 +530,11 @@ absl::StatusOr<int32_t> DecodeAttentionCtasPerSm(int32_t head_dim, int32_t num_q
   int blocks = 0;
   TS_RETURN_IF_ERROR(attention_internal::DispatchHeadDim(
       head_dim, "DecodeAttentionCtasPerSm head_dim", [&](auto d) -> absl::Status {
+        constexpr int D = decltype(d)::value;
+        TS_RETURN_IF_ERROR(SetSmemAttributes<D>());
+        // The static split's shared memory: the one mode the engine captures.
         TS_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &blocks, DecodeAttentionKernel<decltype(d)::value>, kThreads, 0));
+            &blocks, DecodeAttentionKernel<D>, kThreads, TileSmem<D>::kBytes));
         return absl::OkStatus();
       }));
   return std::max(blocks, 1);

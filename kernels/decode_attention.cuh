@@ -1,8 +1,11 @@
 // Paged decode attention (one new query token per sequence) with GQA, split along the context
 // (flash-decoding). One tile = (sequence, kv head, up to 8 query heads, split): it reads its K/V
 // range once for all of those heads, on the tensor cores (mma.sync bf16: S^T = K Q^T, O^T += V^T
-// P^T with P rounded to bf16, fp32 accumulation and an fp32 online softmax). Tiles write normalised
-// partial outputs and their log2-sum-exp to a workspace; attention_combine merges the splits.
+// P^T with P rounded to bf16, fp32 accumulation and an fp32 online softmax). Each warp streams its
+// 16-key chunks through a two-stage cp.async ring in shared memory (ldmatrix feeds the mma), so
+// the next chunk is in flight while one is computed and no register holds a byte in flight. Tiles
+// write normalised partial outputs and their log2-sum-exp to a workspace; attention_combine merges
+// the splits.
 //
 // Two ways to cut the work, chosen by `mode`:
 //  - kStaticSplit: grid = num_splits x kv-head groups x num_seqs; each sequence is cut into
