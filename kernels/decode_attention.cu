@@ -563,8 +563,15 @@ int32_t ChooseNumSplits(const SplitChoiceInputs& in) {
   // sequences of 100-4000 tokens, 8B shape: 1 split 140.9 us, 5 splits 88.5).
   int64_t splits = std::max<int64_t>(1, one_wave / tiles_per_split);
   splits = std::max<int64_t>(splits, (ctx + kMaxSplitTokens - 1) / kMaxSplitTokens);
-  splits = std::min<int64_t>(splits, (ctx + 127) / 128);
-  if (splits * tiles_per_split < sms) {
+  // A batch whose unsplit tiles already cover half the SMs gains less from splitting than the
+  // merge and the combine node cost: measured on the H200 (bench/results/2026-12-03c-h200.md, 8
+  // kv heads, 160-token contexts), splits of >= 256 tokens there made the 1B step 2.4% and 3%
+  // faster at batch 16 and 32 than >= 128, and the 8B step no slower. Narrower batches keep
+  // 128-token splits.
+  const bool wide = 2 * tiles_per_split > sms;
+  const int64_t min_tokens = wide ? 256 : 128;
+  splits = std::min<int64_t>(splits, (ctx + min_tokens - 1) / min_tokens);
+  if (!wide && splits * tiles_per_split < sms) {
     // Latency-bound: measured at batch 1 (H200, 128-384 tokens) 64-token splits beat 128 by 20-30
     // us per step; at batch 8, where 128-token splits fill the SMs, shorter ones lost.
     const int64_t floor_tokens = in.min_split_tokens > 0 ? in.min_split_tokens : 64;

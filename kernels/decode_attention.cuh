@@ -110,7 +110,7 @@ struct SplitChoiceInputs {
   int32_t ctas_per_sm = 0;      // resident decode CTAs per SM (DecodeAttentionCtasPerSm); 0 = 3
   // Shortest split when the grid would otherwise hold fewer CTAs than SMs; 0 = 64. A CTA walks
   // its tokens in dependent steps (32 tokens at head_dim 128), so at batch 1 shorter splits
-  // shorten the critical path. Grids that fill the GPU keep splits of >= 128 tokens.
+  // shorten the critical path. Grids that fill the GPU keep splits of >= 128 (or 256) tokens.
   int32_t min_split_tokens = 0;
 };
 
@@ -120,9 +120,10 @@ absl::StatusOr<int32_t> DecodeAttentionCtasPerSm(int32_t head_dim, int32_t num_q
                                                  int32_t num_kv_heads);
 
 // Static-split count: as many splits as fit in one wave of resident CTAs, but splits of at least
-// 128 tokens (the merge would cost more than it saves) and at most 1024 (the longest sequences of
-// a ragged batch would finish last); when that leaves fewer tiles than SMs (batch 1-2 at short
-// contexts), up to one tile per SM with splits of at least min_split_tokens.
+// 128 tokens (the merge would cost more than it saves; 256 once the unsplit tiles cover half the
+// SMs) and at most 1024 (the longest sequences of a ragged batch would finish last); when that
+// leaves fewer tiles than SMs (batch 1-8 at short contexts), up to one tile per SM with splits of
+// at least min_split_tokens.
 // Result in [1, max_splits].
 int32_t ChooseNumSplits(const SplitChoiceInputs& in);
 

@@ -200,11 +200,17 @@ TEST(DecodeHeuristicsTest, SplitChoicesStayInRange) {
   in.max_context_len = 384;
   in.ctas_per_sm = 4;
   EXPECT_EQ(ChooseNumSplits(in), 1);
-  in.num_seqs = 16;  // 128 tiles per split: 4 fit in one wave, but splits keep >= 128 tokens
-  EXPECT_EQ(ChooseNumSplits(in), 3);
+  // 128 tiles per split cover half the SMs: 4 splits fit in one wave, but splits keep >= 256
+  // tokens, and the latency branch no longer applies.
+  in.num_seqs = 16;
+  EXPECT_EQ(ChooseNumSplits(in), 2);
   in.max_context_len = 4096;
   EXPECT_EQ(ChooseNumSplits(in), 4);
   in.ctas_per_sm = 0;
+  in.max_context_len = 256;
+  EXPECT_EQ(ChooseNumSplits(in), 1);
+  in.num_seqs = 8;  // 64 tiles per split: 128-token splits, then up to one tile per SM at >= 64
+  EXPECT_EQ(ChooseNumSplits(in), 3);
   in.num_seqs = 32;
   const WorkQueueConfig wq = ChooseWorkQueueConfig(in, 16);
   EXPECT_EQ(wq.persistent_ctas, 3 * 132);  // ctas_per_sm 0 means 3
