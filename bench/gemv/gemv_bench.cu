@@ -8,7 +8,9 @@
 // rel. L2 difference of our output against cuBLASLt's (a sanity check, ~1e-3 is bf16 rounding).
 //
 //   tailserve-gemv-bench [--model=all|1b|8b] [--ms=1,4,8,12,16] [--iters=30]
-//                        [--warmup=3] [--launches=20]
+//                        [--warmup=3] [--launches=20] [--splits=2,4,8]
+//
+// --splits: at m > 8, one more row per listed split_k (marked "forced"), beside the chosen one.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -43,6 +45,7 @@ struct Options {
   int warmup = 3;
   int launches = 20;
   std::vector<int> ms = {1, 4, 8, 12, 16};
+  std::vector<int> splits;  // forced split_k values at m > 8
 };
 
 bool ParseInt(const char* arg, const char* name, int* out) {
@@ -67,6 +70,16 @@ bool Parse(int argc, char** argv, Options* o) {
           return false;
         }
         o->ms.push_back(m);
+      }
+    } else if (std::strncmp(a, "--splits=", 9) == 0) {
+      for (absl::string_view part : absl::StrSplit(a + 9, ',')) {
+        int sk = 0;
+        if (!absl::SimpleAtoi(part, &sk) || sk < 1 || sk > kernels::kGemvTcMaxSplitK) {
+          std::fprintf(stderr, "--splits: '%s' is not in [1, %d]\n", std::string(part).c_str(),
+                       kernels::kGemvTcMaxSplitK);
+          return false;
+        }
+        o->splits.push_back(sk);
       }
     } else if (!(ParseInt(a, "iters", &o->iters) || ParseInt(a, "warmup", &o->warmup) ||
                  ParseInt(a, "launches", &o->launches))) {
@@ -200,14 +213,23 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
   float* ws = nullptr;
   BENCH_CUDA(cudaMalloc(&ws, std::max<size_t>(ws_bytes, 16)));
 
+  // The chosen split, then (m > 8) each forced one.
+  std::vector<std::pair<int, int>> runs;
   for (int m : ms) {
+    runs.push_back({m, 0});
+    if (m > kernels::kGemvRegisterMaxM) {
+      for (int sk : o.splits) runs.push_back({m, sk});
+    }
+  }
+  for (const auto& [m, forced] : runs) {
     kernels::GemvParams gp;
     gp.a = x.a;
     gp.c = x.c_ours;
     gp.m = m;
     gp.n = s.n;
     gp.k = s.k;
-    gp.split_k = kernels::ChooseGemvSplitK(m, s.n, s.k, dev.num_sms);
+    gp.split_k = forced > 0 ? forced : kernels::ChooseGemvSplitK(m, s.n, s.k, dev.num_sms);
+    if (gp.split_k > (s.k + 63) / 64) continue;  // fewer 64-wide stages of k than splits
     gp.workspace = ws;
     gp.workspace_bytes = ws_bytes;
     auto gemv = [&](bool pdl) {
@@ -233,9 +255,9 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
     auto pct = [&](double us) { return 100.0 * roof / us; };
     std::printf(
         "%-3s %-8s %6d %6d %3d %8.1f %7.2f | %8.2f %4.0f%% | %8.2f %4.0f%% | %8.2f %4.0f%% |"
-        " %5d %9.1e %3d\n",
+        " %5d%s %9.1e %3d\n",
         s.model, s.layer, s.n, s.k, m, x.bytes / 1e6, roof, t_blas, pct(t_blas), t_gemv,
-        pct(t_gemv), t_pdl, pct(t_pdl), gp.split_k, diff, x.copies);
+        pct(t_gemv), t_pdl, pct(t_pdl), gp.split_k, forced > 0 ? " forced" : "", diff, x.copies);
     std::fflush(stdout);
   }
   BENCH_CUDA(cudaFree(ws));
