@@ -55,32 +55,29 @@ bool ParseInt(const char* arg, const char* name, int* out) {
   return true;
 }
 
+// A comma-separated list of integers in [1, hi] replaces *out.
+bool ParseList(const char* name, const char* list, int hi, std::vector<int>* out) {
+  out->clear();
+  for (absl::string_view part : absl::StrSplit(list, ',')) {
+    int v = 0;
+    if (!absl::SimpleAtoi(part, &v) || v < 1 || v > hi) {
+      std::fprintf(stderr, "--%s: '%s' is not in [1, %d]\n", name, std::string(part).c_str(), hi);
+      return false;
+    }
+    out->push_back(v);
+  }
+  return true;
+}
+
 bool Parse(int argc, char** argv, Options* o) {
   for (int i = 1; i < argc; ++i) {
     const char* a = argv[i];
     if (std::strncmp(a, "--model=", 8) == 0) {
       o->model = a + 8;
     } else if (std::strncmp(a, "--ms=", 5) == 0) {
-      o->ms.clear();
-      for (absl::string_view part : absl::StrSplit(a + 5, ',')) {
-        int m = 0;
-        if (!absl::SimpleAtoi(part, &m) || m < 1 || m > kernels::kGemvMaxM) {
-          std::fprintf(stderr, "--ms: '%s' is not in [1, %d]\n", std::string(part).c_str(),
-                       kernels::kGemvMaxM);
-          return false;
-        }
-        o->ms.push_back(m);
-      }
+      if (!ParseList("ms", a + 5, kernels::kGemvMaxM, &o->ms)) return false;
     } else if (std::strncmp(a, "--splits=", 9) == 0) {
-      for (absl::string_view part : absl::StrSplit(a + 9, ',')) {
-        int sk = 0;
-        if (!absl::SimpleAtoi(part, &sk) || sk < 1 || sk > kernels::kGemvTcMaxSplitK) {
-          std::fprintf(stderr, "--splits: '%s' is not in [1, %d]\n", std::string(part).c_str(),
-                       kernels::kGemvTcMaxSplitK);
-          return false;
-        }
-        o->splits.push_back(sk);
-      }
+      if (!ParseList("splits", a + 9, kernels::kGemvTcMaxSplitK, &o->splits)) return false;
     } else if (!(ParseInt(a, "iters", &o->iters) || ParseInt(a, "warmup", &o->warmup) ||
                  ParseInt(a, "launches", &o->launches))) {
       std::fprintf(stderr, "unknown flag %s\n", a);
