@@ -425,20 +425,36 @@ absl::Status Validate(const GemvParams& p) {
     return absl::InvalidArgumentError(
         "gemv.epilogue kSiluMul needs a bf16 c, and split_k = 1 at m <= 8");
   }
+  const bool tc = p.m > kGemvRegisterMaxM;
+  if (p.a_sumsq != nullptr) {
+    TS_RETURN_IF_ERROR(RequirePointer("gemv.a_sumsq", p.a_sumsq, alignof(float)));
+    if (!tc || p.norm_weight == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gemv.a_sumsq needs m > ", kGemvRegisterMaxM, " and norm_weight"));
+    }
+  }
+  if (p.sumsq_out != nullptr) {
+    TS_RETURN_IF_ERROR(RequirePointer("gemv.sumsq_out", p.sumsq_out, alignof(float)));
+    if (!tc || p.c == nullptr ||
+        (p.epilogue != GemvEpilogue::kStore && p.epilogue != GemvEpilogue::kAccumulate)) {
+      return absl::InvalidArgumentError(absl::StrCat("gemv.sumsq_out needs m > ", kGemvRegisterMaxM,
+                                                     ", a bf16 c and kStore or kAccumulate"));
+    }
+  }
   if (p.norm_weight != nullptr) {
     TS_RETURN_IF_ERROR(RequirePointer("gemv.norm_weight", p.norm_weight, 16));
-    if (p.m > kGemvRegisterMaxM) {
+    if (tc && p.a_sumsq == nullptr) {
       return absl::InvalidArgumentError(
-          absl::StrCat("gemv.norm_weight needs m <= ", kGemvRegisterMaxM, ", got ", p.m,
-                       "; normalise with rmsnorm instead"));
+          absl::StrCat("gemv.norm_weight at m > ", kGemvRegisterMaxM,
+                       " needs a_sumsq (or normalise with rmsnorm), got m = ", p.m));
     }
-    if (!GemvCanFuseNorm(p.m, p.k)) {
+    if (!tc && !GemvCanFuseNorm(p.m, p.k)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "gemv.norm_weight: m = ", p.m, ", k = ", p.k, " needs more than ", kGemvMaxNormSmemBytes,
           " bytes of shared memory; normalise with rmsnorm instead"));
     }
-    if (p.split_k != 1) {
-      return absl::InvalidArgumentError("gemv.norm_weight needs split_k = 1");
+    if (!tc && p.split_k != 1) {
+      return absl::InvalidArgumentError("gemv.norm_weight needs split_k = 1 at m <= 8");
     }
     if (!(p.norm_eps > 0.0f)) {
       return absl::InvalidArgumentError(

@@ -1,7 +1,7 @@
 // Memory-bound small-M GEMM ("GEMV") for decode, the same product as kernels/gemm.cuh:
 //   C[m, n] = A[m, k] * W[n, k]^T, then an epilogue (store, residual add, SwiGLU of a fused
 //   gate_up, or RoPE + paged K/V write of a fused qkv), optionally with A RMS-normalised first
-//   (GemvParams::norm_weight, m <= 8)
+//   (GemvParams::norm_weight; at m > 8 from the row sums of squares the GEMV that wrote A left)
 // row-major bf16, W laid out like a Hugging Face Linear weight [out_features, in_features], fp32
 // accumulation. The time is the time to stream W once from HBM; cuBLASLt was measured at 39-56%
 // of that roof on the small Llama-1B projections at m <= 8 (docs/gpu-facts.md, cuBLAS at decode
@@ -34,8 +34,9 @@
 // Graph-capturable: no allocation, no sync. With `pdl`, the kernel(s) are launched with
 // programmatic stream serialization: each CTA issues its first W loads (and, with the norm
 // prologue, the copy of norm_weight into shared memory) before `griddepcontrol.wait`, so the
-// weight stream starts while the preceding kernel drains (A, C and the workspace are touched only
-// after the wait). Only valid when the preceding kernels write neither W nor norm_weight.
+// weight stream starts while the preceding kernel drains (A, C, the sums of squares and the
+// workspace are touched only after the wait). Only valid when the preceding kernels write neither W
+// nor norm_weight.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -113,12 +114,23 @@ struct GemvParams {
   int32_t n = 0;               // >= 1, any value
   int32_t k = 0;               // positive multiple of 8 (16-byte loads)
   GemvEpilogue epilogue = GemvEpilogue::kStore;
-  // Optional, [k]: RMSNorm folded into the kernel. Each CTA normalises A into shared memory
-  // first, with LlamaRMSNorm's bf16 rounding: a' = bf16(norm_weight * bf16(a * rsqrt(mean(a^2) +
-  // norm_eps))), and multiplies a' instead of A. Needs m <= 8, m * (k + 8) * 2 <=
-  // kGemvMaxNormSmemBytes and split_k = 1. Replaces a separate rmsnorm kernel (a graph node).
+  // Optional, [k]: RMSNorm folded into the kernel, with LlamaRMSNorm's bf16 rounding: a' =
+  // bf16(norm_weight * bf16(a * rsqrt(mean(a^2) + norm_eps))), multiplied instead of A. Replaces
+  // a separate rmsnorm kernel (a graph node).
+  //   m <= 8: each CTA normalises all of A into shared memory first. Needs m * (k + 8) * 2 <=
+  //   kGemvMaxNormSmemBytes, split_k = 1 and no a_sumsq.
+  //   m > 8: needs a_sumsq; each value of A is normalised between shared memory and the MMA, so
+  //   a CTA reads only its own k range of A.
   const __nv_bfloat16* norm_weight = nullptr;
   float norm_eps = 1e-5f;  // > 0 when norm_weight is set
+  // [m, GemvSumSqGroups(k)], m > 8 with norm_weight: the sums of squares of A's rows, per group of
+  // 32 columns, as the GEMV that wrote A left them in its sumsq_out. Added in a fixed order.
+  const float* a_sumsq = nullptr;
+  // [m, GemvSumSqGroups(n)], optional, m > 8 with kStore or kAccumulate into a bf16 c: the sum of
+  // squares of each row's stored values (after rounding) per group of 32 columns, each written by
+  // one warp in a fixed order (the same bits every run). The next GEMV normalises C through
+  // a_sumsq without a pass of its own over all of C.
+  float* sumsq_out = nullptr;
   // 1..kGemvMaxSplitK; 1 = no split. At m > 8 at most kGemvTcMaxSplitK and the k range's
   // 64-wide stages.
   int32_t split_k = 1;
@@ -129,8 +141,13 @@ struct GemvParams {
   GemvWarpTiles warp_tiles = GemvWarpTiles::kAuto;  // m <= 8 only, and only with split_k = 1
 };
 
-// True when LaunchGemv accepts norm_weight for this (m, k).
+// True when LaunchGemv accepts norm_weight without a_sumsq for this (m, k).
 bool GemvCanFuseNorm(int32_t m, int32_t k);
+// Groups of 32 columns in a row of n values: the second extent of sumsq_out and a_sumsq.
+inline constexpr int32_t kGemvSumSqGroup = 32;
+__host__ __device__ inline constexpr int32_t GemvSumSqGroups(int32_t n) {
+  return (n + kGemvSumSqGroup - 1) / kGemvSumSqGroup;
+}
 // Host heuristic: true when the norm prologue is faster than a separate rmsnorm kernel before the
 // GEMV, m * k <= kGemvNormPrologueMaxElems. Every CTA normalises all of A itself before its first
 // multiply, so the prologue's cost grows with m * k while the node it saves costs a fixed launch.

@@ -15,17 +15,19 @@
 
 namespace ts::kernels::gemv_internal {
 
-// Epilogue for element e = i * n + col of C (kStore / kAccumulate).
-__device__ __forceinline__ void StoreOutput(const GemvParams& p, int64_t e, float v) {
+// Epilogue for element e = i * n + col of C (kStore / kAccumulate); returns the value stored.
+__device__ __forceinline__ float StoreOutput(const GemvParams& p, int64_t e, float v) {
   const bool acc = p.epilogue == GemvEpilogue::kAccumulate;
   if (p.c_f32 != nullptr) {
     if (acc) v += p.c_f32[e];
     p.c_f32[e] = v;
-  } else {
-    // A bf16 Linear rounds its output, then the residual add rounds the sum.
-    if (acc) v = RoundBf16(v) + __bfloat162float(p.c[e]);
-    p.c[e] = __float2bfloat16_rn(v);
+    return v;
   }
+  // A bf16 Linear rounds its output, then the residual add rounds the sum.
+  if (acc) v = RoundBf16(v) + __bfloat162float(p.c[e]);
+  const __nv_bfloat16 b = __float2bfloat16_rn(v);
+  p.c[e] = b;
+  return __bfloat162float(b);
 }
 
 // kRopeKv output of row i of A, pair (d, d + head_dim / 2) of head `head`, from the fp32 sums x1

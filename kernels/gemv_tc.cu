@@ -1,6 +1,8 @@
 // The m > 8 kernel of the GEMV op (kernels/gemv.cuh), for 9-16 rows: W and A through a cp.async
 // ring in shared memory, ldmatrix and mma.sync, split-K reduced inside the kernel across a cluster
-// of CTAs.
+// of CTAs; optionally A RMS-normalised in shared memory from the row sums of squares the GEMV
+// before left (GemvParams::a_sumsq), and each row's sums of squares of the output left for the
+// next (sumsq_out).
 //
 // Why this shape (Llama-3.1-8B on the H200, 4.3 TB/s over 132 SMs): each SM must take ~16 bytes of
 // W per clock. Keeping ~32 KB of W in flight per SM takes registers in the m <= 8 kernel (and at 16
@@ -43,6 +45,13 @@ constexpr int kCtasPerSm = 2;
 constexpr int kMTiles = 1;
 constexpr int kStageBytes = kWStageBytes + 16 * kMTiles * kRowBytes;
 constexpr int kSmemBytes = std::max(kStages * kStageBytes, 16 * kMTiles * kCsStride * 4);
+// With the norm (GemvParams::a_sumsq): the W slots back to back, then kStages + 1 blocks of A,
+// each followed by its stage's 64 norm weights. A stage's A lands one iteration earlier than its
+// W and is normalised in place, hence the extra block. Three CTAs must still fit an SM: with
+// two, 8B qkv's 48 clusters of 5 took more than one wave (1.4x slower).
+constexpr int kABlockBytes = 16 * kMTiles * kRowBytes + kRowBytes;
+constexpr int kNormSmemBytes = kStages * kWStageBytes + (kStages + 1) * kABlockBytes;
+static_assert(3 * (kNormSmemBytes + 1024) <= 228 * 1024, "three CTAs an SM (H100/H200)");
 
 // Byte offset of 16-byte chunk c of row r in a [rows][128 B] block: chunks XOR-swizzled by row,
 // so the 8 rows an ldmatrix phase reads at one logical chunk sit in 8 different bank groups.
@@ -63,12 +72,30 @@ __device__ __forceinline__ int64_t WRow(const GemvParams& p, int tile, int r) {
   return row < p.n ? row : -1;
 }
 
-// grid: (tiles, split_k), block 256, dynamic smem kSmemBytes. CTA (tile, s) multiplies
-// W rows of `tile` by A over stages [s * stages / split_k, (s + 1) * stages / split_k) of k.
+// LlamaRMSNorm (RmsNormScale's two roundings) of a bf16 pair x by its norm weights w and the
+// row's 1 / rms, in 6 instructions: the fp32 products rounded as a pair, then a bf16x2 multiply
+// (a product of two bf16 values is exact in fp32, so rounding it once is what RmsNormScale does).
+__device__ __forceinline__ uint32_t NormPair(uint32_t x, uint32_t w, float inv_rms) {
+  const __nv_bfloat162 y = __floats2bfloat162_rn(__uint_as_float(x << 16) * inv_rms,
+                                                 __uint_as_float(x & 0xffff0000u) * inv_rms);
+  const __nv_bfloat162 o = __hmul2(y, *reinterpret_cast<const __nv_bfloat162*>(&w));
+  return *reinterpret_cast<const uint32_t*>(&o);
+}
+
+// grid: (tiles, split_k), block 256, dynamic smem kSmemBytes (kNorm: kNormSmemBytes). CTA
+// (tile, s) multiplies W rows of `tile` by A over stages [s * stages / split_k, (s + 1) * stages /
+// split_k) of k.
 //
 // Warp w owns W rows [32 (w % 4), 32 (w % 4) + 32) of the tile (two 16-row MMA A operands) and
 // k16 steps {2 (w / 4), 2 (w / 4) + 1} of each 64-k stage; its 2 x 2 accumulators cover all
 // rows of A. The two k halves are added in a fixed order through shared memory at the end.
+//
+// kNorm: A is RMS-normalised in shared memory, in place and once per CTA, one iteration before
+// its use: A(s + 1) is copied with W(s), so the wait that completes W(s) also completes it, and
+// the barrier of iteration s + 1 shows the normalised values. (Normalising the MMA fragments
+// instead, which 4 warps share, made 8B gate_up 1.6x slower, bench/results/2026-12-04-h200.md.)
+// The rows' 1 / rms come from a_sumsq, so no CTA reads more of A than its own k range.
+template <bool kNorm>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -78,30 +105,65 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
   const int s_begin = split * stages_total / p.split_k;
   const int s_count = (split + 1) * stages_total / p.split_k - s_begin;
   const uint32_t smem_base = ptx::SharedAddress(smem);
-  auto w_slot = [&](int i) { return smem_base + i * kStageBytes; };
-  auto a_slot = [&](int i) { return w_slot(i) + kWStageBytes; };
+  auto w_slot = [&](int i) { return smem_base + i * (kNorm ? kWStageBytes : kStageBytes); };
+  auto a_slot = [&](int stage) {  // A of a stage
+    return kNorm ? smem_base + kStages * kWStageBytes + (stage % (kStages + 1)) * kABlockBytes
+                 : w_slot(stage % kStages) + kWStageBytes;
+  };
 
   // This thread's W copies: chunk tid % 8 of local rows tid / 8 + 32 j (a warp reads 4 whole
   // 128-byte row segments).
   const int chunk = tid & 7;
+  // The 4 rows' first copy (nullptr past n), computed once: the row arithmetic per stage made a
+  // large share of the loop's instructions.
+  const __nv_bfloat16* w_src[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t row = WRow(p, tile, tid / 8 + 32 * j);
+    w_src[j] = row >= 0 ? p.w + row * p.k + int64_t{s_begin} * kStageK + chunk * 8 : nullptr;
+  }
   auto load_w = [&](int i) {  // stage i of this CTA's range into slot i % kStages
-    const int64_t k0 = int64_t{s_begin + i} * kStageK + chunk * 8;
+    const bool k_in = int64_t{s_begin + i} * kStageK + chunk * 8 < p.k;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int64_t row = WRow(p, tile, tid / 8 + 32 * j);
-      const bool in = row >= 0 && k0 < p.k;
+      const bool in = k_in && w_src[j] != nullptr;
       ptx::CpAsync16(w_slot(i % kStages) + Swizzle(tid / 8 + 32 * j, chunk),
-                     in ? p.w + row * p.k + k0 : p.w, in ? 16 : 0);
+                     in ? w_src[j] + i * kStageK : p.w, in ? 16 : 0);
     }
   };
-  auto load_a = [&](int i) {  // rows past m and k past the end are zero-filled
+  // Stage i of A (kNorm: with its norm weights behind it). Rows past m and k past the end are
+  // zero-filled.
+  auto load_a = [&](int i) {
+    if (i >= s_count) return;
     const int64_t k0 = int64_t{s_begin + i} * kStageK;
     for (int e = tid; e < 16 * kMTiles * 8; e += kThreads) {
       const int r = e >> 3, c = e & 7;
       const bool in = r < p.m && k0 + c * 8 < p.k;
-      ptx::CpAsync16(a_slot(i % kStages) + Swizzle(r, c),
-                     in ? p.a + r * int64_t{p.k} + k0 + c * 8 : p.a, in ? 16 : 0);
+      ptx::CpAsync16(a_slot(i) + Swizzle(r, c), in ? p.a + r * int64_t{p.k} + k0 + c * 8 : p.a,
+                     in ? 16 : 0);
     }
+    if (kNorm && tid < 8) {
+      const bool in = k0 + tid * 8 < p.k;
+      ptx::CpAsync16(a_slot(i) + 16 * kMTiles * kRowBytes + tid * 16,
+                     in ? p.norm_weight + k0 + tid * 8 : p.norm_weight, in ? 16 : 0);
+    }
+  };
+  // kNorm: this thread normalises 4 values of each stage, row ar at k 4 ac..4 ac + 3.
+  const int ar = tid >> 4, ac = tid & 15;
+  float inv = 0.f;  // row ar's 1 / rms (0 past m)
+  auto normalise_a = [&](int i) {
+    if (i >= s_count) return;
+    // In place: each thread reads and writes only its own 8 bytes.
+    const uint32_t at = a_slot(i) + Swizzle(ar, ac >> 1) + (ac & 1) * 8;
+    uint32_t x0, x1, w0, w1;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x0), "=r"(x1) : "r"(at) : "memory");
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(w0), "=r"(w1)
+                 : "r"(a_slot(i) + 16 * kMTiles * kRowBytes + ac * 8)
+                 : "memory");
+    asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(at), "r"(NormPair(x0, w0, inv)),
+                 "r"(NormPair(x1, w1, inv))
+                 : "memory");
   };
 
   // W does not depend on the kernel before: its first stages stream across the wait (one group).
@@ -110,9 +172,36 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
   }
   ptx::CpAsyncCommit();
   GridDepWait();
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < s_count) load_a(i);
+  if constexpr (kNorm) {
+    // Groups: A 0 and 1, then A 2, A 3, and in the loop W(i + 3) with A(i + 4), so that the wait
+    // of iteration i completes W(i) and A(i + 1).
+    load_a(0);
+    load_a(1);
     ptx::CpAsyncCommit();
+    load_a(2);
+    ptx::CpAsyncCommit();
+    load_a(3);
+    ptx::CpAsyncCommit();
+    // Row ar's sum of squares: its 16 threads (half a warp) each add every 16th group, all loads
+    // in flight at once, then a fixed shuffle tree adds their sums.
+    const int groups = GemvSumSqGroups(p.k);
+    float ss = 0.f;
+    if (ar < p.m) {
+      const float* row = p.a_sumsq + ar * groups;
+#pragma unroll 8
+      for (int c = ac; c < groups; c += 16) ss += __ldcg(row + c);
+    }
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    inv = ar < p.m ? rsqrtf(ss / p.k + p.norm_eps) : 0.f;
+    ptx::CpAsyncWait<kStages - 2>();  // W 0-2, A 0 and 1
+    __syncthreads();
+    normalise_a(0);  // shown by the loop's first barrier
+  } else {
+    for (int i = 0; i < kStages - 1; ++i) {
+      load_a(i);
+      ptx::CpAsyncCommit();
+    }
   }
 
   float acc[2][2 * kMTiles][4] = {};
@@ -121,12 +210,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
     // Stage i's W and A groups are complete once at most kStages - 2 newer ones are pending.
     ptx::CpAsyncWait<kStages - 2>();
     __syncthreads();  // everyone's copies visible; slot (i - 1) % kStages is free again
-    if (i + kStages - 1 < s_count) {
-      load_w(i + kStages - 1);
-      load_a(i + kStages - 1);
-    }
+    if (i + kStages - 1 < s_count) load_w(i + kStages - 1);
+    load_a(i + kStages - 1 + (kNorm ? 1 : 0));
     ptx::CpAsyncCommit();
-    const uint32_t ws = w_slot(i % kStages), as = a_slot(i % kStages);
+    // A(i + 1), complete since the wait, normalised for the next iteration.
+    if constexpr (kNorm) normalise_a(i + 1);
+    const uint32_t ws = w_slot(i % kStages), as = a_slot(i);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int ks = 2 * wk + h;  // k16 step in the stage: chunks 2 ks, 2 ks + 1
@@ -225,10 +314,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
       RopeEpilogue(p, i, static_cast<int32_t>(row0 / hd) + lh, d, value(i, j), value(i, j + half));
     }
   } else {
+    const int groups = GemvSumSqGroups(p.n);
     for (int e = first; e < m * kTileRows; e += step) {
       const int i = e / kTileRows, j = e % kTileRows;
       const int64_t col = int64_t{tile} * kTileRows + j;
-      if (col < p.n) StoreOutput(p, i * int64_t{p.n} + col, value(i, j));
+      const float v = col < p.n ? StoreOutput(p, i * int64_t{p.n} + col, value(i, j)) : 0.f;
+      if (p.sumsq_out != nullptr) {
+        // e advances in whole warps, so a warp holds one row's group of 32 columns.
+        const float ss = WarpSum(v * v);
+        if (lane == 0 && col < p.n) p.sumsq_out[i * groups + col / kGemvSumSqGroup] = ss;
+      }
     }
   }
   // No CTA may leave while another still reads its shared memory.
@@ -236,10 +331,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
 }
 
 absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
-  constexpr int smem = kSmemBytes;
+  const bool norm = p.norm_weight != nullptr;
+  const int smem = norm ? kNormSmemBytes : kSmemBytes;
+  auto* kernel = norm ? GemvTcKernel<true> : GemvTcKernel<false>;
   // A function attribute, not a stream operation: legal while a graph is being captured.
   TS_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(GemvTcKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim =
       dim3(static_cast<uint32_t>(GemvTcTiles(p.n, p.epilogue)), static_cast<uint32_t>(p.split_k));
@@ -258,7 +355,7 @@ absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
-  TS_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, GemvTcKernel, p));
+  TS_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, p));
   return absl::OkStatus();
 }
 

@@ -1,4 +1,4 @@
-// LaunchGemv (tensor-core GEMV, m <= 64) against an fp64 CPU product of the same bf16 inputs: the
+// LaunchGemv (tensor-core GEMV, m <= 16) against an fp64 CPU product of the same bf16 inputs: the
 // register kernel over m in {1, 2, 3, 5, 8} x (n, k) from tiny and odd to Llama-1B/8B projections x
 // split_k in {1, ChooseGemvSplitK, 4}, and the shared-memory kernel over m in 9..16 x split_k in
 // {1, ChooseGemvSplitK, as many as k and the 8-CTA cluster allow}, on the shapes whose fp64
@@ -19,129 +19,13 @@
 #include "kernels/gemv.cuh"
 #include "kernels/rope_kv.cuh"
 #include "models/rope.h"
+#include "tests/kernels/gemv_test_util.h"
 #include "tests/kernels/kernel_test_util.h"
 
 namespace ts::kernels {
 namespace {
 
-using testing::ExpectGemmCloseBf16;
-using testing::ExpectGemmCloseF32;
-using testing::ExpectReplaysEqual;
-using testing::GuardedBuffer;
-
-// (n, k): tiny and odd (k % 32 != 0 exercises the partial k-steps), Llama-3.2-1B qkv, o,
-// gate_up, down, Llama-3.1-8B qkv, o, gate_up, down; (512, 8192) is one ChooseGemvSplitK splits.
-const std::vector<std::pair<int, int>> kShapes = {
-    {3072, 2048},  {2048, 2048},  {16384, 2048}, {2048, 8192}, {6144, 4096}, {4096, 4096},
-    {28672, 4096}, {4096, 14336}, {24, 40},      {1000, 520},  {512, 8192}};
-
-int NumSms() {
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  return sms > 0 ? sms : 132;
-}
-
-// C = A W^T (+ c0) in fp64; `abs_sum` (optional) gets sum_t |a_t w_t| per element.
-std::vector<double> Reference(const std::vector<float>& a, const std::vector<float>& w,
-                              const std::vector<float>* c0, int m, int n, int k,
-                              std::vector<double>* abs_sum = nullptr) {
-  std::vector<double> c(size_t(m) * n);
-  if (abs_sum) abs_sum->assign(c.size(), 0.0);
-  for (int j = 0; j < n; ++j) {
-    const float* wr = w.data() + size_t(j) * k;
-    for (int i = 0; i < m; ++i) {
-      const float* ar = a.data() + size_t(i) * k;
-      double s[4] = {0, 0, 0, 0};  // four chains: the reference is the slow part of this test
-      for (int t = 0; t < k; t += 4) {
-        for (int u = 0; u < 4 && t + u < k; ++u) s[u] += double(ar[t + u]) * wr[t + u];
-      }
-      const size_t e = size_t(i) * n + j;
-      c[e] = s[0] + s[1] + s[2] + s[3] + (c0 ? (*c0)[e] : 0.0);
-      if (abs_sum) {
-        double as = 0;
-        for (int t = 0; t < k; ++t) as += std::fabs(double(ar[t]) * wr[t]);
-        (*abs_sum)[e] = as;
-      }
-    }
-  }
-  return c;
-}
-
-struct Weights {
-  int n, k;
-  std::vector<float> w;  // [n, k], bf16-exact
-  GuardedBuffer<__nv_bfloat16> dw;
-  Weights(int n_, int k_, uint32_t seed)
-      : n(n_), k(k_), w(testing::RandomFloats(size_t(n) * k, -1, 1, seed)), dw(w.size()) {
-    dw.Upload(testing::ToBf16(w));
-  }
-};
-
-// Whether the fp64 reference of an (m, n, k) product is cheap enough for a unit test (~1 s).
-bool Affordable(int m, int n, int k) {
-  return double(m) * n * k <= 1.2e9;
-}
-
-// One problem's activations and outputs: A, bf16 and fp32 C, the initial C for accumulate, and a
-// workspace sized for split_k <= kGemvMaxSplitK (m <= 8; m > 8 reduces in shared memory).
-// Params(split): split >= 1 is split_k with the CTA's warps sharing each tile
-// (GemvWarpTiles::kNever); split 0 is split_k 1 with each warp streaming whole tiles
-// (GemvWarpTiles::kAlways), the path ChooseGemvWarpTiles picks for large n.
-struct Problem {
-  const Weights& wt;
-  int m;
-  std::vector<float> a, c0;
-  GuardedBuffer<__nv_bfloat16> da, dc;
-  GuardedBuffer<float> dc32, ws;
-  Problem(const Weights& w, int m_, uint32_t seed)
-      : wt(w),
-        m(m_),
-        a(testing::RandomFloats(size_t(m) * w.k, -1, 1, seed)),
-        c0(testing::RandomFloats(size_t(m) * w.n, -4, 4, seed + 1)),
-        da(a.size()),
-        dc(c0.size()),
-        dc32(c0.size()),
-        ws(size_t(kGemvMaxSplitK) * m * w.n) {
-    da.Upload(testing::ToBf16(a));
-  }
-  GemvParams Params(int split_k, bool fp32 = false, bool accumulate = false) const {
-    GemvParams p;
-    p.a = da.get();
-    p.w = wt.dw.get();
-    if (fp32) {
-      p.c_f32 = dc32.get();
-    } else {
-      p.c = dc.get();
-    }
-    p.m = m;
-    p.n = wt.n;
-    p.k = wt.k;
-    p.epilogue = accumulate ? GemvEpilogue::kAccumulate : GemvEpilogue::kStore;
-    p.split_k = std::max(split_k, 1);
-    p.warp_tiles = split_k == 0 ? GemvWarpTiles::kAlways : GemvWarpTiles::kNever;
-    p.workspace = ws.get();
-    p.workspace_bytes = ws.size() * sizeof(float);
-    return p;
-  }
-};
-
-// A few split_k values for each kernel: 0 (warp tiles), 1 and 4 at m <= 8; 1 and 3 (or as many as
-// k's 64-wide stages allow) at m > 8.
-std::vector<int> FewSplits(int m, int k) {
-  if (m <= kGemvRegisterMaxM) return {0, 1, 4};
-  const int most = std::min(3, (k + 63) / 64);
-  return most > 1 ? std::vector<int>{1, most} : std::vector<int>{1};
-}
-
-std::vector<int> Splits(int m, int n, int k) {
-  std::vector<int> s = m <= kGemvRegisterMaxM
-                           ? std::vector<int>{0, 1, ChooseGemvSplitK(m, n, k, NumSms()), 4}
-                           : std::vector<int>{1, ChooseGemvSplitK(m, n, k, NumSms()),
-                                              std::min(kGemvTcMaxSplitK, (k + 63) / 64)};
-  std::sort(s.begin(), s.end());
-  s.erase(std::unique(s.begin(), s.end()), s.end());
-  return s;
-}
+using namespace gemv_test;  // NOLINT(build/namespaces): the shared fixtures
 
 // One (n, k) and m of a shape grid: every split of Splits, output against the fp64 product.
 void ExpectGridCase(const Weights& wt, int m) {
@@ -393,63 +277,6 @@ TEST(GemvTest, RejectsBadParams) {
   EXPECT_TRUE(big.dc.GuardsIntact());
 }
 
-// transformers' bf16 LlamaRMSNorm of A's rows, emulated in fp32 (the kernel's prologue).
-std::vector<float> NormalizedA(const std::vector<float>& a, const std::vector<float>& w, int m,
-                               int k, float eps) {
-  std::vector<float> out(a.size());
-  for (int i = 0; i < m; ++i) {
-    double ss = 0;
-    for (int t = 0; t < k; ++t) ss += double(a[size_t(i) * k + t]) * a[size_t(i) * k + t];
-    const float inv = static_cast<float>(1.0 / std::sqrt(ss / k + eps));
-    for (int t = 0; t < k; ++t) {
-      const size_t e = size_t(i) * k + t;
-      out[e] = testing::RoundBf16(w[t] * testing::RoundBf16(a[e] * inv));
-    }
-  }
-  return out;
-}
-
-TEST(GemvTest, NormPrologueMatchesRmsNormThenGemv) {
-  // Llama-1B qkv and gate_up, 8B qkv, odd sizes, and the largest k the shared memory takes at m=8.
-  for (const auto& [n, k] : std::vector<std::pair<int, int>>{
-           {3072, 2048}, {16384, 2048}, {6144, 4096}, {24, 40}, {1000, 520}, {64, 8192}}) {
-    const Weights wt(n, k, n + 5 * k);
-    const auto nw = testing::RandomFloats(k, 0.5f, 1.5f, k);
-    GuardedBuffer<__nv_bfloat16> dnw(k);
-    dnw.Upload(testing::ToBf16(nw));
-    for (int m : {1, 3, 8}) {
-      ASSERT_TRUE(GemvCanFuseNorm(m, k));
-      Problem pr(wt, m, m * 7 + n);
-      const std::vector<double> ref =
-          Reference(NormalizedA(pr.a, nw, m, k, 1e-5f), wt.w, nullptr, m, n, k);
-      for (int split : {0, 1}) {
-        SCOPED_TRACE(::testing::Message()
-                     << "m=" << m << " n=" << n << " k=" << k << " split_k=" << split);
-        GemvParams p = pr.Params(split);
-        p.norm_weight = dnw.get();
-        p.norm_eps = 1e-5f;
-        pr.dc.Poison();
-        TS_ASSERT_OK(LaunchGemv(p, nullptr));
-        TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
-        ExpectGemmCloseBf16(testing::FromBf16(pr.dc.Download()), ref);
-        EXPECT_TRUE(pr.dc.GuardsIntact());
-      }
-    }
-  }
-  EXPECT_FALSE(GemvCanFuseNorm(8, 8256));
-  EXPECT_TRUE(GemvCanFuseNorm(1, 65536));
-}
-
-TEST(GemvTest, NormProloguePaysOnlyForASmallA) {
-  EXPECT_TRUE(GemvNormProloguePays(1, 2048));  // 1B decode at batch 1 and 2
-  EXPECT_TRUE(GemvNormProloguePays(2, 2048));
-  EXPECT_TRUE(GemvNormProloguePays(1, 4096));  // 8B at batch 1
-  EXPECT_FALSE(GemvNormProloguePays(2, 4096));
-  EXPECT_FALSE(GemvNormProloguePays(4, 2048));
-  EXPECT_FALSE(GemvNormProloguePays(8, 4096));
-  EXPECT_FALSE(GemvNormProloguePays(1, 8256 * 8));  // past what the prologue can take
-}
-
 // SwiGLU epilogue over a fused [2n, k] gate_up weight, with and without the norm prologue (the
 // decode step uses both), against transformers' rounding of gate, up, silu and the product.
 TEST(GemvTest, SiluMulEpilogueMatchesGateUpThenSiluMul) {
@@ -463,11 +290,10 @@ TEST(GemvTest, SiluMulEpilogueMatchesGateUpThenSiluMul) {
       if (!Affordable(m, 2 * n, k)) continue;
       for (int variant = 0; variant < 4; ++variant) {
         const bool norm = variant & 1;
-        // m <= 8: 0 warp tiles, 1 shared tiles. m > 8 (no norm prologue): split_k 1 or 3.
+        // m <= 8: 0 warp tiles, 1 shared tiles. m > 8 (the norm from a_sumsq): split_k 1 or 3.
         const int split = m <= kGemvRegisterMaxM
                               ? variant >> 1
                               : FewSplits(m, k)[variant >> 1 ? FewSplits(m, k).size() - 1 : 0];
-        if (m > kGemvRegisterMaxM && norm) continue;
         SCOPED_TRACE(::testing::Message() << "m=" << m << " n=" << n << " k=" << k
                                           << " norm=" << norm << " split_k=" << split);
         Problem pr(wt, m, m * 3 + n + norm);
@@ -498,7 +324,12 @@ TEST(GemvTest, SiluMulEpilogueMatchesGateUpThenSiluMul) {
         GemvParams p = pr.Params(split);
         p.n = n;
         p.epilogue = GemvEpilogue::kSiluMul;
-        if (norm) p.norm_weight = dnw.get();
+        GuardedBuffer<float> dss(size_t(m) * GemvSumSqGroups(k));
+        if (norm) {
+          p.norm_weight = dnw.get();
+          dss.Upload(RowSumSq(pr.a, m, k));
+          if (m > kGemvRegisterMaxM) p.a_sumsq = dss.get();
+        }
         pr.dc.Poison();
         TS_ASSERT_OK(LaunchGemv(p, nullptr));
         TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
@@ -562,11 +393,15 @@ void RunRopeCase(const RopeCase& rc, int m, bool norm, std::vector<int32_t> slot
   // The two-kernel path at m > 8 runs at the fused launch's split, so both sum each output in the
   // same order; at m <= 8 it runs split 1 (warp tiles, split 0, sum in another order).
   GemvParams p = pr.Params(m > kGemvRegisterMaxM ? split : 1);
+  GuardedBuffer<float> dss(size_t(m) * GemvSumSqGroups(rc.k));
+  dss.Upload(RowSumSq(pr.a, m, rc.k));
   if (norm) p.norm_weight = dnw.get();
+  if (norm && m > kGemvRegisterMaxM) p.a_sumsq = dss.get();
   TS_ASSERT_OK(LaunchGemv(
       [&] {
         GemvParams f = pr.Params(split);
         f.norm_weight = p.norm_weight;
+        f.a_sumsq = p.a_sumsq;
         f.c = q0.get();
         f.epilogue = GemvEpilogue::kRopeKv;
         f.rope = {dpos.get(), dslots.get(), dinv.get(), kc0.get(),
@@ -650,12 +485,11 @@ TEST(GemvTest, RopeKvEpilogueMatchesGemvThenRopeKv) {
       if (!Affordable(m, n, rc.k)) continue;
       std::vector<int32_t> slots;  // distinct: 29 is prime to the 96 slots
       for (int i = 0; i < m; ++i) slots.push_back(i == 1 ? -1 : (i * 29 + 7) % 96);
-      if (m > kGemvRegisterMaxM) {  // no norm prologue; split_k 1 and 3
-        for (int split : FewSplits(m, rc.k)) RunRopeCase(rc, m, false, slots, split);
-        continue;
-      }
       for (bool norm : {false, true}) {
-        for (int split : {0, 1}) RunRopeCase(rc, m, norm, slots, split);
+        // m > 8: split_k 1 and 3, the norm from a_sumsq; m <= 8: warp tiles and shared tiles.
+        for (int split : m > kGemvRegisterMaxM ? FewSplits(m, rc.k) : std::vector<int>{0, 1}) {
+          RunRopeCase(rc, m, norm, slots, split);
+        }
       }
     }
   }
