@@ -274,7 +274,9 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   // adds it into the residual (x), as transformers rounds: bf16(h + bf16(o)); down_proj's output
   // is added by the next layer's attn_norm. The GEMV adds into h itself (kAccumulate, the same
   // rounding) and carries RoPE with the K/V write and SwiGLU, so its layer has no rope_kv or
-  // silu_mul node and no split-K reduce node (reduced inside the kernel).
+  // silu_mul node and no split-K reduce node (reduced inside the kernel). Its down GEMV also
+  // leaves h's row sums of squares in h_sumsq, and the next layer's qkv GEMV normalises h from
+  // them, so only the stage's first attn_norm is a node.
   // PDL (kernels/pdl.cuh) only behind a kernel of this sequence: its overlap and its wait are
   // defined against the kernel before, and a later pipeline stage's first norm follows the copy
   // of its input instead.
@@ -305,37 +307,40 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   auto gemv = [&](const char* name, k::GemvParams p) {
     p.m = rows;
     p.split_k = k::ChooseGemvSplitK(rows, p.n, p.k, num_sms_, p.epilogue);
-    p.pdl = true;  // behind a norm or attention kernel; nothing in the step writes weights
+    p.pdl = true;  // behind a norm, attention or GEMV kernel; nothing in the step writes weights
     return RunOp(observer, name, stream, [&] { return k::LaunchGemv(p, stream); });
   };
+  bool h_sumsq = false;           // h_sumsq holds the sums of squares of h as it stands
   const bf16* pending = nullptr;  // xn once a cuBLASLt o/down_proj output waits to be added
   for (const LayerBuffers& layer : dev_.layers) {
-    TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
     if (epilogues) {
-      TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", {.a = f.xn,
-                                                .w = layer.qkv,
-                                                .c = f.q,
-                                                .n = d.qkv_dim(),
-                                                .k = d.hidden,
-                                                .epilogue = k::GemvEpilogue::kRopeKv,
-                                                .rope = rope_targets(layer)}));
-    } else {
-      TS_RETURN_IF_ERROR(linear("qkv_gemm", f.xn, layer.qkv, f.qkv, d.qkv_dim(), d.hidden));
-      TS_RETURN_IF_ERROR(rope_kv(layer));
-    }
-    TS_RETURN_IF_ERROR(attention(layer));
-    if (epilogues) {
+      k::GemvParams qkv{.w = layer.qkv,
+                        .c = f.q,
+                        .n = d.qkv_dim(),
+                        .k = d.hidden,
+                        .epilogue = k::GemvEpilogue::kRopeKv,
+                        .rope = rope_targets(layer)};
+      if (h_sumsq) {  // h as the last layer's down GEMV left it, normalised inside qkv
+        qkv.a = f.h;
+        qkv.norm_weight = layer.attn_norm;
+        qkv.norm_eps = eps;
+        qkv.a_sumsq = f.h_sumsq;
+      } else {
+        TS_RETURN_IF_ERROR(norm("attn_norm", nullptr, layer.attn_norm));
+        qkv.a = f.xn;
+      }
+      TS_RETURN_IF_ERROR(gemv("qkv_rope_gemm", qkv));
+      TS_RETURN_IF_ERROR(attention(layer));
       TS_RETURN_IF_ERROR(gemv("o_gemm", {.a = f.attn,
                                          .w = layer.o,
                                          .c = f.h,
                                          .n = d.hidden,
                                          .k = d.q_dim(),
                                          .epilogue = k::GemvEpilogue::kAccumulate}));
-    } else {
-      TS_RETURN_IF_ERROR(linear("o_gemm", f.attn, layer.o, f.xn, d.hidden, d.q_dim()));
-    }
-    TS_RETURN_IF_ERROR(norm("mlp_norm", epilogues ? nullptr : f.xn, layer.mlp_norm));
-    if (epilogues) {
+      // mlp_norm stays a node: folded into gate_up the same way, it put gate_up straight behind
+      // o under PDL, which cost 8B 6-9% of the step (1B gained 2.5-3.5%;
+      // bench/results/2026-12-04-h200.md).
+      TS_RETURN_IF_ERROR(norm("mlp_norm", nullptr, layer.mlp_norm));
       TS_RETURN_IF_ERROR(gemv("gate_up_gemm", {.a = f.xn,
                                                .w = layer.gate_up,
                                                .c = f.act,
@@ -347,9 +352,17 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                                             .c = f.h,
                                             .n = d.hidden,
                                             .k = d.intermediate_padded,
-                                            .epilogue = k::GemvEpilogue::kAccumulate}));
+                                            .epilogue = k::GemvEpilogue::kAccumulate,
+                                            .sumsq_out = f.h_sumsq}));
+      h_sumsq = true;
       continue;
     }
+    TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
+    TS_RETURN_IF_ERROR(linear("qkv_gemm", f.xn, layer.qkv, f.qkv, d.qkv_dim(), d.hidden));
+    TS_RETURN_IF_ERROR(rope_kv(layer));
+    TS_RETURN_IF_ERROR(attention(layer));
+    TS_RETURN_IF_ERROR(linear("o_gemm", f.attn, layer.o, f.xn, d.hidden, d.q_dim()));
+    TS_RETURN_IF_ERROR(norm("mlp_norm", f.xn, layer.mlp_norm));
     TS_RETURN_IF_ERROR(linear("gate_up_gemm", f.xn, layer.gate_up, f.gate_up,
                               2 * d.intermediate_padded, d.hidden));
     TS_RETURN_IF_ERROR(RunOp(observer, "silu_mul", stream, [&] {

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status.h"
+#include "kernels/gemv.cuh"
 
 namespace ts {
 namespace {
@@ -52,6 +53,7 @@ void CarveForward(const ArenaShape& s, int32_t rows, Carver& c, size_t* cat, For
   f->rows = rows;
   f->h = c.Take<bf16>(m * d.hidden, cat);
   f->xn = c.Take<bf16>(m * d.hidden, cat);
+  f->h_sumsq = c.Take<float>(m * kernels::GemvSumSqGroups(d.hidden), cat);
   f->qkv = c.Take<bf16>(m * d.qkv_dim(), cat);
   f->q = c.Take<bf16>(m * d.q_dim(), cat);
   f->attn = c.Take<bf16>(m * d.q_dim(), cat);
