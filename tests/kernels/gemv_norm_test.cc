@@ -133,14 +133,8 @@ TEST(GemvTest, NormFromTheProducersSumSqMatchesRmsNormThenGemv) {
         second.a_sumsq = ss.get();
         second.split_k = split;
         second.pdl = true;
-        cudaGraph_t graph = nullptr;
-        TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-        absl::Status st = LaunchGemv(first, stream);
-        if (st.ok()) st = LaunchGemv(second, stream);
-        TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-        TS_ASSERT_OK(st);
-        cudaGraphExec_t exec = nullptr;
-        TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        cudaGraphExec_t exec = InstantiatePair(first, second, stream);
+        ASSERT_NE(exec, nullptr);
         for (int r = 0; r < 2; ++r) {
           h.dc.Upload(testing::ToBf16(h.c0));
           ss.Poison();
@@ -156,7 +150,6 @@ TEST(GemvTest, NormFromTheProducersSumSqMatchesRmsNormThenGemv) {
           ExpectGemmCloseBf16(testing::FromBf16(out.Download()), ref);
         }
         cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
         EXPECT_TRUE(out.GuardsIntact());
         EXPECT_TRUE(ss.GuardsIntact());
       }

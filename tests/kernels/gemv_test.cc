@@ -177,14 +177,8 @@ TEST(GemvTest, PdlChainReadsTheProducersOutput) {
       second.workspace = ws.get();
       second.workspace_bytes = ws.size() * sizeof(float);
       second.pdl = true;
-      cudaGraph_t graph = nullptr;
-      TS_ASSERT_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      absl::Status st = LaunchGemv(first, stream);
-      if (st.ok()) st = LaunchGemv(second, stream);
-      TS_ASSERT_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-      TS_ASSERT_OK(st);
-      cudaGraphExec_t exec = nullptr;
-      TS_ASSERT_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      cudaGraphExec_t exec = InstantiatePair(first, second, stream);
+      ASSERT_NE(exec, nullptr);
       for (int r = 0; r < 3; ++r) {
         p1.dc.Poison();
         c2.Poison();
@@ -196,7 +190,6 @@ TEST(GemvTest, PdlChainReadsTheProducersOutput) {
                             Reference(mid, w2.w, nullptr, m, 3072, 2048));
       }
       cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
     }
     EXPECT_TRUE(c2.GuardsIntact());
   }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -148,6 +149,30 @@ inline std::vector<float> NormalizedA(const std::vector<float>& a, const std::ve
   }
   return out;
 }
+// Two launches captured on `stream` as one graph and instantiated (the PDL chain of a decode
+// step); nullptr, with the failure recorded, if any of it fails.
+inline cudaGraphExec_t InstantiatePair(const GemvParams& first, const GemvParams& second,
+                                       cudaStream_t stream) {
+  cudaGraph_t graph = nullptr;
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess) {
+    ADD_FAILURE() << "cudaStreamBeginCapture failed";
+    return nullptr;
+  }
+  absl::Status st = LaunchGemv(first, stream);
+  if (st.ok()) st = LaunchGemv(second, stream);
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(end, cudaSuccess) << cudaGetErrorString(end);
+  cudaGraphExec_t exec = nullptr;
+  if (st.ok() && end == cudaSuccess) {
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    EXPECT_EQ(inst, cudaSuccess) << cudaGetErrorString(inst);
+    if (inst != cudaSuccess) exec = nullptr;
+  }
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  return exec;
+}
+
 // The sums of squares of x's rows ([m, n]) per group of kGemvSumSqGroup columns, [m,
 // GemvSumSqGroups(n)]: what a GEMV's sumsq_out leaves, summed in fp64.
 inline std::vector<float> RowSumSq(const std::vector<float>& x, int m, int n) {
