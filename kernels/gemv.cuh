@@ -119,8 +119,8 @@ struct GemvParams {
   // a separate rmsnorm kernel (a graph node).
   //   m <= 8: each CTA normalises all of A into shared memory first. Needs m * (k + 8) * 2 <=
   //   kGemvMaxNormSmemBytes, split_k = 1 and no a_sumsq.
-  //   m > 8: needs a_sumsq; each value of A is normalised between shared memory and the MMA, so
-  //   a CTA reads only its own k range of A.
+  //   m > 8: needs a_sumsq; each CTA normalises its own k range of A in shared memory, a stage
+  //   ahead of the MMA, so it reads no more of A than without the norm.
   const __nv_bfloat16* norm_weight = nullptr;
   float norm_eps = 1e-5f;  // > 0 when norm_weight is set
   // [m, GemvSumSqGroups(k)], m > 8 with norm_weight: the sums of squares of A's rows, per group of

@@ -150,8 +150,9 @@ struct ForwardBuffers {
   int32_t rows = 0;
   __nv_bfloat16* h = nullptr;   // [M, hidden] residual stream
   __nv_bfloat16* xn = nullptr;  // [M, hidden] normed input of a GEMM
-  // [M, ceil(hidden / 32)] sums of squares of h's rows per 32 columns, left by the 9-16-row GEMVs
-  // that add into h for the next one's RMSNorm (kernels/gemv.cuh, sumsq_out and a_sumsq).
+  // [M, ceil(hidden / 32)] sums of squares of h's rows per 32 columns, left by the 9-16-row down
+  // GEMV for the next layer's qkv GEMV, which applies attn_norm (kernels/gemv.cuh, sumsq_out and
+  // a_sumsq).
   float* h_sumsq = nullptr;
   __nv_bfloat16* qkv = nullptr;      // [M, qkv_dim]
   __nv_bfloat16* q = nullptr;        // [M, q_dim] rotated q, contiguous for attention
