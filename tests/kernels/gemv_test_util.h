@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "kernels/gemv.cuh"
@@ -149,6 +150,7 @@ inline std::vector<float> NormalizedA(const std::vector<float>& a, const std::ve
   }
   return out;
 }
+
 // Two launches captured on `stream` as one graph and instantiated (the PDL chain of a decode
 // step); nullptr, with the failure recorded, if any of it fails.
 inline cudaGraphExec_t InstantiatePair(const GemvParams& first, const GemvParams& second,
