@@ -11,6 +11,7 @@
 //                        [--warmup=3] [--launches=20] [--splits=2,4,8]
 //
 // --splits: at m > 8, one more row per listed split_k (marked "forced"), beside the chosen one.
+// --help prints kUsage.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -54,6 +55,14 @@ bool ParseInt(const char* arg, const char* name, int* out) {
   *out = std::atoi(arg + prefix.size());
   return true;
 }
+
+constexpr char kUsage[] =
+    "usage: tailserve-gemv-bench [--model=all|1b|8b] [--ms=1,4,8,12,16] [--iters=30]\n"
+    "                            [--warmup=3] [--launches=20] [--splits=2,4,8]\n"
+    "  Times the Llama-3.2-1B and Llama-3.1-8B decode GEMMs (qkv, o, gate_up, down, lm_head) at\n"
+    "  each M of --ms: kernels/gemv.cuh, plain and with PDL, against cuBLASLt (us per launch and\n"
+    "  fraction of the 4.3 TB/s W roof). --splits: at m > 8, one more row per forced split_k.\n"
+    "  bench/gemv/README.md says more.\n";
 
 // A comma-separated list of integers in [1, hi] replaces *out.
 bool ParseList(const char* name, const char* list, int hi, std::vector<int>* out) {
@@ -262,8 +271,14 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
 
 int Main(int argc, char** argv) {
   Options o;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+  }
   if (!Parse(argc, argv, &o)) {
-    std::fprintf(stderr, "usage: see the header of bench/gemv/gemv_bench.cu\n");
+    std::fputs(kUsage, stderr);
     return 2;
   }
   cudaDeviceProp prop;
