@@ -443,10 +443,6 @@ absl::Status Validate(const GemvParams& p) {
   }
   if (p.norm_weight != nullptr) {
     TS_RETURN_IF_ERROR(RequirePointer("gemv.norm_weight", p.norm_weight, 16));
-    if (p.m > kGemvTcMaxM) {
-      return absl::InvalidArgumentError(absl::StrCat("gemv.norm_weight needs m <= ", kGemvTcMaxM,
-                                                     " (normalise with rmsnorm), got m = ", p.m));
-    }
     if (tc && p.a_sumsq == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("gemv.norm_weight at m > ", kGemvRegisterMaxM,
@@ -499,7 +495,6 @@ bool GemvNormProloguePays(int32_t m, int32_t k) {
 
 absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(Validate(p));
-  if (p.m > kGemvTcMaxM) return gemv_internal::LaunchGemvWgmma(p, stream);
   if (p.m > kGemvRegisterMaxM) return gemv_internal::LaunchGemvTc(p, stream);
   const size_t smem =
       p.norm_weight == nullptr
@@ -548,7 +543,6 @@ bool ChooseGemvWarpTiles(int32_t tiles, int32_t resident_ctas) {
 }
 
 int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms, GemvEpilogue epilogue) {
-  if (m > kGemvTcMaxM) return gemv_internal::ChooseGemvWgmmaSplitK(m, n, k, num_sms, epilogue);
   if (m > kGemvRegisterMaxM) return gemv_internal::ChooseGemvTcSplitK(m, n, k, num_sms, epilogue);
   if (m < 1 || n < 1 || k < 8 || num_sms < 1) return 1;
   const int64_t ctas = (static_cast<int64_t>(n) + kGemvTileN - 1) / kGemvTileN;

@@ -1,12 +1,11 @@
 // Memory-bound small-M GEMM ("GEMV") for decode, the same product as kernels/gemm.cuh:
 //   C[m, n] = A[m, k] * W[n, k]^T, then an epilogue (store, residual add, SwiGLU of a fused
 //   gate_up, or RoPE + paged K/V write of a fused qkv), optionally with A RMS-normalised first
-//   (GemvParams::norm_weight, m <= 16; at m > 8 from the row sums of squares the GEMV that wrote A
-//   left)
+//   (GemvParams::norm_weight; at m > 8 from the row sums of squares the GEMV that wrote A left)
 // row-major bf16, W laid out like a Hugging Face Linear weight [out_features, in_features], fp32
 // accumulation. The time is the time to stream W once from HBM; cuBLASLt was measured at 39-56%
 // of that roof on the small Llama-1B projections at m <= 8 (docs/gpu-facts.md, cuBLAS at decode
-// shapes). Three kernels serve the one op, chosen by m:
+// shapes). Two kernels serve the one op, chosen by m:
 //
 // m <= kGemvRegisterMaxM (8), the register-streaming kernel. A CTA owns tiles of 16 rows of W
 // (16 output columns; it loops over tiles when there are more than fit on the GPU at once) and its
@@ -15,23 +14,16 @@
 // straight into tensor-core mma.m16n8k16 (W rows as the MMA's M, the up-to-8 rows of A as its N):
 // the k-order inside a thread's 16 bytes is free, so no shuffles or conversions are needed and m =
 // 1..8 all cost the same instructions. At 16 rows that design needs twice the registers and lost
-// to cuBLASLt (bench/results/2026-12-02b-h200.md), hence the other two.
+// to cuBLASLt (bench/results/2026-12-02b-h200.md), hence the second kernel.
 //
-// 8 < m <= kGemvTcMaxM (16), the shared-memory kernel (gemv_tc.cu): a CTA owns a tile of 128 W
-// rows and a range of K. W and A stream through a 4-stage cp.async ring in shared memory (no
-// registers hold bytes in flight), and ldmatrix feeds mma.m16n8k16 with W as the MMA's M and the
-// rows of A, padded to 16, as its N.
-//
-// 16 < m <= kGemvMaxM (32), the TMA + wgmma kernel (gemv_wgmma.cu, sm_90a): the same tiles, W
-// and A copied into a ring of 128-byte-swizzled stages by one producer warp's TMA copies, and two
-// consumer warpgroups multiply each stage with wgmma (W as the MMA's M, A padded to 32 rows as its
-// N); persistent, one CTA an SM. Above 32 rows cuBLASLt is faster: A, re-read from L2 by every
-// CTA, grows past what the fused nodes save (bench/results/2026-12-05b-h100.md).
-//
-// Both m > 8 kernels reduce split-K inside the kernel: the split_k CTAs of a tile are one
-// thread-block cluster, each keeps its fp32 partial in shared memory, and after a cluster barrier
-// each reads all of them through distributed shared memory, adds them in split order and runs its
-// share of the epilogue. No workspace, no extra node, and the same bits every run.
+// 8 < m <= kGemvMaxM (16), the shared-memory kernel (gemv_tc.cu): a CTA owns a tile of 128 W rows
+// and a range of K. W and A stream through a 4-stage cp.async ring in shared memory (no registers
+// hold bytes in flight), and ldmatrix feeds mma.m16n8k16 with W as the MMA's M and the rows of A,
+// padded to 16, as its N. Above 16 rows cuBLASLt is faster (gemv_tc.cu says why). Split-K is
+// reduced inside the kernel: the split_k CTAs of a tile are one thread-block cluster, each keeps
+// its fp32 partial in shared memory, and after a cluster barrier each reads all of them through
+// distributed shared memory, adds them in split order and runs its share of the epilogue. No
+// workspace, no extra node, and the same bits every run.
 //
 // Split-K (split_k > 1) at m <= 8: when n / 16 CTAs leave most SMs idle, CTAs also split K. Each
 // writes its fp32 partial to workspace [split_k, m, n] and a second small kernel adds the split_k
@@ -58,9 +50,8 @@
 
 namespace ts::kernels {
 
-inline constexpr int32_t kGemvMaxM = 32;         // rows of A one launch handles
+inline constexpr int32_t kGemvMaxM = 16;         // rows of A one launch handles
 inline constexpr int32_t kGemvRegisterMaxM = 8;  // rows the register-streaming kernel takes
-inline constexpr int32_t kGemvTcMaxM = 16;       // rows the mma.sync shared-memory kernel takes
 inline constexpr int32_t kGemvMaxSplitK = 64;    // upper bound on split_k
 inline constexpr int32_t kGemvTileN = 16;        // W rows per tile at m <= 8 (kSiluMul: 8 + 8)
 inline constexpr int32_t kGemvTcTileN = 128;     // W rows per tile at m > 8 (kSiluMul: 64 + 64)
@@ -128,9 +119,8 @@ struct GemvParams {
   // a separate rmsnorm kernel (a graph node).
   //   m <= 8: each CTA normalises all of A into shared memory first. Needs m * (k + 8) * 2 <=
   //   kGemvMaxNormSmemBytes, split_k = 1 and no a_sumsq.
-  //   8 < m <= kGemvTcMaxM: needs a_sumsq; each CTA normalises its own k range of A in shared
-  //   memory, a stage ahead of the MMA, so it reads no more of A than without the norm.
-  //   m > kGemvTcMaxM: not supported (normalise with rmsnorm).
+  //   m > 8: needs a_sumsq; each CTA normalises its own k range of A in shared memory, a stage
+  //   ahead of the MMA, so it reads no more of A than without the norm.
   const __nv_bfloat16* norm_weight = nullptr;
   float norm_eps = 1e-5f;  // > 0 when norm_weight is set
   // [m, GemvSumSqGroups(k)], m > 8 with norm_weight: the sums of squares of A's rows, per group of
@@ -174,22 +164,11 @@ absl::Status LaunchGemv(const GemvParams& p, cudaStream_t stream);
 
 // Host heuristic. m <= 8: 1 unless the n / 16 CTAs would fill less than half of the `num_sms`
 // SMs and the matrix is large enough (>= 8 MiB) that the extra reduce kernel (~2 us node) pays
-// off; then enough splits for about one full wave, keeping >= 2048 k per split. 8 < m <= 16:
-// splits that bring the tiles up to whole waves of the two CTAs per SM that fit, each keeping >= 2
-// stages of k, at most kGemvTcMaxSplitK. 16 < m: ChooseGemvPersistentSplitK over the clusters of
-// each size that the GPU holds at once (an occupancy query).
+// off; then enough splits for about one full wave, keeping >= 2048 k per split. m > 8: splits
+// that bring the tiles up to whole waves of the two CTAs per SM that fit, each keeping >= 2
+// stages of k, at most kGemvTcMaxSplitK.
 int32_t ChooseGemvSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,
                          GemvEpilogue epilogue = GemvEpilogue::kStore);
-
-// The 17-32-row kernel's split, a pure function of the shape and the GPU: `tiles` W tiles of
-// `stages` 64-k stages; fit[s] (s = 1..kGemvTcMaxSplitK) clusters of s CTAs that fit at once
-// (one CTA an SM), fit[0] unused; `num_sms` SMs. Each cluster walks rounds of tiles, so a split
-// costs rounds x (stages / split + the tile's reduction across the cluster, priced as 2 stages a
-// CTA); the cheapest wins, the smaller on a tie. The price was fitted to forced splits on an
-// H100 (bench/results/2026-12-05b-h100.md), where it picks the fastest split of all eight
-// Llama-1B/8B projections at 24 and 32 rows.
-int32_t ChooseGemvPersistentSplitK(int64_t tiles, int64_t stages, const int32_t* fit,
-                                   int32_t num_sms);
 
 // Host heuristic for GemvWarpTiles::kAuto: true when the tiles fill at least 3/4 of the resident
 // warps (8 per CTA), i.e. when whole tiles per warp still keep the GPU busy: on a 132-SM H200

@@ -15,11 +15,12 @@
 // with m; a wider tile per CTA, TMA multicast of A across a cluster, or wgmma would be needed.
 // A wgmma version (both operands read from the ring, A padded to 64 and 128 rows, two CTAs per
 // SM) ran them at 0.52-0.76x cuBLASLt's speed (bench/results/2026-12-02e-h200.md) and was cut.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
-#include "common/status.h"
 #include "kernels/cuda_check.h"
 #include "kernels/gemv_internal.cuh"
 #include "kernels/pdl.cuh"
@@ -28,11 +29,15 @@
 namespace ts::kernels::gemv_internal {
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kThreads = 256;
-constexpr int kStageK = 64;  // k per stage: 128 bytes of each row
+constexpr int kTileRows = kGemvTcTileN;  // W rows per tile
+constexpr int kStageK = 64;              // k per stage: 128 bytes of each row
 constexpr int kStages = 4;
 constexpr int kRowBytes = kStageK * 2;
 constexpr int kWStageBytes = kTileRows * kRowBytes;  // 16 KB
+constexpr int kCsStride = kTileRows + 4;             // floats per row of the fp32 result tile
 constexpr int kCtasPerSm = 2;
 
 // A's rows padded to 16 (the MMA's N, two 8-row halves). 32 and 64 rows (two and four such
@@ -262,7 +267,67 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) GemvTcKernel(GemvParams 
     __syncthreads();
   }
 
-  TileEpilogue<kThreads>(p, cs, tile, split);
+  const int m = p.m;
+  // The tile's value at (A row i, local W row j). Split-K: the split_k CTAs of a tile form one
+  // cluster (grid y); each reads every CTA's partial through distributed shared memory and adds
+  // them in split order, so any CTA computes the same bits, and the epilogue work is shared out.
+  cg::cluster_group cluster = cg::this_cluster();
+  const int nsplit = p.split_k;
+  const float* parts[kGemvTcMaxSplitK];
+  if (nsplit > 1) {
+    cluster.sync();  // every partial is in its CTA's shared memory
+#pragma unroll
+    for (int r = 0; r < kGemvTcMaxSplitK; ++r) {
+      parts[r] = r < nsplit ? cluster.map_shared_rank(cs, r) : cs;
+    }
+  }
+  auto value = [&](int i, int j) {
+    if (nsplit == 1) return cs[i * kCsStride + j];
+    float v = parts[0][i * kCsStride + j];
+#pragma unroll
+    for (int r = 1; r < kGemvTcMaxSplitK; ++r) {
+      if (r < nsplit) v += parts[r][i * kCsStride + j];
+    }
+    return v;
+  };
+  const int first = split * kThreads + tid, step = nsplit * kThreads;
+
+  // Epilogue over the finished fp32 tile; consecutive threads take consecutive columns.
+  if (p.epilogue == GemvEpilogue::kSiluMul) {
+    constexpr int kHalf = kTileRows / 2;
+    for (int e = first; e < m * kHalf; e += step) {
+      const int i = e / kHalf, j = e % kHalf;
+      const int64_t col = int64_t{tile} * kHalf + j;
+      if (col >= p.n) continue;
+      // gate_proj and up_proj each round their output to bf16 first.
+      p.c[i * int64_t{p.n} + col] =
+          __float2bfloat16_rn(SiluMul(RoundBf16(value(i, j)), RoundBf16(value(i, j + kHalf))));
+    }
+  } else if (p.epilogue == GemvEpilogue::kRopeKv) {
+    const int hd = p.rope.layout.head_dim, half = hd / 2;
+    const int64_t row0 = int64_t{tile} * kTileRows;
+    for (int e = first; e < m * kTileRows / 2; e += step) {
+      const int i = e / (kTileRows / 2), pair = e % (kTileRows / 2);
+      const int lh = pair / half, d = pair % half;  // head of the tile, dimension
+      if (row0 + lh * hd >= p.n) continue;
+      const int j = lh * hd + d;
+      RopeEpilogue(p, i, static_cast<int32_t>(row0 / hd) + lh, d, value(i, j), value(i, j + half));
+    }
+  } else {
+    const int groups = GemvSumSqGroups(p.n);
+    for (int e = first; e < m * kTileRows; e += step) {
+      const int i = e / kTileRows, j = e % kTileRows;
+      const int64_t col = int64_t{tile} * kTileRows + j;
+      const float v = col < p.n ? StoreOutput(p, i * int64_t{p.n} + col, value(i, j)) : 0.f;
+      if (p.sumsq_out != nullptr) {
+        // e advances in whole warps, so a warp holds one row's group of 32 columns.
+        const float ss = WarpSum(v * v);
+        if (lane == 0 && col < p.n) p.sumsq_out[i * groups + col / kGemvSumSqGroup] = ss;
+      }
+    }
+  }
+  // No CTA may leave while another still reads its shared memory.
+  if (nsplit > 1) cluster.sync();
 }
 
 absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
@@ -272,7 +337,26 @@ absl::Status LaunchTiles(const GemvParams& p, cudaStream_t stream) {
   // A function attribute, not a stream operation: legal while a graph is being captured.
   TS_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  return LaunchTileGrid(kernel, p, p, kThreads, smem, stream);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim =
+      dim3(static_cast<uint32_t>(GemvTcTiles(p.n, p.epilogue)), static_cast<uint32_t>(p.split_k));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (p.pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (p.split_k > 1) {  // a tile's splits are one cluster
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n++].val.clusterDim = {1, static_cast<unsigned>(p.split_k), 1};
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  TS_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, p));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -282,7 +366,7 @@ int32_t GemvTcTiles(int32_t n, GemvEpilogue epilogue) {
   return (n + cols - 1) / cols;
 }
 
-absl::Status ValidateTcSplit(const GemvParams& p) {
+absl::Status LaunchGemvTc(const GemvParams& p, cudaStream_t stream) {
   const int32_t stages = (p.k + kStageK - 1) / kStageK;
   if (p.split_k > kGemvTcMaxSplitK) {
     return absl::InvalidArgumentError(absl::StrCat("gemv.split_k must be <= ", kGemvTcMaxSplitK,
@@ -297,28 +381,18 @@ absl::Status ValidateTcSplit(const GemvParams& p) {
                                                    kTileRows, " at m > 8, got ",
                                                    p.rope.layout.head_dim));
   }
-  return absl::OkStatus();
-}
-
-absl::Status LaunchGemvTc(const GemvParams& p, cudaStream_t stream) {
-  TS_RETURN_IF_ERROR(ValidateTcSplit(p));
   return LaunchTiles(p, stream);
-}
-
-int32_t ChooseTcSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms, GemvEpilogue epilogue,
-                       int32_t ctas_per_sm) {
-  if (m < 1 || n < 1 || k < 8 || num_sms < 1) return 1;
-  const int64_t tiles = GemvTcTiles(n, epilogue);
-  const int64_t resident = int64_t{ctas_per_sm} * num_sms;
-  const int64_t want = resident / tiles;                 // whole waves only
-  const int64_t most = (k + kStageK - 1) / kStageK / 2;  // >= 2 stages per split
-  return static_cast<int32_t>(
-      std::max<int64_t>(1, std::min<int64_t>({want, most, int64_t{kGemvTcMaxSplitK}})));
 }
 
 int32_t ChooseGemvTcSplitK(int32_t m, int32_t n, int32_t k, int32_t num_sms,
                            GemvEpilogue epilogue) {
-  return ChooseTcSplitK(m, n, k, num_sms, epilogue, kCtasPerSm);
+  if (m < 1 || n < 1 || k < 8 || num_sms < 1) return 1;
+  const int64_t tiles = GemvTcTiles(n, epilogue);
+  const int64_t resident = int64_t{kCtasPerSm} * num_sms;
+  const int64_t want = resident / tiles;                 // whole waves only
+  const int64_t most = (k + kStageK - 1) / kStageK / 2;  // >= 2 stages per split
+  return static_cast<int32_t>(
+      std::max<int64_t>(1, std::min<int64_t>({want, most, int64_t{kGemvTcMaxSplitK}})));
 }
 
 }  // namespace ts::kernels::gemv_internal

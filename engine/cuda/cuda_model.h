@@ -284,9 +284,8 @@ class CudaModel {
   // Decode with `rows` rows runs the fused GEMV layers (norms, residual adds, SwiGLU and RoPE
   // with the K/V write inside the GEMVs) rather than rmsnorm + cuBLASLt + silu_mul nodes.
   bool FusedDecodeLayers(int32_t rows) const;
-  // Decode with 8 < `rows` <= kernels::kGemvMaxM (32) runs the m > 8 GEMV kernels
-  // (kernels/gemv.cuh) with RoPE and the K/V write, the residual adds and SwiGLU in their
-  // epilogues; mlp_norm stays an rmsnorm node, and attn_norm too above 16 rows.
+  // Decode with 8 < `rows` <= 16 runs the shared-memory GEMV (kernels/gemv.cuh) with RoPE and the
+  // K/V write, the residual adds and SwiGLU in its epilogues; the norms stay rmsnorm nodes.
   static bool GemvEpilogueLayers(const ModelDims& d, int32_t rows);
   absl::Status EnqueueAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
                                 const Attention& attn, cudaStream_t stream) const;

@@ -269,20 +269,18 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     return absl::OkStatus();
   }
 
-  // cuBLASLt path (prefill and mixed steps, and decode where GemvEpilogueLayers says no) and the
-  // GEMV path of decode at 8 < rows <= 128 (the shared-memory kernel up to 16 rows, TMA and wgmma
-  // above). On cuBLASLt, o_proj and down_proj write their bf16 output to xn and the next rmsnorm
+  // cuBLASLt path (prefill, batches above 16) and the shared-memory GEMV path (decode at 8 < rows
+  // <= 16). On cuBLASLt, o_proj and down_proj write their bf16 output to xn and the next rmsnorm
   // adds it into the residual (x), as transformers rounds: bf16(h + bf16(o)); down_proj's output
   // is added by the next layer's attn_norm. The GEMV adds into h itself (kAccumulate, the same
   // rounding) and carries RoPE with the K/V write and SwiGLU, so its layer has no rope_kv or
-  // silu_mul node and no split-K reduce node (reduced inside the kernel). Up to 16 rows its down
-  // GEMV also leaves h's row sums of squares in h_sumsq, and the next layer's qkv GEMV normalises
-  // h from them, so only the stage's first attn_norm is a node; above 16 rows both norms are.
+  // silu_mul node and no split-K reduce node (reduced inside the kernel). Its down GEMV also
+  // leaves h's row sums of squares in h_sumsq, and the next layer's qkv GEMV normalises h from
+  // them, so only the stage's first attn_norm is a node.
   // PDL (kernels/pdl.cuh) only behind a kernel of this sequence: its overlap and its wait are
   // defined against the kernel before, and a later pipeline stage's first norm follows the copy
   // of its input instead.
   const bool epilogues = at.decode && GemvEpilogueLayers(d, rows);
-  const bool fold_attn_norm = rows <= k::kGemvTcMaxM;  // a_sumsq: the 9-16-row kernel only
   bool behind_kernel = stage().has_embedding;
   auto norm = [&](const char* name, const bf16* pending, const bf16* weight) {
     const bool pdl = behind_kernel;
@@ -355,8 +353,8 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                                             .n = d.hidden,
                                             .k = d.intermediate_padded,
                                             .epilogue = k::GemvEpilogue::kAccumulate,
-                                            .sumsq_out = fold_attn_norm ? f.h_sumsq : nullptr}));
-      h_sumsq = fold_attn_norm;
+                                            .sumsq_out = f.h_sumsq}));
+      h_sumsq = true;
       continue;
     }
     TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));

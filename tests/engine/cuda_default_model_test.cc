@@ -45,16 +45,15 @@ TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16) {
   ExpectGreedyEqualsReference(*backend, cases, kMaxContext);
 }
 
-// The same with the four prompts padded into one bucket of 16 or 32 rows (the shared-memory GEMV
-// layers, on mma.sync at 16 and TMA + wgmma at 32: RoPE, residual adds and SwiGLU in the GEMV
-// epilogues, split-K reduced in the kernel) and of 128 rows (rmsnorm + cuBLASLt + rope_kv +
-// silu_mul nodes). All sum each product in another order than the m <= 8 GEMV, so they must equal
-// transformers up to a tie: on the H200 the 16- and 128-row buckets (then on cuBLASLt) diverged
+// The same with the four prompts padded into one bucket of 16 rows (the shared-memory GEMV layers:
+// RoPE, residual adds and SwiGLU in the GEMV epilogues, split-K reduced in the kernel) and of 128
+// rows (rmsnorm + cuBLASLt + rope_kv + silu_mul nodes). Both sum each product in another order
+// than the m <= 8 GEMV, so they must equal transformers up to a tie: on the H200 both diverged
 // from the reference at the same token, at its margin 0.0625 (bench/results/2026-12-02d-h200.md).
 TEST(DefaultModelCudaTest, GreedyKeepsTransformersInLargerBucketsBf16) {
   const std::vector<DefaultCase> cases = LoadDefaultReference("bf16");
   ASSERT_FALSE(cases.empty());
-  for (int32_t bucket : {16, 32, 128}) {
+  for (int32_t bucket : {16, 128}) {
     SCOPED_TRACE(::testing::Message() << "bucket " << bucket);
     CudaBackendOptions o = DefaultOptions();
     o.buckets = {bucket};

@@ -150,9 +150,7 @@ void ExpectInBand(const Agreement& a, const Band& band, const char* path) {
 constexpr int32_t kGroup = 4;
 
 // Buckets {1, 2, 4} keep decode at m <= 8, the fused GEMV layers; {16} pads 4 rows to 16 and runs
-// the shared-memory GEMV layers on mma.sync (kernels/gemv.cuh, m > 8), {32} the same layers on
-// TMA and wgmma (m > 16); {128} runs the cuBLASLt layers (m > kGemvMaxM). All end in the lm_head
-// GEMM at the model's vocabulary.
+// the shared-memory GEMV layers (kernels/gemv.cuh, m > 8); {128} runs the cuBLASLt layers. Both end in the lm_head GEMM at the model's vocabulary.
 std::unique_ptr<CudaBackend> MakeBackend(const Reference& ref, std::vector<int32_t> buckets) {
   int32_t longest = 0;
   for (const auto& p : ref.prompts) longest = std::max<int32_t>(longest, p.size());
@@ -234,9 +232,6 @@ TEST(CudaHfLogitsTest, Llama1bDecodeCublasLtWithinTransformersBand) {
 TEST(CudaHfLogitsTest, Llama1bDecodeSharedMemoryGemvWithinTransformersBand) {
   DecodePath("TS_LLAMA1B_DIR", {16}, "decode (shared-memory gemv layers)");
 }
-TEST(CudaHfLogitsTest, Llama1bDecodeWgmmaGemvWithinTransformersBand) {
-  DecodePath("TS_LLAMA1B_DIR", {32}, "decode (wgmma gemv layers)");
-}
 TEST(CudaHfLogitsTest, Llama8bPrefillWithinTransformersBand) {
   PrefillPath("TS_LLAMA8B_DIR");
 }
@@ -248,9 +243,6 @@ TEST(CudaHfLogitsTest, Llama8bDecodeCublasLtWithinTransformersBand) {
 }
 TEST(CudaHfLogitsTest, Llama8bDecodeSharedMemoryGemvWithinTransformersBand) {
   DecodePath("TS_LLAMA8B_DIR", {16}, "decode (shared-memory gemv layers)");
-}
-TEST(CudaHfLogitsTest, Llama8bDecodeWgmmaGemvWithinTransformersBand) {
-  DecodePath("TS_LLAMA8B_DIR", {32}, "decode (wgmma gemv layers)");
 }
 
 }  // namespace

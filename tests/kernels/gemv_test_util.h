@@ -75,7 +75,7 @@ inline bool Affordable(int m, int n, int k) {
 }
 
 // One problem's activations and outputs: A, bf16 and fp32 C, the initial C for accumulate, and a
-// workspace sized for split_k <= kGemvMaxSplitK at m <= 8 (m > 8 reduces in shared memory).
+// workspace sized for split_k <= kGemvMaxSplitK (m <= 8; m > 8 reduces in shared memory).
 // Params(split): split >= 1 is split_k with the CTA's warps sharing each tile
 // (GemvWarpTiles::kNever); split 0 is split_k 1 with each warp streaming whole tiles
 // (GemvWarpTiles::kAlways), the path ChooseGemvWarpTiles picks for large n.
@@ -93,7 +93,7 @@ struct Problem {
         da(a.size()),
         dc(c0.size()),
         dc32(c0.size()),
-        ws(m <= kGemvRegisterMaxM ? size_t(kGemvMaxSplitK) * m * w.n : 1) {
+        ws(size_t(kGemvMaxSplitK) * m * w.n) {
     da.Upload(testing::ToBf16(a));
   }
   GemvParams Params(int split_k, bool fp32 = false, bool accumulate = false) const {
