@@ -8,7 +8,9 @@
 #include "common/status.h"
 #include "kernels/attention_combine.cuh"
 #include "kernels/attention_common.cuh"
+#include "kernels/bf16_vec.cuh"
 #include "kernels/cuda_check.h"
+#include "kernels/kv_layout.cuh"
 #include "kernels/pdl.cuh"
 #include "kernels/ptx.cuh"
 
@@ -38,11 +40,18 @@ struct DecodeArgs {
   const __nv_bfloat16* v_cache;  // [num_blocks, num_kv_heads, block_size, D]
   const int32_t* block_tables;   // [num_seqs, max_blocks_per_seq]
   const int32_t* context_lens;   // [num_seqs]
-  __nv_bfloat16* out;            // [num_seqs, num_q_heads, D]; written here at one split
-  float* partial_out;            // [num_seqs, num_q_heads, max_splits, D]
-  float* partial_lse;            // [num_seqs, num_q_heads, max_splits]
-  uint32_t* counters;            // [2]: next tile, CTAs finished
-  int32_t* error_flag;           // [1] or nullptr: a table entry within a context is invalid
+  // Fused RoPE (DecodeAttentionParams::rope), or qkv = nullptr.
+  const __nv_bfloat16* qkv;     // [num_seqs, (num_q_heads + 2 num_kv_heads) * D]
+  const float* angles;          // [num_seqs, D / 2, 2] cos, sin
+  const int32_t* slot_mapping;  // [num_seqs]
+  __nv_bfloat16* k_write;       // k_cache, writable
+  __nv_bfloat16* v_write;       // v_cache, writable
+  int32_t* slot_error_flag;     // [1] or nullptr: a current token's slot is out of the pool
+  __nv_bfloat16* out;           // [num_seqs, num_q_heads, D]; written here at one split
+  float* partial_out;           // [num_seqs, num_q_heads, max_splits, D]
+  float* partial_lse;           // [num_seqs, num_q_heads, max_splits]
+  uint32_t* counters;           // [2]: next tile, CTAs finished
+  int32_t* error_flag;          // [1] or nullptr: a table entry within a context is invalid
   int32_t num_blocks;
   int32_t num_seqs;
   int32_t num_q_heads;
@@ -84,6 +93,21 @@ struct TileSmem {
   static constexpr int kBytes = std::max<int>(kWarps * kWarpBytes, sizeof(Merge));
 };
 
+// Fused RoPE on a packed pair of q values: lo holds dims (d, d + 1), hi their partners
+// (d + D / 2, d + D / 2 + 1), each element at its own lower address. Rounded as rope_kv rounds.
+__device__ __forceinline__ void RotatePacked(uint32_t& lo, uint32_t& hi, RopeCosSin c0,
+                                             RopeCosSin c1) {
+  const __nv_bfloat162 x1 = *reinterpret_cast<const __nv_bfloat162*>(&lo);
+  const __nv_bfloat162 x2 = *reinterpret_cast<const __nv_bfloat162*>(&hi);
+  float a1, a2, b1, b2;
+  RopeRotate(__bfloat162float(x1.x), __bfloat162float(x2.x), c0, a1, a2);
+  RopeRotate(__bfloat162float(x1.y), __bfloat162float(x2.y), c1, b1, b2);
+  const __nv_bfloat162 o1 = __floats2bfloat162_rn(a1, b1);
+  const __nv_bfloat162 o2 = __floats2bfloat162_rn(a2, b2);
+  lo = *reinterpret_cast<const uint32_t*>(&o1);
+  hi = *reinterpret_cast<const uint32_t*>(&o2);
+}
+
 // One tile: query heads [hc*kHeads, hc*kHeads + nh) of kv head `kvh`'s group, tokens of split
 // `split`, on the tensor cores. Each of the CTA's warps takes every fourth 16-key chunk and
 // streams it through its own two-stage cp.async ring, so no register holds a byte in flight and
@@ -91,8 +115,11 @@ struct TileSmem {
 // keys x 8 heads), an fp32 online softmax per head (column), and O^T += V^T P^T with P rounded to
 // bf16 (as flash attention and the prefill kernel do; the row sums stay fp32); K and V^T come
 // from ldmatrix (V^T transposed on the way). The warps' states are merged once at the end.
+// With the fused RoPE (a.qkv), `current` ([2, D] in shared memory, 16-byte aligned) is the tile's
+// one writing warp's.
 template <int D>
-__device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int split, char* smem) {
+__device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int split, char* smem,
+                            __nv_bfloat16* current) {
   using L = TileSmem<D>;
   constexpr int KSTEPS = D / 16;                  // k steps of S^T; m tiles of O^T
   constexpr int kPieces = D / 8;                  // 16-byte pieces of a row
@@ -165,14 +192,93 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
 
   // Q^T as B fragments (k = dims, n = heads): head g's dims 16s + 2t, +1 and 16s + 2t + 8, +9;
   // heads past nh are zero. Loaded while the first chunk is in flight.
+  const bool rope = a.qkv != nullptr;
+  const int64_t qkv_row = static_cast<int64_t>(seq) * (a.num_q_heads + 2 * a.num_kv_heads) * D;
   uint32_t qb[KSTEPS][2];
   {
-    const __nv_bfloat16* qrow = a.q + (row0 + min(g, nh - 1)) * D + 2 * t;  // [D], from dim 2t
+    const int64_t head = row0 - static_cast<int64_t>(seq) * a.num_q_heads + min(g, nh - 1);
+    const __nv_bfloat16* qrow =  // [D], from dim 2t
+        (rope ? a.qkv + qkv_row + head * D : a.q + (row0 + min(g, nh - 1)) * D) + 2 * t;
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s) {
       qb[s][0] = g < nh ? __ldg(reinterpret_cast<const uint32_t*>(qrow + 16 * s)) : 0u;
       qb[s][1] = g < nh ? __ldg(reinterpret_cast<const uint32_t*>(qrow + 16 * s + 8)) : 0u;
     }
+  }
+
+  // Fused RoPE, while the first chunk is in flight: the angles come with q (a table the step's
+  // prepare kernel wrote once for every layer; computing them here cost more than the rope_kv
+  // node saved, bench/results/2026-12-05c-h100-h200.md), and each lane rotates its q fragments. The
+  // warp that will copy the chunk holding the current token (ctx - 1), in the tile that holds it,
+  // also does rope_kv's work for this kv head: it writes the rotated k and v to the cache for later
+  // steps and keeps them in `current`, which it puts over that token's row of the chunk once the
+  // chunk has landed, so no load waits on the store.
+  bool inject = false;
+  if (rope) {
+    // A row's angles as float4s: the (cos, sin) pairs of dims 2i and 2i + 1.
+    const float4* ang = reinterpret_cast<const float4*>(a.angles + static_cast<int64_t>(seq) * D);
+    // Lane (g, t) rotates dims d = 16 s + 8 r + 2 t and d + 1 of the first half with their
+    // partners d + D / 2: the same register KSTEPS / 2 k steps on for D >= 32, the +8 register
+    // of the same step for D = 16.
+    constexpr int kLoSteps = D >= 32 ? KSTEPS / 2 : 1;
+    constexpr int kRegs = D >= 32 ? 2 : 1;
+    float4 qa[kLoSteps][kRegs];
+#pragma unroll
+    for (int s = 0; s < kLoSteps; ++s) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) qa[s][r] = __ldg(ang + 8 * s + 4 * r + t);
+    }
+    constexpr int kItems = D / 16;  // 8 rotation pairs (two 16-byte vectors) an item
+    const bool writer = t_end == ctx && warp == ((ctx - 1 - t_begin) / kChunk) % kWarps;
+    const int32_t slot = writer ? a.slot_mapping[seq] : kNoKvWrite;
+    const bool slot_ok = slot >= 0 && static_cast<int64_t>(slot) <
+                                          (static_cast<int64_t>(a.num_blocks) << a.block_shift);
+    if (writer && !slot_ok && slot != kNoKvWrite && lane == 0 && a.slot_error_flag != nullptr)
+      *a.slot_error_flag = 1;
+    inject = writer && slot_ok;
+    // Lane i < D / 8 moves one item: k's first (rotated), then v's (copied).
+    const bool is_v = lane >= kItems;
+    const int i0 = (lane % kItems) * 8;
+    Bf16x8 lo, hi;
+    float4 ka[4];
+    if (inject && lane < 2 * kItems) {
+      const __nv_bfloat16* src =
+          a.qkv + qkv_row + (a.num_q_heads + (is_v ? a.num_kv_heads : 0) + kvh) * D + i0;
+      lo = LoadBf16x8(src);
+      hi = LoadBf16x8(src + D / 2);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) ka[j] = is_v ? float4{} : __ldg(ang + i0 / 2 + j);
+    }
+#pragma unroll
+    for (int s = 0; s < kLoSteps; ++s) {
+#pragma unroll
+      for (int r = 0; r < kRegs; ++r) {
+        const float4 c = qa[s][r];
+        RotatePacked(qb[s][r], D >= 32 ? qb[s + KSTEPS / 2][r] : qb[0][1], {c.x, c.y}, {c.z, c.w});
+      }
+    }
+    if (inject && lane < 2 * kItems) {
+      if (!is_v) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float4 c = ka[j / 2];
+          const RopeCosSin cs = j % 2 == 0 ? RopeCosSin{c.x, c.y} : RopeCosSin{c.z, c.w};
+          float o1, o2;
+          RopeRotate(__bfloat162float(lo.h[j]), __bfloat162float(hi.h[j]), cs, o1, o2);
+          lo.h[j] = __float2bfloat16_rn(o1);
+          hi.h[j] = __float2bfloat16_rn(o2);
+        }
+      }
+      const KvLayout l{a.num_blocks, a.num_kv_heads, 1 << a.block_shift, D};
+      __nv_bfloat16* dst = (is_v ? a.v_write : a.k_write) +
+                           KvOffset(l, slot >> a.block_shift, kvh, slot & bs_mask) + i0;
+      StoreBf16x8(dst, lo);
+      StoreBf16x8(dst + D / 2, hi);
+      __nv_bfloat16* keep = current + (is_v ? D : 0) + i0;
+      StoreBf16x8(keep, lo);
+      StoreBf16x8(keep + D / 2, hi);
+    }
+    __syncwarp();  // `current` is complete before any lane puts it into the chunk
   }
 
   float m[2] = {-INFINITY, -INFINITY};  // heads 2t, 2t+1
@@ -199,6 +305,18 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
     ptx::CpAsyncWait<1>();  // this lane's copies of the chunk have landed
     __syncwarp();           // and every lane's
     const uint32_t st = ring + stage * L::kStageBytes;
+    // The chunk of the current token (fused RoPE): t_end is ctx in the tile that injects.
+    if (inject && base + kChunk >= t_end) {
+      char* row =
+          smem + warp * L::kWarpBytes + stage * L::kStageBytes + (t_end - 1 - base) * L::kRowBytes;
+      for (int c = lane; c < D / 4; c += 32) {  // 16-byte pieces: K's row, then V's
+        const int piece = c % (D / 8);
+        const bool v_row = c >= D / 8;
+        *reinterpret_cast<uint4*>(row + (v_row ? L::kChunkBytes : 0) + piece * 16) =
+            *reinterpret_cast<const uint4*>(current + (v_row ? D : 0) + piece * 8);
+      }
+      __syncwarp();
+    }
 
     // c[0..1]: key g, heads 2t, 2t+1; c[2..3]: key g + 8.
     float c[4] = {0.f, 0.f, 0.f, 0.f};
@@ -353,13 +471,16 @@ __device__ __forceinline__ int FindSeq(const int32_t* s_prefix, int num_seqs, in
 
 // One kernel serves both modes so each head_dim is a single template instance with a single
 // inlined copy of the tile loop.
+// At D = 128 shared memory holds an SM to three CTAs, so registers need not be capped for four.
 template <int D>
-__global__ void __launch_bounds__(kThreads, 4) DecodeAttentionKernel(DecodeArgs a) {
+__global__ void __launch_bounds__(kThreads, D == 128 ? 3 : 4) DecodeAttentionKernel(DecodeArgs a) {
   // [TileSmem<D>::kBytes: the warps' rings, then the merge], then for the work queue
   // [num_seqs + 1] int32 of the chunk prefix sum.
   extern __shared__ __align__(16) char smem[];
   int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + TileSmem<D>::kBytes);
   __shared__ int32_t s_claim;
+  // The fused RoPE's current token, rotated k then v (one warp of a tile writes and reads it).
+  __shared__ __align__(16) __nv_bfloat16 s_current[2 * D];
   // q, the cache and the context lengths come from earlier kernels (kernels/pdl.cuh).
   GridDepWait();
   GridDepLaunchDependents();
@@ -394,7 +515,8 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeAttentionKernel(DecodeArgs 
         kv_slot = blockIdx.y;
         split = blockIdx.x;
       }
-      ProcessTile<D>(a, seq, kv_slot / a.head_chunks, kv_slot % a.head_chunks, split, smem);
+      ProcessTile<D>(a, seq, kv_slot / a.head_chunks, kv_slot % a.head_chunks, split, smem,
+                     s_current);
     }
   }
   // Every CTA has made its final claim before it counts itself done, so the last one to finish may
@@ -414,7 +536,9 @@ absl::Status Invalid(const char* field, const std::string& why) {
 
 absl::Status ValidateShape(const DecodeAttentionParams& p) {
   using attention_internal::IsAligned;
-  if (p.q == nullptr || !IsAligned(p.q, 16)) return Invalid("q", "must be non-null, 16-B aligned");
+  if ((p.q == nullptr) == (p.rope.qkv == nullptr))
+    return Invalid("q", "or rope.qkv must be set, not both");
+  if (p.q != nullptr && !IsAligned(p.q, 16)) return Invalid("q", "must be 16-B aligned");
   if (p.k_cache == nullptr || !IsAligned(p.k_cache, 16))
     return Invalid("k_cache", "must be non-null, 16-B aligned");
   if (p.v_cache == nullptr || !IsAligned(p.v_cache, 16))
@@ -443,6 +567,23 @@ absl::Status ValidateShape(const DecodeAttentionParams& p) {
     return Invalid("error_flag", "must be 4-B aligned");
   if (p.max_splits < 1 || p.max_splits > 4096)
     return Invalid("max_splits", absl::StrCat("= ", p.max_splits, " must be in [1, 4096]"));
+  return absl::OkStatus();
+}
+
+// The fused RoPE's fields, once ValidateShape has passed.
+absl::Status ValidateRope(const DecodeAttentionParams& p) {
+  using attention_internal::IsAligned;
+  const DecodeAttentionRope& r = p.rope;
+  if (r.qkv == nullptr) return absl::OkStatus();
+  if (!IsAligned(r.qkv, 16)) return Invalid("rope.qkv", "must be 16-B aligned");
+  if (r.angles == nullptr || !IsAligned(r.angles, 16))
+    return Invalid("rope.angles", "must be non-null, 16-B aligned");
+  if (r.slot_mapping == nullptr || !IsAligned(r.slot_mapping, 4))
+    return Invalid("rope.slot_mapping", "must be non-null, 4-B aligned");
+  if (r.k_cache != p.k_cache || r.v_cache != p.v_cache)
+    return Invalid("rope.k_cache", "and rope.v_cache must be k_cache and v_cache");
+  if (r.error_flag != nullptr && !IsAligned(r.error_flag, 4))
+    return Invalid("rope.error_flag", "must be 4-B aligned");
   return absl::OkStatus();
 }
 
@@ -600,6 +741,7 @@ WorkQueueConfig ChooseWorkQueueConfig(const SplitChoiceInputs& in, int32_t block
 absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(ValidateShape(p));
   TS_RETURN_IF_ERROR(ValidateMode(p));
+  TS_RETURN_IF_ERROR(ValidateRope(p));
   const size_t need =
       DecodeAttentionWorkspaceBytes(p.num_seqs, p.num_q_heads, p.head_dim, p.max_splits);
   if (p.workspace == nullptr || !attention_internal::IsAligned(p.workspace, 256))
@@ -615,6 +757,12 @@ absl::Status LaunchDecodeAttention(const DecodeAttentionParams& p, cudaStream_t 
   a.v_cache = p.v_cache;
   a.block_tables = p.block_tables;
   a.context_lens = p.context_lens;
+  a.qkv = p.rope.qkv;
+  a.angles = p.rope.angles;
+  a.slot_mapping = p.rope.slot_mapping;
+  a.k_write = p.rope.k_cache;
+  a.v_write = p.rope.v_cache;
+  a.slot_error_flag = p.rope.error_flag;
   a.error_flag = p.error_flag;
   a.num_blocks = p.num_blocks;
   const size_t slots = static_cast<size_t>(p.num_seqs) * p.num_q_heads * p.max_splits;

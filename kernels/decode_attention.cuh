@@ -38,17 +38,45 @@ enum class DecodeAttentionMode : int32_t {
   kWorkQueue = 1,
 };
 
+// The rope_kv node's work for a decode step, done inside decode attention. When qkv is set, q is
+// read from qkv's q heads and rotated by `angles`, and the tile that holds a sequence's current
+// token (context_lens[seq] - 1) rotates that row's k and writes k and v to the cache at
+// slot_mapping[seq] for later steps, and uses them for this one from registers and shared memory
+// (it never reads the slot back). slot_mapping[seq] must be that token's slot in block_tables, as
+// a decode step's inputs are (kernels/prepare_decode.cuh). The output and the cache are bitwise
+// those of LaunchRopeKv followed by this kernel on its q. A row of context 0 writes nothing; a slot
+// outside the pool is flagged and not written, and the cache's value at the token is then used.
+struct DecodeAttentionRope {
+  // [num_seqs, (num_q_heads + 2 num_kv_heads) * head_dim]: each row's q heads, k heads, v heads,
+  // unrotated (the qkv GEMM's output), 16-B aligned.
+  const __nv_bfloat16* qkv = nullptr;
+  // [num_seqs, head_dim / 2, 2]: cos and sin of each row's position times inv_freq[i], as
+  // rope_kv forms them (RopeAngle, kernels/bf16_vec.cuh), 16-B aligned. The decode prepare kernel
+  // writes them once a step for every layer (PrepareDecodeParams::rope_angles).
+  const float* angles = nullptr;
+  const int32_t* slot_mapping = nullptr;  // [num_seqs] KvSlotFor; kNoKvWrite = no K/V write
+  __nv_bfloat16* k_cache = nullptr;       // k_cache and v_cache below, writable
+  __nv_bfloat16* v_cache = nullptr;
+  // [1], optional: set to 1 when a slot lies outside [kNoKvWrite, num_blocks * block_size).
+  int32_t* error_flag = nullptr;
+};
+
 struct DecodeAttentionParams {
-  const __nv_bfloat16* q;        // [num_seqs, num_q_heads, head_dim], RoPE applied, 16-B aligned
+  // [num_seqs, num_q_heads, head_dim], RoPE applied, 16-B aligned. Null when rope.qkv is set.
+  const __nv_bfloat16* q;
   const __nv_bfloat16* k_cache;  // [num_blocks, num_kv_heads, block_size, head_dim] (kv_layout.cuh)
   const __nv_bfloat16* v_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
   // [num_seqs, max_blocks_per_seq], block ids < num_blocks for the blocks a context covers; the
   // rest is never read (the engine pads with kInvalidKvBlock).
   const int32_t* block_tables;
-  // [num_seqs], tokens to attend to, including the current token whose K/V is already written.
+  // [num_seqs], tokens to attend to, including the current token, whose K/V is already written
+  // (or written by this kernel: rope).
   // 0 marks a padding row (its output is all zeros); values above max_blocks_per_seq * block_size
   // are clamped to it.
   const int32_t* context_lens;
+  // Optional, decode steps: q straight from the qkv GEMM, rotated here, and the current token's
+  // K/V written here (DecodeAttentionRope): one rope_kv graph node less per layer.
+  DecodeAttentionRope rope{};
   __nv_bfloat16* out;  // [num_seqs, num_q_heads, head_dim]
   // DecodeAttentionWorkspaceBytes(num_seqs, num_q_heads, head_dim, max_splits) bytes, 256-B
   // aligned; zero it once after allocation (ResetDecodeAttentionWorkspace), never again.

@@ -29,6 +29,13 @@ struct PrepareDecodeParams {
   int32_t num_slots = 0;            // > 0
   int32_t max_blocks = 0;           // > 0
   int32_t block_size = 0;           // > 0
+  // Optional: [rows, rope_pairs, 2] cos and sin of each row's position times inv_freq[i], rounded
+  // as rope_kv rounds them (RopeAngle, kernels/bf16_vec.cuh); padding rows get position 0's. Decode
+  // attention's fused RoPE reads them in every layer (DecodeAttentionRope::angles), so the step
+  // computes them once. 16-B aligned.
+  float* rope_angles = nullptr;
+  const float* inv_freq = nullptr;  // [rope_pairs], with rope_angles (models/rope.h)
+  int32_t rope_pairs = 0;           // head_dim / 2, a multiple of 2, with rope_angles
   StepStamps* stamps = nullptr;     // benchmarks only: the step's start and idle gap
 };
 

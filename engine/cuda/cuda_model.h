@@ -37,6 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "engine/cuda/memory_plan.h"
+#include "kernels/decode_attention.cuh"
 #include "kernels/gemm.cuh"
 #include "kernels/logits_gemm.cuh"
 #include "models/checkpoint.h"
@@ -287,12 +288,16 @@ class CudaModel {
   // Decode with 8 < `rows` <= 16 runs the shared-memory GEMV (kernels/gemv.cuh) with RoPE and the
   // K/V write, the residual adds and SwiGLU in its epilogues; the norms stay rmsnorm nodes.
   static bool GemvEpilogueLayers(const ModelDims& d, int32_t rows);
+  // `rope` (decode steps only): q is still unrotated in f.qkv, and the decode attention kernel
+  // applies RoPE and writes the current token's K/V itself, in place of a rope_kv node.
   absl::Status EnqueueAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
-                                const Attention& attn, cudaStream_t stream) const;
+                                const Attention& attn, const kernels::DecodeAttentionRope* rope,
+                                cudaStream_t stream) const;
   // Decode attention over q rows [0, rows) of f; prefill attention over the q rows from
   // first_row on.
   absl::Status DecodeAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
-                               const Attention& attn, cudaStream_t stream) const;
+                               const Attention& attn, const kernels::DecodeAttentionRope* rope,
+                               cudaStream_t stream) const;
   absl::Status PrefillAttention(const ForwardBuffers& f, int32_t first_row,
                                 const LayerBuffers& layer, const Attention& attn,
                                 cudaStream_t stream) const;
@@ -311,6 +316,7 @@ class CudaModel {
             *context_lens = nullptr, *sample_slots = nullptr;  // [max_bucket]
     int32_t* block_tables = nullptr;                           // [max_bucket, max_blocks_per_seq]
     kernels::SamplingRow* sampling = nullptr;                  // [max_bucket]
+    float* rope_angles = nullptr;                              // [max_bucket, head_dim / 2, 2]
   };
   // The decode step's: the row list, sampling rows, context lengths and block tables of the
   // decode head, and f's tokens, positions and KV slots.

@@ -80,19 +80,25 @@ bool CudaModel::GemvEpilogueLayers(const ModelDims& d, int32_t rows) {
 
 absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
                                          const LayerBuffers& layer, const Attention& at,
+                                         const k::DecodeAttentionRope* rope,
                                          cudaStream_t stream) const {
-  if (at.decode) return DecodeAttention(f, rows, layer, at, stream);
-  if (at.decode_rows > 0) TS_RETURN_IF_ERROR(DecodeAttention(f, at.decode_rows, layer, at, stream));
+  if (at.decode) return DecodeAttention(f, rows, layer, at, rope, stream);
+  if (rope != nullptr) return absl::InternalError("attention: a fused RoPE in a prefill step");
+  if (at.decode_rows > 0) {
+    TS_RETURN_IF_ERROR(DecodeAttention(f, at.decode_rows, layer, at, nullptr, stream));
+  }
   return PrefillAttention(f, at.decode_rows, layer, at, stream);
 }
 
 absl::Status CudaModel::DecodeAttention(const ForwardBuffers& f, int32_t rows,
                                         const LayerBuffers& layer, const Attention& at,
+                                        const k::DecodeAttentionRope* rope,
                                         cudaStream_t stream) const {
   const ModelDims& d = dims();
   const ArenaShape& s = plan_.shape;
   k::DecodeAttentionParams p;
-  p.q = f.q;
+  p.q = rope == nullptr ? f.q : nullptr;
+  if (rope != nullptr) p.rope = *rope;
   p.k_cache = layer.k_cache;
   p.v_cache = layer.v_cache;
   p.block_tables = at.decode_block_tables;
@@ -193,9 +199,9 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
                          .layout = kv_layout,
                          .num_q_heads = d.num_heads};
   };
-  auto attention = [&](const LayerBuffers& layer) {
+  auto attention = [&](const LayerBuffers& layer, const k::DecodeAttentionRope* rope = nullptr) {
     return RunOp(observer, "attention", stream,
-                 [&] { return EnqueueAttention(f, rows, layer, at, stream); });
+                 [&] { return EnqueueAttention(f, rows, layer, at, rope, stream); });
   };
 
   if (fused) {
@@ -272,11 +278,13 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
   // cuBLASLt path (prefill, batches above 16) and the shared-memory GEMV path (decode at 8 < rows
   // <= 16). On cuBLASLt, o_proj and down_proj write their bf16 output to xn and the next rmsnorm
   // adds it into the residual (x), as transformers rounds: bf16(h + bf16(o)); down_proj's output
-  // is added by the next layer's attn_norm. The GEMV adds into h itself (kAccumulate, the same
-  // rounding) and carries RoPE with the K/V write and SwiGLU, so its layer has no rope_kv or
-  // silu_mul node and no split-K reduce node (reduced inside the kernel). Its down GEMV also
-  // leaves h's row sums of squares in h_sumsq, and the next layer's qkv GEMV normalises h from
-  // them, so only the stage's first attn_norm is a node.
+  // is added by the next layer's attn_norm; in a decode step the attention kernel rotates q and
+  // writes the current token's K/V (k::DecodeAttentionRope, with the cos/sin the step's prepare
+  // kernel left in f.rope_angles), so only prefill and mixed steps have a rope_kv node. The GEMV
+  // adds into h itself (kAccumulate, the same rounding) and carries RoPE with the K/V write and
+  // SwiGLU, so its layer has no rope_kv or silu_mul node and no split-K reduce node (reduced
+  // inside the kernel). Its down GEMV also leaves h's row sums of squares in h_sumsq, and the
+  // next layer's qkv GEMV normalises h from them, so only the stage's first attn_norm is a node.
   // PDL (kernels/pdl.cuh) only behind a kernel of this sequence: its overlap and its wait are
   // defined against the kernel before, and a later pipeline stage's first norm follows the copy
   // of its input instead.
@@ -359,8 +367,18 @@ absl::Status CudaModel::EnqueueLayers(const ForwardBuffers& f, int32_t rows, con
     }
     TS_RETURN_IF_ERROR(norm("attn_norm", pending, layer.attn_norm));
     TS_RETURN_IF_ERROR(linear("qkv_gemm", f.xn, layer.qkv, f.qkv, d.qkv_dim(), d.hidden));
-    TS_RETURN_IF_ERROR(rope_kv(layer));
-    TS_RETURN_IF_ERROR(attention(layer));
+    if (at.decode) {  // the attention kernel rotates q and writes K/V: no rope_kv node
+      const k::DecodeAttentionRope rope{.qkv = f.qkv,
+                                        .angles = f.rope_angles,
+                                        .slot_mapping = f.slot_mapping,
+                                        .k_cache = layer.k_cache,
+                                        .v_cache = layer.v_cache,
+                                        .error_flag = host_dev_.error_flag};
+      TS_RETURN_IF_ERROR(attention(layer, &rope));
+    } else {
+      TS_RETURN_IF_ERROR(rope_kv(layer));
+      TS_RETURN_IF_ERROR(attention(layer));
+    }
     TS_RETURN_IF_ERROR(linear("o_gemm", f.attn, layer.o, f.xn, d.hidden, d.q_dim()));
     TS_RETURN_IF_ERROR(norm("mlp_norm", f.xn, layer.mlp_norm));
     TS_RETURN_IF_ERROR(linear("gate_up_gemm", f.xn, layer.gate_up, f.gate_up,
@@ -463,7 +481,8 @@ CudaModel::RowInputs CudaModel::DecodeInputs(const ForwardBuffers& f) const {
                    .context_lens = dev_.decode_context_lens,
                    .sample_slots = head.sample_slots,
                    .block_tables = dev_.decode_block_tables,
-                   .sampling = head.params};
+                   .sampling = head.params,
+                   .rope_angles = f.rope_angles};
 }
 
 absl::Status CudaModel::EnqueuePrepare(const RowInputs& in, int32_t rows, k::StepStamps* stamps,
@@ -484,6 +503,9 @@ absl::Status CudaModel::EnqueuePrepare(const RowInputs& in, int32_t rows, k::Ste
   p.num_slots = s.max_slots;
   p.max_blocks = s.max_blocks_per_seq;
   p.block_size = s.kv_block_size;
+  p.rope_angles = in.rope_angles;
+  p.inv_freq = dev_.inv_freq;
+  p.rope_pairs = dims().head_dim / 2;
   p.stamps = stamps;
   return k::LaunchPrepareDecode(p, stream);
 }
@@ -548,7 +570,9 @@ absl::Status CudaModel::AddDecodeFeed() {
   const ArenaShape& s = plan_.shape;
   const size_t rows = static_cast<size_t>(s.max_bucket), i = sizeof(int32_t);
   const size_t ints = rows * (6 + static_cast<size_t>(s.max_blocks_per_seq));
-  const size_t bytes = (ints * i + 255) / 256 * 256 + rows * sizeof(k::SamplingRow);
+  const size_t sampling_at = (ints * i + 255) / 256 * 256;
+  const size_t angles_at = (sampling_at + rows * sizeof(k::SamplingRow) + 255) / 256 * 256;
+  const size_t bytes = angles_at + rows * dims().head_dim * sizeof(float);
   TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&feed_base_, bytes));
   int32_t* p = static_cast<int32_t*>(feed_base_);
   for (int32_t** b : {&feed_.row_slots, &feed_.tokens, &feed_.positions, &feed_.slot_mapping,
@@ -557,27 +581,24 @@ absl::Status CudaModel::AddDecodeFeed() {
     p += rows;
   }
   feed_.block_tables = p;
-  feed_.sampling = reinterpret_cast<k::SamplingRow*>(static_cast<char*>(feed_base_) +
-                                                     (ints * i + 255) / 256 * 256);
+  feed_.sampling = reinterpret_cast<k::SamplingRow*>(static_cast<char*>(feed_base_) + sampling_at);
+  feed_.rope_angles = reinterpret_cast<float*>(static_cast<char*>(feed_base_) + angles_at);
   return absl::OkStatus();
 }
 
 std::vector<DeviceBytes> CudaModel::DecodeRowInputs(int32_t bucket, bool feed) const {
   const size_t rows = static_cast<size_t>(bucket), i = sizeof(int32_t);
   const size_t tables = rows * plan_.shape.max_blocks_per_seq * i;
+  const size_t angles = rows * dims().head_dim * sizeof(float);
   if (feed) {
-    return {{feed_.tokens, rows * i},
-            {feed_.positions, rows * i},
-            {feed_.slot_mapping, rows * i},
-            {feed_.context_lens, rows * i},
-            {feed_.block_tables, tables}};
+    return {{feed_.tokens, rows * i},       {feed_.positions, rows * i},
+            {feed_.slot_mapping, rows * i}, {feed_.context_lens, rows * i},
+            {feed_.block_tables, tables},   {feed_.rope_angles, angles}};
   }
   const DeviceLayout& d = dev_;
-  return {{d.decode.tokens, rows * i},
-          {d.decode.positions, rows * i},
-          {d.decode.slot_mapping, rows * i},
-          {d.decode_context_lens, rows * i},
-          {d.decode_block_tables, tables}};
+  return {{d.decode.tokens, rows * i},       {d.decode.positions, rows * i},
+          {d.decode.slot_mapping, rows * i}, {d.decode_context_lens, rows * i},
+          {d.decode_block_tables, tables},   {d.decode.rope_angles, angles}};
 }
 
 DeviceBytes CudaModel::DecodeHidden(int32_t bucket) const {

@@ -62,6 +62,7 @@ void CarveForward(const ArenaShape& s, int32_t rows, Carver& c, size_t* cat, For
   f->tokens = c.Take<int32_t>(m, cat);
   f->positions = c.Take<int32_t>(m, cat);
   f->slot_mapping = c.Take<int32_t>(m, cat);
+  f->rope_angles = c.Take<float>(m * d.head_dim, cat);
 }
 
 void CarveHead(const ArenaShape& s, Carver& c, size_t* cat, HeadBuffers* h) {

@@ -162,6 +162,9 @@ struct ForwardBuffers {
   int32_t* tokens = nullptr;         // [M]
   int32_t* positions = nullptr;      // [M]
   int32_t* slot_mapping = nullptr;   // [M] block * block_size + offset; -1 = no KV write
+  // [M, head_dim / 2, 2] cos and sin of each decode row's position (kernels/prepare_decode.cuh),
+  // read by every layer's decode attention.
+  float* rope_angles = nullptr;
 };
 
 // lm_head -> fp32 logits -> sampling -> postprocess for up to `rows` rows.

@@ -47,9 +47,10 @@ TEST(DefaultModelCudaTest, GreedyEqualsTransformersBf16) {
 
 // The same with the four prompts padded into one bucket of 16 rows (the shared-memory GEMV layers:
 // RoPE, residual adds and SwiGLU in the GEMV epilogues, split-K reduced in the kernel) and of 128
-// rows (rmsnorm + cuBLASLt + rope_kv + silu_mul nodes). Both sum each product in another order
-// than the m <= 8 GEMV, so they must equal transformers up to a tie: on the H200 both diverged
-// from the reference at the same token, at its margin 0.0625 (bench/results/2026-12-02d-h200.md).
+// rows (rmsnorm + cuBLASLt + silu_mul nodes, RoPE inside decode attention). Both sum each product
+// in another order than the m <= 8 GEMV, so they must equal transformers up to a tie: on the H200
+// both diverged from the reference at the same token, at its margin 0.0625
+// (bench/results/2026-12-02d-h200.md).
 TEST(DefaultModelCudaTest, GreedyKeepsTransformersInLargerBucketsBf16) {
   const std::vector<DefaultCase> cases = LoadDefaultReference("bf16");
   ASSERT_FALSE(cases.empty());

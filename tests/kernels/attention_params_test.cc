@@ -96,6 +96,41 @@ TEST(DecodeAttentionParamsTest, RejectsEachBadField) {
   ExpectInvalid(LaunchDecodeAttention(p, nullptr), "no_combine");
 }
 
+// The fused RoPE: q or qkv, never both, and targets that describe the attention's own cache.
+TEST(DecodeAttentionParamsTest, RejectsEachBadFusedRopeField) {
+  auto fused = [] {
+    DecodeAttentionParams p = ValidDecode();
+    p.q = nullptr;
+    p.rope = DecodeAttentionRope{.qkv = Fake<const __nv_bfloat16>(0x80000),
+                                 .angles = Fake<const float>(0x90000),
+                                 .slot_mapping = Fake<const int32_t>(0xA0000),
+                                 .k_cache = Fake<__nv_bfloat16>(0x20000),
+                                 .v_cache = Fake<__nv_bfloat16>(0x30000)};
+    return p;
+  };
+  DecodeAttentionParams p = fused();
+  p.q = Fake<const __nv_bfloat16>(0x10000);
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "q or rope.qkv");
+  p = fused();
+  p.rope.qkv = nullptr;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "q or rope.qkv");
+  p = fused();
+  p.rope.qkv = Fake<const __nv_bfloat16>(0x80008);
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "rope.qkv");
+  p = fused();
+  p.rope.angles = nullptr;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "rope.angles");
+  p = fused();
+  p.rope.angles = Fake<const float>(0x90008);
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "rope.angles");
+  p = fused();
+  p.rope.slot_mapping = nullptr;
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "rope.slot_mapping");
+  p = fused();
+  p.rope.v_cache = Fake<__nv_bfloat16>(0x20000);
+  ExpectInvalid(LaunchDecodeAttention(p, nullptr), "rope.k_cache");
+}
+
 TEST(AttentionCombineParamsTest, RejectsBadFields) {
   AttentionCombineParams c;
   c.partial_out = Fake<const float>(0x10000);

@@ -71,6 +71,14 @@ TEST(PrepareDecodeTest, RowsFromTheSlotTableAsTheHostModelSays) {
         out_tables(static_cast<size_t>(c.rows) * c.max_blocks), sample_slots(c.rows);
     GuardedBuffer<SlotRow> d_slots(slots.size());
     GuardedBuffer<SamplingRow> sampling(c.rows);
+    // RoPE angles for a head_dim of 64: Llama 3's inverse frequencies (base 500000).
+    constexpr int32_t kPairs = 32;
+    std::vector<float> inv_freq(kPairs);
+    for (int32_t i = 0; i < kPairs; ++i) {
+      inv_freq[i] = static_cast<float>(1.0 / std::pow(500000.0, 2.0 * i / (2 * kPairs)));
+    }
+    GuardedBuffer<float> d_inv(kPairs), angles(static_cast<size_t>(c.rows) * kPairs * 2);
+    d_inv.Upload(inv_freq);
     d_rows.Upload(rows);
     d_tables.Upload(tables);
     d_slots.Upload(slots);
@@ -87,7 +95,10 @@ TEST(PrepareDecodeTest, RowsFromTheSlotTableAsTheHostModelSays) {
                           .rows = c.rows,
                           .num_slots = c.num_slots,
                           .max_blocks = c.max_blocks,
-                          .block_size = c.block_size};
+                          .block_size = c.block_size,
+                          .rope_angles = angles.get(),
+                          .inv_freq = d_inv.get(),
+                          .rope_pairs = kPairs};
     TS_ASSERT_OK(LaunchPrepareDecode(p, nullptr));
     TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
 
@@ -95,12 +106,27 @@ TEST(PrepareDecodeTest, RowsFromTheSlotTableAsTheHostModelSays) {
                                got_map = mapping.Download(), got_ctx = context.Download(),
                                got_tab = out_tables.Download(), got_ss = sample_slots.Download();
     const std::vector<SamplingRow> got_samp = sampling.Download();
+    const std::vector<float> got_angles = angles.Download();
+    // Each pair is (cos, sin) of float(pos) * inv_freq[i], formed in fp32 as transformers forms
+    // it, then rounded to bf16: within a bf16 rounding (2^-9 on [-1, 1]) and sincosf's few fp32
+    // ulps of the exact value.
+    auto expect_angles = [&](int32_t r, int32_t pos) {
+      for (int32_t i = 0; i < kPairs; ++i) {
+        const double angle = static_cast<double>(static_cast<float>(pos) * inv_freq[i]);
+        const float* got = got_angles.data() + (static_cast<size_t>(r) * kPairs + i) * 2;
+        EXPECT_NEAR(got[0], std::cos(angle), 0x1p-9 + 0x1p-20) << "cos, pair " << i;
+        EXPECT_NEAR(got[1], std::sin(angle), 0x1p-9 + 0x1p-20) << "sin, pair " << i;
+        EXPECT_EQ(got[0], RoundBf16(got[0])) << "cos, pair " << i << " is not bf16";
+        EXPECT_EQ(got[1], RoundBf16(got[1])) << "sin, pair " << i << " is not bf16";
+      }
+    };
     int active = 0, padding = 0, bad_kv = 0;
     for (int32_t r = 0; r < c.rows; ++r) {
       SCOPED_TRACE(::testing::Message() << "row " << r << " slot " << rows[r]);
       const int32_t slot = rows[r];
       const bool valid = slot >= 0 && slot < c.num_slots && slots[slot].state == kSlotActive;
       if (!valid) {
+        expect_angles(r, 0);
         ++padding;
         EXPECT_EQ(got_tok[r], 0);
         EXPECT_EQ(got_pos[r], 0);
@@ -116,6 +142,7 @@ TEST(PrepareDecodeTest, RowsFromTheSlotTableAsTheHostModelSays) {
       const int32_t* table = tables.data() + static_cast<size_t>(slot) * c.max_blocks;
       EXPECT_EQ(got_tok[r], s.last_token);
       EXPECT_EQ(got_pos[r], pos);
+      expect_angles(r, pos);
       const int32_t want_map = KvSlotFor(table, c.max_blocks, c.block_size, pos);
       bad_kv += want_map == kBadKvSlot;
       EXPECT_EQ(got_map[r], want_map);
@@ -135,6 +162,7 @@ TEST(PrepareDecodeTest, RowsFromTheSlotTableAsTheHostModelSays) {
       EXPECT_TRUE(b->GuardsIntact());
     }
     EXPECT_TRUE(sampling.GuardsIntact());
+    EXPECT_TRUE(angles.GuardsIntact());
     EXPECT_GT(bad_kv, 0) << "no row reached past its table";
   }
 }
@@ -148,6 +176,19 @@ TEST(PrepareDecodeTest, RejectsBadParams) {
   p.max_blocks = 1;
   p.block_size = 16;
   TS_EXPECT_INVALID(LaunchPrepareDecode(p, nullptr), "prepare.row_slots");
+  // Every other pointer set (never dereferenced: validation fails first), then the angles'.
+  int32_t* const fake = reinterpret_cast<int32_t*>(uintptr_t{0x10000});
+  p.row_slots = p.slot_block_tables = p.tokens = p.positions = p.slot_mapping = p.context_lens =
+      p.block_tables = p.sample_slots = fake;
+  p.slots = reinterpret_cast<const SlotRow*>(fake);
+  p.sampling = reinterpret_cast<SamplingRow*>(fake);
+  p.rope_angles = reinterpret_cast<float*>(uintptr_t{0x20008});
+  TS_EXPECT_INVALID(LaunchPrepareDecode(p, nullptr), "prepare.rope_angles");
+  p.rope_angles = reinterpret_cast<float*>(uintptr_t{0x20000});
+  TS_EXPECT_INVALID(LaunchPrepareDecode(p, nullptr), "prepare.inv_freq");
+  p.inv_freq = reinterpret_cast<const float*>(uintptr_t{0x30000});
+  p.rope_pairs = 3;
+  TS_EXPECT_INVALID(LaunchPrepareDecode(p, nullptr), "prepare.rope_pairs");
 }
 
 TEST(GatherRowsTest, CopiesTheChosenRowsAndNothingElse) {
