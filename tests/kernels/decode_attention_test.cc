@@ -629,6 +629,21 @@ std::unique_ptr<GuardedBuffer<float>> AnglesFromPrepare(const std::vector<int32_
   return angles;
 }
 
+// h's launch in mode m with the fused RoPE: q from qkv, the current K/V into h's cache.
+DecodeAttentionParams FusedRopeParams(const DecodeHarness& h, const ModeConfig& m,
+                                      const __nv_bfloat16* qkv, const float* angles,
+                                      const int32_t* slot_mapping, int32_t* error_flag) {
+  DecodeAttentionParams p = h.Params(m);
+  p.q = nullptr;
+  p.rope = DecodeAttentionRope{.qkv = qkv,
+                               .angles = angles,
+                               .slot_mapping = slot_mapping,
+                               .k_cache = h.k_device(),
+                               .v_cache = h.v_device(),
+                               .error_flag = error_flag};
+  return p;
+}
+
 // The fused RoPE (DecodeAttentionParams::rope) against the two kernels it replaces: rope_kv (q into
 // its own buffer, K/V into a copy of the cache) then attention on that q. The output and the whole
 // cache must match bit for bit in every mode, with the fused side's current K/V slots set to NaN
@@ -710,14 +725,7 @@ TEST(DecodeAttentionTest, FusedRopeIsBitwiseRopeKvThenAttention) {
           ASSERT_EQ(cudaMemset(h.v_device() + off, 0xFF, d * sizeof(__nv_bfloat16)), cudaSuccess);
         }
       }
-      p = h.Params(m);
-      p.q = nullptr;
-      p.rope = DecodeAttentionRope{.qkv = dqkv.get(),
-                                   .angles = angles->get(),
-                                   .slot_mapping = dslots.get(),
-                                   .k_cache = h.k_device(),
-                                   .v_cache = h.v_device(),
-                                   .error_flag = rope_flag.get()};
+      p = FusedRopeParams(h, m, dqkv.get(), angles->get(), dslots.get(), rope_flag.get());
       h.Poison(nullptr);
       ASSERT_TRUE(LaunchDecodeAttention(p, nullptr).ok());
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -765,14 +773,9 @@ TEST(DecodeAttentionTest, FusedRopeFlagsABadSlotAndWritesNothing) {
     SCOPED_TRACE(absl::StrCat("slot ", bad));
     dslots.Upload({kNoKvWrite, bad, kNoKvWrite});
     rope_flag.Upload({0});
-    DecodeAttentionParams p = h.Params({DecodeAttentionMode::kStaticSplit, 3});
-    p.q = nullptr;
-    p.rope = DecodeAttentionRope{.qkv = dqkv.get(),
-                                 .angles = angles->get(),
-                                 .slot_mapping = dslots.get(),
-                                 .k_cache = h.k_device(),
-                                 .v_cache = h.v_device(),
-                                 .error_flag = rope_flag.get()};
+    const DecodeAttentionParams p =
+        FusedRopeParams(h, {DecodeAttentionMode::kStaticSplit, 3}, dqkv.get(), angles->get(),
+                        dslots.get(), rope_flag.get());
     ASSERT_TRUE(LaunchDecodeAttention(p, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(rope_flag.Download()[0], 1);
