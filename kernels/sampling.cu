@@ -16,7 +16,11 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kUnroll = 4;  // loads in flight per thread in a pass
+// 16-byte loads in flight per thread in a pass: the first pass (the argmax) keeps little else
+// in registers, the radix walks' histogram updates more (at 1,024 threads a thread has 64).
+constexpr int kFirstPassUnroll = 4;
+constexpr int kWalkUnroll = 2;
+constexpr int kVec = 4;  // floats per 16-byte load
 // Radix levels over the 32-bit key: bits [31:21], [20:10], [9:0].
 constexpr int kLevels = 3;
 constexpr int kMaxBins = 2048;
@@ -105,42 +109,72 @@ __device__ __forceinline__ float NanToNegInf(float v) {
   return isnan(v) ? -INFINITY : v;
 }
 
-// Warp w owns ids [w * range, (w + 1) * range), its lanes strided by 1: loads are coalesced, and
-// ids are in order across warps, which the tie walk relies on.
+// Warp w owns ids [w * range, (w + 1) * range), a multiple of 32 ids: ids are in order across
+// warps, which the tie walk relies on (it walks a warp's range again with ballots).
 __device__ __forceinline__ int32_t WarpRange(int32_t vocab) {
   return ((vocab + kWarps - 1) / kWarps + 31) / 32 * 32;
 }
 
 // Calls f(id, value) for this thread's ids, value = penalised logit with NaN -> -inf when
-// `greedy`, else the score. kUnroll loads are issued before any is used.
-// Only ids in [lo, hi) when given (a split CTA's slice).
-template <typename F>
+// `greedy`, else the score. Only ids in [lo, hi) when given (a split CTA's slice).
+//
+// A pass streams a row at one CTA an SM, so its speed is the bytes each SM keeps in flight: the
+// warp reads its range as 16-byte vectors, kUnroll of them a lane issued before any is used (64 KB
+// a CTA; scalar loads kept a quarter of that in flight, bench/results/2026-12-05d-h100.md). The
+// range's ends up to a 16-byte boundary of the row (a vocab or a slice start that is not a
+// multiple of 4) are read one id a lane. The order of calls within a warp is unspecified.
+template <int kUnroll = kFirstPassUnroll, typename F>
 __device__ __forceinline__ void ForEachValue(const Row& r, bool greedy, F&& f, int32_t lo = 0,
                                              int32_t hi = -1) {
   if (hi < 0) hi = r.vocab;
   const int32_t range = WarpRange(hi - lo);
   const int32_t begin = lo + (threadIdx.x / 32) * range;
   const int32_t end = min(begin + range, hi);
-  for (int32_t base = begin + threadIdx.x % 32; base < end; base += 32 * kUnroll) {
-    float v[kUnroll];
+  const int32_t lane = threadIdx.x % 32;
+  auto value = [&](float v) { return greedy ? NanToNegInf(v) : r.Temper(v); };
+  auto one = [&](int32_t i) {  // a head or tail id
+    float v = r.Load(__ldg(r.logits + i));
+    if (r.penalize) v = r.Penalize(i, v);
+    f(i, value(v));
+  };
+  // [body, body_end): whole 16-byte vectors of the row.
+  const int32_t misaligned =
+      static_cast<int32_t>(reinterpret_cast<uintptr_t>(r.logits + begin) / 4 % 4);
+  const int32_t body = min(end, begin + (kVec - misaligned) % kVec);
+  const int32_t body_end = body + max(0, end - body) / kVec * kVec;
+  if (begin + lane < body) one(begin + lane);
+  for (int32_t base = body + kVec * lane; base < body_end; base += 32 * kVec * kUnroll) {
+    float v[kUnroll][kVec];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int32_t i = base + 32 * u;
-      v[u] = i < end ? r.Load(__ldg(r.logits + i)) : 0.0f;
+      const int32_t i = base + 32 * kVec * u;
+      const float4 x =
+          i < body_end ? __ldg(reinterpret_cast<const float4*>(r.logits + i)) : float4{};
+      v[u][0] = r.Load(x.x);
+      v[u][1] = r.Load(x.y);
+      v[u][2] = r.Load(x.z);
+      v[u][3] = r.Load(x.w);
     }
     if (r.penalize) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int32_t i = base + 32 * u;
-        if (i < end) v[u] = r.Penalize(i, v[u]);
+        const int32_t i = base + 32 * kVec * u;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          if (i < body_end) v[u][j] = r.Penalize(i + j, v[u][j]);
+        }
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int32_t i = base + 32 * u;
-      if (i < end) f(i, greedy ? NanToNegInf(v[u]) : r.Temper(v[u]));
+      const int32_t i = base + 32 * kVec * u;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        if (i < body_end) f(i + j, value(v[u][j]));
+      }
     }
   }
+  if (body_end + lane < end) one(body_end + lane);
 }
 
 __device__ __forceinline__ bool Better(float v, int32_t i, float best, int32_t best_i) {
@@ -230,7 +264,7 @@ __device__ u64 WalkTarget(const WalkArgs& a, u64 total) {
 __device__ int32_t NthTieId(const Row& r, Smem& sh, uint32_t key_t, Cut cut, u64 j) {
   auto match = [&](int32_t i, float s) { return OrderKey(s) == key_t && InCut(key_t, i, cut); };
   uint32_t mine = 0;
-  ForEachValue(r, false, [&](int32_t i, float s) { mine += match(i, s) ? 1u : 0u; });
+  ForEachValue<kWalkUnroll>(r, false, [&](int32_t i, float s) { mine += match(i, s) ? 1u : 0u; });
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -282,7 +316,7 @@ __device__ int32_t RadixWalk(const Row& r, Smem& sh, const WalkArgs& a, Cut& cut
     }
     if (threadIdx.x == 0) sh.sel_bin = -1;
     __syncthreads();
-    ForEachValue(r, false, [&](int32_t i, float s) {
+    ForEachValue<kWalkUnroll>(r, false, [&](int32_t i, float s) {
       const uint32_t key = OrderKey(s);
       if ((key & prefix_mask) != prefix || !InCut(key, i, cut)) return;
       float w = 0.0f;

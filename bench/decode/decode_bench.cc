@@ -66,6 +66,10 @@ ABSL_FLAG(std::string, shapes, "1b,8b",
 ABSL_FLAG(std::string, batches, "1,8,16,32,64,128", "comma-separated batch sizes");
 ABSL_FLAG(int32_t, prompt_len, 128, "prompt tokens per request");
 ABSL_FLAG(int32_t, new_tokens, 256, "decode steps timed per batch (after the prefill's token)");
+ABSL_FLAG(float, temperature, 0.0f,
+          "every stream's sampling temperature (0: greedy, as the peer baseline; > 0: seeded "
+          "draws, each stream its own seed)");
+ABSL_FLAG(float, top_p, 1.0f, "every stream's nucleus top_p, in (0, 1] (1: off)");
 ABSL_FLAG(std::string, out, "",
           "JSON lines output file, appended to (as bench/peer/peer_decode.py does), so the runs "
           "of an A/B loop can share one file; optional");
@@ -196,6 +200,7 @@ struct Settings {
   std::vector<int32_t> loads;  // busy threads per core
   std::vector<int32_t> batches;
   int32_t prompt_len = 0, new_tokens = 0;
+  float temperature = 0.0f, top_p = 1.0f;
   double copy_gbps = 0;
 };
 
@@ -321,7 +326,9 @@ absl::Status PrefillBatch(CudaBackend& b, const Settings& s, int32_t batch, int3
     for (int32_t k = 0; k < per; ++k) tables[i].push_back(i * per + k);
     SlotInit in{
         .slot = i, .prompt = prompts[i], .block_table = tables[i], .sampling = {}, .stop = {}};
-    in.sampling.temperature = 0.0f;  // greedy, as the peer baseline
+    in.sampling.temperature = s.temperature;
+    in.sampling.top_p = s.top_p;
+    in.sampling.seed = seed * 1000 + i;
     in.stop.max_new_tokens = max_new;
     in.stop.ignore_eos = true;
     inits.push_back(in);
@@ -498,6 +505,8 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
                         {"host_load_per_core", load},
                         {"prompt_len", s.prompt_len},
                         {"new_tokens", s.new_tokens},
+                        {"temperature", s.temperature},
+                        {"top_p", s.top_p},
                         {"step_ms_median", med},
                         {"step_ms_p10", Quantile(period_ms, 0.1)},
                         {"step_ms_p90", Quantile(period_ms, 0.9)},
@@ -692,6 +701,12 @@ int Main() {
   s.new_tokens = absl::GetFlag(FLAGS_new_tokens);
   if (s.prompt_len < 1 || s.new_tokens < 1 || s.shapes.empty()) {
     std::fprintf(stderr, "--prompt_len and --new_tokens must be >= 1, --shapes non-empty\n");
+    return 2;
+  }
+  s.temperature = absl::GetFlag(FLAGS_temperature);
+  s.top_p = absl::GetFlag(FLAGS_top_p);
+  if (!(s.temperature >= 0.0f && s.temperature < 1e30f) || !(s.top_p > 0.0f && s.top_p <= 1.0f)) {
+    std::fprintf(stderr, "--temperature must be finite and >= 0, --top_p in (0, 1]\n");
     return 2;
   }
   if (cudaSetDevice(absl::GetFlag(FLAGS_device)) != cudaSuccess) {
