@@ -231,8 +231,7 @@ __device__ void ProcessTile(const DecodeArgs& a, int seq, int kvh, int hc, int s
     constexpr int kItems = D / 16;  // 8 rotation pairs (two 16-byte vectors) an item
     const bool writer = t_end == ctx && warp == ((ctx - 1 - t_begin) / kChunk) % kWarps;
     const int32_t slot = writer ? a.slot_mapping[seq] : kNoKvWrite;
-    const bool slot_ok = slot >= 0 && static_cast<int64_t>(slot) <
-                                          (static_cast<int64_t>(a.num_blocks) << a.block_shift);
+    const bool slot_ok = KvSlotInPool(slot, a.num_blocks, 1 << a.block_shift);
     if (writer && !slot_ok && slot != kNoKvWrite && lane == 0 && a.slot_error_flag != nullptr)
       *a.slot_error_flag = 1;
     inject = writer && slot_ok;

@@ -45,8 +45,7 @@ __device__ __forceinline__ void RopeEpilogue(const GemvParams& p, int i, int32_t
     dst = p.c + (static_cast<int64_t>(i) * hq + head) * l.head_dim;
   } else {
     const int32_t slot = r.slot_mapping[i];
-    if (slot < 0 ||
-        static_cast<int64_t>(slot) >= static_cast<int64_t>(l.num_blocks) * l.block_size) {
+    if (!KvSlotInPool(slot, l.num_blocks, l.block_size)) {
       if (slot != kNoKvWrite && r.error_flag != nullptr) *r.error_flag = 1;
       return;
     }

@@ -37,6 +37,12 @@ __host__ __device__ inline int32_t KvSlotFor(const int32_t* table, int32_t max_b
   return slot > INT32_MAX ? kBadKvSlot : static_cast<int32_t>(slot);
 }
 
+// Whether `slot` is a token slot of a pool of `num_blocks` blocks. A writer given any other slot
+// writes nothing, and raises its error flag unless the slot is kNoKvWrite.
+__host__ __device__ inline bool KvSlotInPool(int32_t slot, int32_t num_blocks, int32_t block_size) {
+  return slot >= 0 && static_cast<int64_t>(slot) < static_cast<int64_t>(num_blocks) * block_size;
+}
+
 struct KvLayout {
   int32_t num_blocks;
   int32_t num_kv_heads;

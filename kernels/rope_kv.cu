@@ -32,8 +32,7 @@ __global__ void __launch_bounds__(kThreads) RopeKvKernel(RopeKvParams p) {
 
   const KvLayout& l = p.layout;
   const int32_t slot = p.slot_mapping[row];
-  const bool slot_ok =
-      slot >= 0 && static_cast<int64_t>(slot) < static_cast<int64_t>(l.num_blocks) * l.block_size;
+  const bool slot_ok = KvSlotInPool(slot, l.num_blocks, l.block_size);
   if (!slot_ok && slot != kNoKvWrite && threadIdx.x == 0 && p.error_flag != nullptr)
     *p.error_flag = 1;
   const int32_t block = slot_ok ? slot / l.block_size : 0;

@@ -283,5 +283,17 @@ TEST(KvLayoutTest, KvSlotForRejectsPaddingAndPositionsPastTheTable) {
   EXPECT_NE(kBadKvSlot, kNoKvWrite);
 }
 
+// The writers' range check (rope_kv, the GEMV's RoPE epilogue, decode attention's fused RoPE):
+// every slot of the pool and nothing else, including past int32 products of blocks x block size.
+TEST(KvLayoutTest, KvSlotInPoolIsExactlyThePool) {
+  EXPECT_TRUE(KvSlotInPool(0, 3, 16));
+  EXPECT_TRUE(KvSlotInPool(3 * 16 - 1, 3, 16));
+  EXPECT_FALSE(KvSlotInPool(3 * 16, 3, 16));
+  EXPECT_FALSE(KvSlotInPool(kNoKvWrite, 3, 16));
+  EXPECT_FALSE(KvSlotInPool(kBadKvSlot, 3, 16));
+  EXPECT_TRUE(KvSlotInPool(INT32_MAX, 1 << 24, 256));  // the pool spans more than int32 slots
+  EXPECT_FALSE(KvSlotInPool(INT32_MAX, 1, 256));
+}
+
 }  // namespace
 }  // namespace ts::kernels
