@@ -119,10 +119,11 @@ __device__ __forceinline__ int32_t WarpRange(int32_t vocab) {
 // `greedy`, else the score. Only ids in [lo, hi) when given (a split CTA's slice).
 //
 // A pass streams a row at one CTA an SM, so its speed is the bytes each SM keeps in flight: the
-// warp reads its range as 16-byte vectors, kUnroll of them a lane issued before any is used (64 KB
-// a CTA; scalar loads kept a quarter of that in flight, bench/results/2026-12-05d-h100.md). The
-// range's ends up to a 16-byte boundary of the row (a vocab or a slice start that is not a
-// multiple of 4) are read one id a lane. The order of calls within a warp is unspecified.
+// warp reads its range as 16-byte vectors, kUnroll of them a lane issued before any is used (64
+// KB a CTA in the first pass, 32 in the walks; the scalar loads before kept 16 KB in flight:
+// bench/results/2026-12-05d-h100.md). The range's ends up to a 16-byte boundary of the row (a
+// vocab or a slice start that is not a multiple of 4) are read one id a lane. The order of calls
+// within a warp is unspecified.
 template <int kUnroll = kFirstPassUnroll, typename F>
 __device__ __forceinline__ void ForEachValue(const Row& r, bool greedy, F&& f, int32_t lo = 0,
                                              int32_t hi = -1) {
