@@ -5,467 +5,623 @@
 #include <cfloat>
 #include <climits>
 #include <cstdint>
+#include <new>
 
 #include "absl/strings/str_cat.h"
 #include "common/philox.h"
 #include "common/status.h"
 #include "kernels/cuda_check.h"
+#include "kernels/sampling_walk.cuh"
 
 namespace ts::kernels {
 namespace {
 
-constexpr int kThreads = 1024;
-constexpr int kWarps = kThreads / 32;
-// 16-byte loads in flight per thread in a pass: the first pass (the argmax) keeps little else
-// in registers, the radix walks' histogram updates more (at 1,024 threads a thread has 64).
-constexpr int kFirstPassUnroll = 4;
-constexpr int kWalkUnroll = 2;
-constexpr int kVec = 4;  // floats per 16-byte load
-// Radix levels over the 32-bit key: bits [31:21], [20:10], [9:0].
-constexpr int kLevels = 3;
-constexpr int kMaxBins = 2048;
-constexpr int kLastBins = 1024;
-__host__ __device__ constexpr int LevelShift(int level) {
-  return level == 0 ? 21 : level == 1 ? 10 : 0;
-}
-__host__ __device__ constexpr int LevelBins(int level) {
-  return level < 2 ? 2048 : 1024;
-}
-constexpr float kFixedOne = 4294967296.0f;  // weights in 32.32 fixed point
+using namespace sampling_walk;
 
-using u64 = unsigned long long;
+// Elements a walk gathers from its level-0 bins for the finishing CTA. More (a row whose scores
+// crowd into one quarter-octave) and the walk is finished from the whole row instead.
+constexpr int32_t kMaxCandidates = 32768;
 
-// A prefix of the rank order (score desc, id asc): elements with key > key, or key == key and
-// id <= id. {0, INT_MAX} is everything (every real key is > 0).
-struct Cut {
-  uint32_t key;
-  int32_t id;
+// A sampled row's stages. Each reads the row once, spread over the row's `split` CTAs; the last
+// CTA to finish a stage (the finisher) completes it and starts the next. A walk (top-k, top-p or
+// the draw) is two stages: a level-0 histogram of the walk's set, then a gather of the chosen
+// bin's elements, from which the finisher completes the walk's two lower levels.
+enum Stage : uint32_t {
+  kArgMax = 0,
+  kTopKBins = 1,
+  kTopKGather = 2,
+  kTopPBins = 3,
+  kTopPGather = 4,
+  kDrawBins = 5,
+  kDrawGather = 6,
+  kDone = 7,
 };
-__device__ __forceinline__ bool InCut(uint32_t key, int32_t id, Cut c) {
-  return key > c.key || (key == c.key && id <= c.id);
-}
+constexpr uint32_t kNotFinisher = 0xffffffffu;
 
-// Order-preserving map of a non-NaN float (with -0 folded into +0) to uint32.
-__device__ __forceinline__ uint32_t OrderKey(float s) {
-  const uint32_t u = __float_as_uint(s);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-struct Smem {
-  uint32_t count[kMaxBins];
-  u64 weight[kMaxBins];
-  int32_t min_id[kLastBins];
-  int32_t max_id[kLastBins];
-  u64 warp_sum[kWarps];
-  float warp_best[kWarps];
-  int32_t warp_best_id[kWarps];
-  int32_t sel_bin;
-  int32_t is_last;  // split: this CTA merges the row
-  u64 sel_before;
-  int32_t found_id;
+// A row's state in the workspace, read and written by its finishers. Between launches (and so
+// from the arena's memset on) `stage` and `arrived` are zero, as are the row's histogram bins.
+struct RowState {
+  uint32_t stage;           // the row's running stage, release-stored; kDone once its token is out
+  uint32_t arrived;         // CTAs done with the running stage
+  uint32_t num_candidates;  // gathered by the running walk (may exceed the capacity)
+  uint32_t bin;             // the walk's level-0 bin
+  // Top-p with the draw folded in: the draw's possible level-0 bins, gathered too (else empty).
+  uint32_t draw_lo, draw_hi;
+  unsigned long long above;   // amount of the set ranked above that bin
+  unsigned long long target;  // the walk's target amount
+  Cut cut;                    // the set: the rank-order prefix the walks so far kept
+  float s0;                   // max score
+  int32_t token;              // rank 0, the token if a walk finds none
+  float slice_best[kSamplingMaxSplit];
+  int32_t slice_best_id[kSamplingMaxSplit];
 };
 
-// One row: where its data is, and the per-element score recomputed by every pass (cheaper than a
-// scratch copy of the row, and keeps the logits read-only).
-struct Row {
-  const float* logits;     // [vocab]
-  const uint32_t* counts;  // [vocab], only when penalize
-  const uint32_t* mask;    // [ceil(vocab / 32)], only when penalize
-  int32_t vocab;
-  bool penalize;
-  bool round_bf16;  // SamplingKernelParams::round_logits_to_bf16
-  float repetition, presence, frequency, temperature, min_p;
-  float s0;  // max score, known after the first pass
-
-  // Step 1 of models/sampling.h, with explicit roundings so nvcc's FMA contraction cannot make it
-  // differ from the CPU's separate multiply and add.
-  __device__ __forceinline__ float Penalize(int32_t i, float l) const {
-    const uint32_t c = counts[i];
-    if (repetition != 1.0f && (c > 0 || ((mask[i >> 5] >> (i & 31)) & 1u))) {
-      l = l > 0.0f ? __fdiv_rn(l, repetition) : __fmul_rn(l, repetition);
-    }
-    if (c > 0) l = __fsub_rn(l, __fadd_rn(presence, __fmul_rn(frequency, static_cast<float>(c))));
-    return l;
-  }
-  // Step 3: s = l / T, NaN -> -inf, +inf -> FLT_MAX, -0 -> +0 (equal floats must get equal keys).
-  __device__ __forceinline__ float Temper(float l) const {
-    float s = __fdiv_rn(l, temperature);
-    if (isnan(s)) return -INFINITY;
-    s = fminf(s, FLT_MAX);
-    return s == 0.0f ? 0.0f : s;
-  }
-  __device__ __forceinline__ float Load(float l) const {
-    return round_bf16 ? __bfloat162float(__float2bfloat16_rn(l)) : l;
-  }
-  __device__ __forceinline__ float ScoreAt(int32_t i) const {
-    float l = Load(logits[i]);
-    if (penalize) l = Penalize(i, l);
-    return Temper(l);
-  }
-  __device__ __forceinline__ float Weight(float s) const { return expf(__fsub_rn(s, s0)); }
+// Launch-wide counters at the workspace's start; zero between launches.
+struct LaunchState {
+  uint32_t ticket;  // CTAs started
+  uint32_t exited;  // CTAs done
 };
 
-__device__ __forceinline__ float NanToNegInf(float v) {
-  return isnan(v) ? -INFINITY : v;
+constexpr size_t kAlign = 256;
+__host__ __device__ constexpr size_t AlignUp(size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
+__host__ __device__ constexpr int32_t CandidateCapacity(int32_t vocab) {
+  return vocab < kMaxCandidates ? vocab : kMaxCandidates;
+}
+// A row's block: RowState | count [kMaxBins] | weight [kMaxBins] | candidates [capacity]. Fixed
+// per row, so launches of any row count share one workspace.
+__host__ __device__ constexpr size_t RowBytes(int32_t vocab) {
+  return AlignUp(sizeof(RowState)) + AlignUp(kMaxBins * sizeof(uint32_t)) +
+         AlignUp(kMaxBins * sizeof(u64)) + AlignUp(CandidateCapacity(vocab) * sizeof(u64));
 }
 
-// Warp w owns ids [w * range, (w + 1) * range), a multiple of 32 ids: ids are in order across
-// warps, which the tie walk relies on (it walks a warp's range again with ballots).
-__device__ __forceinline__ int32_t WarpRange(int32_t vocab) {
-  return ((vocab + kWarps - 1) / kWarps + 31) / 32 * 32;
-}
-
-// Calls f(id, value) for this thread's ids, value = penalised logit with NaN -> -inf when
-// `greedy`, else the score. Only ids in [lo, hi) when given (a split CTA's slice).
-//
-// A pass streams a row at one CTA an SM, so its speed is the bytes each SM keeps in flight: the
-// warp reads its range as 16-byte vectors, kUnroll of them a lane issued before any is used (64
-// KB a CTA in the first pass, 32 in the walks; the scalar loads before kept 16 KB in flight:
-// bench/results/2026-12-05d-h100.md). The range's ends up to a 16-byte boundary of the row (a
-// vocab or a slice start that is not a multiple of 4) are read one id a lane. The order of calls
-// within a warp is unspecified.
-template <int kUnroll = kFirstPassUnroll, typename F>
-__device__ __forceinline__ void ForEachValue(const Row& r, bool greedy, F&& f, int32_t lo = 0,
-                                             int32_t hi = -1) {
-  if (hi < 0) hi = r.vocab;
-  const int32_t range = WarpRange(hi - lo);
-  const int32_t begin = lo + (threadIdx.x / 32) * range;
-  const int32_t end = min(begin + range, hi);
-  const int32_t lane = threadIdx.x % 32;
-  auto value = [&](float v) { return greedy ? NanToNegInf(v) : r.Temper(v); };
-  auto one = [&](int32_t i) {  // a head or tail id
-    float v = r.Load(__ldg(r.logits + i));
-    if (r.penalize) v = r.Penalize(i, v);
-    f(i, value(v));
-  };
-  // [body, body_end): whole 16-byte vectors of the row.
-  const int32_t misaligned =
-      static_cast<int32_t>(reinterpret_cast<uintptr_t>(r.logits + begin) / 4 % 4);
-  const int32_t body = min(end, begin + (kVec - misaligned) % kVec);
-  const int32_t body_end = body + max(0, end - body) / kVec * kVec;
-  if (begin + lane < body) one(begin + lane);
-  for (int32_t base = body + kVec * lane; base < body_end; base += 32 * kVec * kUnroll) {
-    float v[kUnroll][kVec];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int32_t i = base + 32 * kVec * u;
-      const float4 x =
-          i < body_end ? __ldg(reinterpret_cast<const float4*>(r.logits + i)) : float4{};
-      v[u][0] = r.Load(x.x);
-      v[u][1] = r.Load(x.y);
-      v[u][2] = r.Load(x.z);
-      v[u][3] = r.Load(x.w);
-    }
-    if (r.penalize) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int32_t i = base + 32 * kVec * u;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          if (i < body_end) v[u][j] = r.Penalize(i + j, v[u][j]);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int32_t i = base + 32 * kVec * u;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        if (i < body_end) f(i + j, value(v[u][j]));
-      }
-    }
-  }
-  if (body_end + lane < end) one(body_end + lane);
-}
-
-__device__ __forceinline__ bool Better(float v, int32_t i, float best, int32_t best_i) {
-  return v > best || (v == best && i < best_i);
-}
-
-// Rank 0: the largest value, lowest id among equals. Every thread gets the result.
-__device__ void BlockArgMax(float& best, int32_t& best_i, Smem& sh) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    const int32_t oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-    if (Better(ov, oi, best, best_i)) best = ov, best_i = oi;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) sh.warp_best[warp] = best, sh.warp_best_id[warp] = best_i;
-  __syncthreads();
-  best = sh.warp_best[lane];
-  best_i = sh.warp_best_id[lane];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    const int32_t oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-    if (Better(ov, oi, best, best_i)) best = ov, best_i = oi;
-  }
-  __syncthreads();  // warp_best is reused by the next reduction
-}
-
-// Exclusive prefix sum over threads in threadIdx order; *total gets the sum of all.
-__device__ u64 BlockExclusiveScan(u64 v, Smem& sh, u64* total) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  u64 incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const u64 n = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += n;
-  }
-  if (lane == 31) sh.warp_sum[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    u64 w = sh.warp_sum[lane];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const u64 n = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += n;
-    }
-    sh.warp_sum[lane] = w;  // inclusive over warps
-  }
-  __syncthreads();
-  *total = sh.warp_sum[kWarps - 1];
-  const u64 before = warp > 0 ? sh.warp_sum[warp - 1] : 0;
-  __syncthreads();  // warp_sum is reused by the next scan
-  return before + incl - v;
-}
-
-enum class Walk { kTopK, kTopP, kDraw };
-
-struct WalkArgs {
-  Walk mode;
-  int32_t top_k;
-  float top_p;
-  uint32_t u24;  // the draw's u * 2^24
-  bool use_min_p;
+struct RowSpace {
+  RowState* state;
+  uint32_t* count;  // [kMaxBins] the row's level-0 histogram, summed over its CTAs
+  u64* weight;      // [kMaxBins]
+  u64* cands;       // [capacity] (key << 32) | id
+  int32_t capacity;
 };
 
-// The walk's target: the first element (in rank order, within the set) whose running amount
-// (count for top-k, fixed-point weight otherwise) exceeds it.
-__device__ u64 WalkTarget(const WalkArgs& a, u64 total) {
-  switch (a.mode) {
-    case Walk::kTopK:
-      return static_cast<u64>(a.top_k - 1);  // rank k-1 is the last kept
-    case Walk::kTopP: {
-      // Smallest prefix with running sum >= p * W, i.e. first running sum > ceil(p * W) - 1.
-      u64 thr = static_cast<u64>(ceil(static_cast<double>(a.top_p) * static_cast<double>(total)));
-      thr = thr < 1 ? 1 : (thr > total ? total : thr);
-      return thr - 1;
-    }
-    case Walk::kDraw:
-    default:
-      // floor(u * S), exact: u = u24 / 2^24 and u24 * S needs up to 80 bits.
-      return (__umul64hi(a.u24, total) << 40) | ((static_cast<u64>(a.u24) * total) >> 24);
-  }
+__device__ RowSpace RowSpaceAt(void* workspace, int32_t row, int32_t vocab) {
+  char* b = static_cast<char*>(workspace) + AlignUp(sizeof(LaunchState)) + row * RowBytes(vocab);
+  RowSpace s;
+  s.state = reinterpret_cast<RowState*>(b);
+  b += AlignUp(sizeof(RowState));
+  s.count = reinterpret_cast<uint32_t*>(b);
+  b += AlignUp(kMaxBins * sizeof(uint32_t));
+  s.weight = reinterpret_cast<u64*>(b);
+  b += AlignUp(kMaxBins * sizeof(u64));
+  s.cands = reinterpret_cast<u64*>(b);
+  s.capacity = CandidateCapacity(vocab);
+  return s;
 }
 
-// The j-th (1-based) lowest id among set elements with key == key_t. Only warps whose id range
-// holds the answer walk it with ballots, so this is one counting pass plus a short walk.
-__device__ int32_t NthTieId(const Row& r, Smem& sh, uint32_t key_t, Cut cut, u64 j) {
-  auto match = [&](int32_t i, float s) { return OrderKey(s) == key_t && InCut(key_t, i, cut); };
-  uint32_t mine = 0;
-  ForEachValue<kWalkUnroll>(r, false, [&](int32_t i, float s) { mine += match(i, s) ? 1u : 0u; });
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) sh.found_id = -1;
-  u64 total;
-  const u64 before = BlockExclusiveScan(lane == 0 ? mine : 0, sh, &total);
-  const u64 warp_before = __shfl_sync(0xffffffffu, before, 0);
-  if (warp_before < j && j <= warp_before + mine) {
-    const int32_t range = WarpRange(r.vocab);
-    const int32_t begin = warp * range, end = min(begin + range, r.vocab);
-    u64 seen = warp_before;
-    for (int32_t base = begin; base < end; base += 32) {
-      const int32_t i = base + lane;
-      const bool m = i < end && match(i, r.ScoreAt(i));
-      uint32_t bits = __ballot_sync(0xffffffffu, m);
-      const uint32_t n = __popc(bits);
-      if (seen + n >= j) {
-        for (u64 k = 1; k < j - seen; ++k) bits &= bits - 1;  // drop the lower set bits
-        if (lane == 0) sh.found_id = base + __ffs(bits) - 1;
-        break;
-      }
-      seen += n;
-    }
-  }
-  __syncthreads();
-  const int32_t id = sh.found_id;
-  __syncthreads();
-  return id;
+struct Smem : WalkSmem {
+  int32_t is_last;  // this CTA finishes the stage
+  uint32_t ticket;
+  uint32_t seen_stage;
+  uint32_t num_candidates;
+  RowState rs;  // the row's state while a stage runs; the finisher's changes are published
+};
+
+__device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void StoreRelease(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Finds the first element in rank order, within the set (cut, plus min-p when use_min_p), at
-// which the running amount exceeds the target. Returns its id (-1 if none, which the targets
-// rule out) and narrows `cut` to end at it.
-__device__ int32_t RadixWalk(const Row& r, Smem& sh, const WalkArgs& a, Cut& cut) {
-  const bool weighted = a.mode != Walk::kTopK;
-  uint32_t prefix = 0, prefix_mask = 0;
-  u64 above = 0;   // amount of set elements ranked above the current bin range
-  u64 target = 0;  // set from the level-0 total
-  uint32_t tie_count = 0;
-  u64 tie_weight = 0;
-  int32_t tie_min = -1, tie_max = -1;
-  for (int level = 0; level < kLevels; ++level) {
-    const int shift = LevelShift(level), bins = LevelBins(level);
-    const bool last = level == kLevels - 1;
-    for (int b = threadIdx.x; b < bins; b += kThreads) {
-      sh.count[b] = 0;
-      sh.weight[b] = 0;
-      if (last) sh.min_id[b] = INT_MAX, sh.max_id[b] = -1;
+// Which stages a row runs, from its parameters alone (so a CTA knows without waiting).
+struct Plan {
+  bool sampled;  // not greedy, and not top_k == 1 (the argmax)
+  bool top_k;
+  bool top_p;
+  // The draw is completed by the top-p walk's finisher (no min-p): the draw's level-0 histogram
+  // is the top-p walk's, cut at the kept set, so the top-p gather also gathers the bins the draw
+  // can land in.
+  bool draw_in_top_p;
+  __device__ bool Needs(uint32_t s) const {
+    switch (s) {
+      case kArgMax:
+        return true;
+      case kTopKBins:
+      case kTopKGather:
+        return top_k;
+      case kTopPBins:
+      case kTopPGather:
+        return top_p;
+      case kDrawBins:
+      case kDrawGather:
+        return sampled && !draw_in_top_p;
+      default:
+        return false;
     }
-    if (threadIdx.x == 0) sh.sel_bin = -1;
-    __syncthreads();
-    ForEachValue<kWalkUnroll>(r, false, [&](int32_t i, float s) {
-      const uint32_t key = OrderKey(s);
-      if ((key & prefix_mask) != prefix || !InCut(key, i, cut)) return;
-      float w = 0.0f;
-      if (weighted || a.use_min_p) w = r.Weight(s);
-      if (a.use_min_p && !(w >= r.min_p)) return;
-      const uint32_t bin = (key >> shift) & (bins - 1);
-      atomicAdd(&sh.count[bin], 1u);
-      if (weighted) atomicAdd(&sh.weight[bin], __float2ull_rn(w * kFixedOne));
-      if (last) atomicMin(&sh.min_id[bin], i), atomicMax(&sh.max_id[bin], i);
-    });
-    __syncthreads();
+  }
+  // The first stage after s that the row needs (kDone if none).
+  __device__ uint32_t NextStage(uint32_t s) const {
+    uint32_t n = s + 1;
+    while (n < kDone && !Needs(n)) ++n;
+    return n;
+  }
+};
 
-    // Scan the bins from the highest key down; thread t owns positions [2t, 2t + 2) (fewer bins:
-    // [t, t + 1)), position q being bin bins - 1 - q.
-    const int per = bins / kThreads;
-    u64 local = 0;
-    for (int q = 0; q < per; ++q) {
-      const int b = bins - 1 - (threadIdx.x * per + q);
-      local += weighted ? sh.weight[b] : sh.count[b];
-    }
-    u64 total;
-    u64 run = BlockExclusiveScan(local, sh, &total);
-    if (level == 0) target = WalkTarget(a, total);
-    const u64 t = target - above;
-    for (int q = 0; q < per; ++q) {
-      const int b = bins - 1 - (threadIdx.x * per + q);
-      const u64 amount = weighted ? sh.weight[b] : sh.count[b];
-      if (run <= t && t < run + amount) sh.sel_bin = b, sh.sel_before = run;
-      run += amount;
-    }
-    __syncthreads();
-    const int sel = sh.sel_bin;
-    if (sel < 0) return -1;  // block-uniform
-    above += sh.sel_before;
-    prefix |= static_cast<uint32_t>(sel) << shift;
-    prefix_mask |= static_cast<uint32_t>(bins - 1) << shift;
-    if (last) {
-      tie_count = sh.count[sel];
-      tie_weight = sh.weight[sel];
-      tie_min = sh.min_id[sel];
-      tie_max = sh.max_id[sel];
-    }
-    __syncthreads();  // the histograms are reset by the next level or walk
-  }
-  // prefix is now the key of the element; `above` the amount ranked above its group of ties,
-  // each of which carries the same amount.
-  const u64 each = weighted ? tie_weight / tie_count : 1;
-  const u64 j = (target - above) / each + 1;
-  int32_t id;
-  if (j == 1) {
-    id = tie_min;
-  } else if (j >= tie_count) {
-    id = tie_max;
-  } else {
-    id = NthTieId(r, sh, prefix, cut, j);
-  }
-  cut = Cut{prefix, id};
-  return id;
-}
-
-__global__ void __launch_bounds__(kThreads, 1) SamplingKernel(SamplingKernelParams p) {
-  __shared__ Smem sh;
-  const int32_t row = blockIdx.x;
-  const int32_t slot = p.row_slots[row];
-  const bool slot_ok = slot >= 0 && slot < p.num_slots;
-  if (!slot_ok && threadIdx.x == 0 && p.error_flag != nullptr) *p.error_flag = 1;
-  SamplingRow prm;  // a bad slot with params_by_slot has no params: it samples greedily
-  if (!p.params_by_slot) {
-    prm = p.params[row];
-  } else if (slot_ok) {
-    prm = p.params[slot];
-  } else {
-    prm.temperature = 0.0f;
-  }
-  const int64_t words = (p.vocab + 31) / 32;
+// One CTA's view of its row and slice, in shared memory (the same for every thread).
+struct Ctx {
+  int32_t* tokens;          // SamplingKernelParams::tokens
+  uint32_t* output_counts;  // SamplingKernelParams::output_counts
+  bool update_counts;
+  int32_t row, slice, split, lo, hi;
+  int32_t slot;
+  bool slot_ok;
+  SamplingRow prm;
+  Plan plan;
   Row r;
+  RowSpace space;
+  uint32_t u24;  // the draw's u * 2^24
+
+  __device__ WalkArgs Args(uint32_t stage) const {
+    if (stage <= kTopKGather) return WalkArgs{Walk::kTopK, prm.top_k, 1.0f, 0u, false};
+    if (stage <= kTopPGather) return WalkArgs{Walk::kTopP, 0, prm.top_p, 0u, false};
+    return WalkArgs{Walk::kDraw, 0, 1.0f, u24, prm.min_p > 0.0f};
+  }
+};
+
+__device__ __forceinline__ Ctx MakeCtx(const SamplingKernelParams& p, int32_t row, int32_t slice) {
+  Ctx c;
+  c.tokens = p.tokens;
+  c.output_counts = p.output_counts;
+  c.update_counts = p.update_counts;
+  c.row = row;
+  c.slice = slice;
+  c.split = p.split;
+  const int32_t per = (p.vocab + p.split - 1) / p.split;
+  c.lo = min(p.vocab, slice * per);
+  c.hi = min(p.vocab, c.lo + per);
+  c.slot = p.row_slots[row];
+  c.slot_ok = c.slot >= 0 && c.slot < p.num_slots;
+  // A bad slot with params_by_slot has no params: it samples greedily.
+  if (!p.params_by_slot) {
+    c.prm = p.params[row];
+  } else if (c.slot_ok) {
+    c.prm = p.params[c.slot];
+  } else {
+    c.prm = SamplingRow{};
+    c.prm.temperature = 0.0f;
+  }
+  const SamplingRow& prm = c.prm;
+  const bool greedy = prm.temperature == 0.0f;
+  const bool top_k_on = prm.top_k > 0 && prm.top_k < p.vocab;
+  c.plan.sampled = !greedy && !(top_k_on && prm.top_k == 1);
+  c.plan.top_k = c.plan.sampled && top_k_on;
+  c.plan.top_p = c.plan.sampled && prm.top_p < 1.0f;
+  c.plan.draw_in_top_p = c.plan.top_p && !(prm.min_p > 0.0f);
+  const int64_t words = (p.vocab + 31) / 32;
+  Row& r = c.r;
   r.logits = p.logits + static_cast<int64_t>(row) * p.vocab;
-  r.counts = slot_ok ? p.output_counts + static_cast<int64_t>(slot) * p.vocab : nullptr;
-  r.mask = slot_ok ? p.prompt_mask + slot * words : nullptr;
+  r.counts = c.slot_ok ? p.output_counts + static_cast<int64_t>(c.slot) * p.vocab : nullptr;
+  r.mask = c.slot_ok ? p.prompt_mask + c.slot * words : nullptr;
   r.vocab = p.vocab;
   r.round_bf16 = p.round_logits_to_bf16;
-  r.penalize = slot_ok && (prm.repetition_penalty != 1.0f || prm.presence_penalty != 0.0f ||
-                           prm.frequency_penalty != 0.0f);
+  r.penalize = c.slot_ok && (prm.repetition_penalty != 1.0f || prm.presence_penalty != 0.0f ||
+                             prm.frequency_penalty != 0.0f);
   r.repetition = prm.repetition_penalty;
   r.presence = prm.presence_penalty;
   r.frequency = prm.frequency_penalty;
   r.temperature = prm.temperature;
   r.min_p = prm.min_p;
+  r.s0 = 0.0f;
+  c.space = RowSpaceAt(p.workspace, row, p.vocab);
+  c.u24 = 0;
+  if (c.plan.sampled) {
+    c.u24 = static_cast<uint32_t>(UniformFromSeed(prm.seed, prm.position) * 16777216.0f);
+  }
+  return c;
+}
 
-  // Pass 1: rank 0 (for greedy, of the penalised logits; otherwise of the scores).
-  const bool greedy = prm.temperature == 0.0f;
+// Counts this CTA in to the running stage; true for the last of the row's CTAs, which finishes
+// it (threadFenceReduction). Every thread fences its own global writes first.
+__device__ bool Arrive(const Ctx& c, Smem& sh) {
+  __threadfence();
+  if (c.split == 1) {
+    __syncthreads();
+    return true;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t n = atomicAdd(&c.space.state->arrived, 1u);
+    sh.is_last = n == static_cast<uint32_t>(c.split - 1);
+    if (sh.is_last) c.space.state->arrived = 0;
+    __threadfence();
+  }
+  __syncthreads();
+  return sh.is_last;
+}
+
+// Ends the finisher's stage: the row's state (sh.rs) and everything the CTA wrote become visible
+// before the row moves to stage `next`. Returns `next`.
+__device__ uint32_t Publish(const Ctx& c, Smem& sh, uint32_t next) {
+  if (c.split > 1) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      RowState* g = c.space.state;
+      g->bin = sh.rs.bin;
+      g->draw_lo = sh.rs.draw_lo;
+      g->draw_hi = sh.rs.draw_hi;
+      g->above = sh.rs.above;
+      g->target = sh.rs.target;
+      g->cut = sh.rs.cut;
+      g->s0 = sh.rs.s0;
+      g->token = sh.rs.token;
+      __threadfence();
+      StoreRelease(&g->stage, next);
+    }
+  }
+  __syncthreads();
+  return next;
+}
+
+__device__ void WriteToken(const Ctx& c, int32_t token) {
+  if (threadIdx.x != 0) return;
+  c.tokens[c.row] = token;
+  if (c.update_counts && c.slot_ok) {
+    uint32_t* n = c.output_counts + static_cast<int64_t>(c.slot) * c.r.vocab + token;
+    if (*n != UINT32_MAX) *n += 1;
+  }
+}
+
+// Stage 0: rank 0 of the slice (for greedy, of the penalised logits; otherwise of the scores),
+// merged over the row's CTAs. A greedy row ends here.
+__device__ __noinline__ uint32_t ArgMaxStage(const Ctx& c, Smem& sh) {
+  const Row r = c.r;
+  const bool greedy = c.prm.temperature == 0.0f;
   float best = -INFINITY;
   int32_t best_id = INT_MAX;
-  const int32_t split = gridDim.y;
-  const int32_t per = (p.vocab + split - 1) / split;
-  const int32_t lo = min(p.vocab, static_cast<int32_t>(blockIdx.y) * per);
   ForEachValue(
       r, greedy,
       [&](int32_t i, float v) {
         if (Better(v, i, best, best_id)) best = v, best_id = i;
       },
-      lo, min(p.vocab, lo + per));
+      c.lo, c.hi);
   BlockArgMax(best, best_id, sh);
-  if (split > 1) {
-    // threadFenceReduction: publish this slice's best, count the CTA in; the last one merges.
+  if (c.split > 1) {
     if (threadIdx.x == 0) {
-      p.split_best[row * split + blockIdx.y] = best;
-      p.split_best_id[row * split + blockIdx.y] = best_id;
-      __threadfence();
-      const uint32_t done = atomicAdd(p.split_done + row, 1u);
-      sh.is_last = done == static_cast<uint32_t>(split - 1);
-      if (sh.is_last) p.split_done[row] = 0;  // all slices are in: ready for the next launch
+      c.space.state->slice_best[c.slice] = best;
+      c.space.state->slice_best_id[c.slice] = best_id;
     }
-    __syncthreads();
-    if (!sh.is_last) return;
-    __threadfence();
+    if (!Arrive(c, sh)) return kNotFinisher;
     best = -INFINITY;
     best_id = INT_MAX;
-    if (threadIdx.x < split) {
-      best = __ldcg(p.split_best + row * split + threadIdx.x);
-      best_id = __ldcg(p.split_best_id + row * split + threadIdx.x);
+    if (threadIdx.x < c.split) {
+      best = __ldcg(c.space.state->slice_best + threadIdx.x);
+      best_id = __ldcg(c.space.state->slice_best_id + threadIdx.x);
     }
     BlockArgMax(best, best_id, sh);
   }
-
-  int32_t token = best_id;
-  const bool top_k_on = prm.top_k > 0 && prm.top_k < p.vocab;
-  if (!greedy && best != -INFINITY && !(top_k_on && prm.top_k == 1)) {
-    r.s0 = best;
-    Cut cut{0u, INT_MAX};
-    if (top_k_on) RadixWalk(r, sh, WalkArgs{Walk::kTopK, prm.top_k, 1.0f, 0u, false}, cut);
-    if (prm.top_p < 1.0f) RadixWalk(r, sh, WalkArgs{Walk::kTopP, 0, prm.top_p, 0u, false}, cut);
-    const float u = UniformFromSeed(prm.seed, prm.position);
-    const uint32_t u24 = static_cast<uint32_t>(u * 16777216.0f);
-    const int32_t drawn =
-        RadixWalk(r, sh, WalkArgs{Walk::kDraw, 0, 1.0f, u24, prm.min_p > 0.0f}, cut);
-    if (drawn >= 0) token = drawn;
+  if (!c.plan.sampled) {  // no CTA of the row waits for more: nothing to publish
+    WriteToken(c, best_id);
+    return kDone;
+  }
+  if (best == -INFINITY) {
+    WriteToken(c, best_id);
+    return Publish(c, sh, kDone);
   }
   if (threadIdx.x == 0) {
-    p.tokens[row] = token;
-    if (p.update_counts && slot_ok) {
-      uint32_t* c = p.output_counts + static_cast<int64_t>(slot) * p.vocab + token;
-      if (*c != UINT32_MAX) *c += 1;
+    sh.rs.s0 = best;
+    sh.rs.token = best_id;
+    sh.rs.cut = Cut{0u, INT_MAX};
+  }
+  return Publish(c, sh, c.plan.NextStage(kArgMax));
+}
+
+// The pass of a walk's first stage over a slice, compiled on its own (as is the gather's) so that
+// the stage's other work does not take the loop's registers.
+__device__ __noinline__ void LevelZeroPass(const Row r, Smem& sh, const WalkArgs a, Cut cut,
+                                           int32_t lo, int32_t hi) {
+  BuildLevel(RowSource{r, lo, hi}, r, sh, a, cut, WalkPos{});
+}
+
+// The draw over the whole row from level 0, by this CTA alone: the fallback when a walk that was
+// to hand the draw its level-0 bins found none (the targets rule it out).
+__device__ uint32_t DrawFromWholeRow(const Ctx& c, const Row& r, Smem& sh, Cut cut) {
+  const int32_t id = FinishWalk(RowSource{r, 0, r.vocab}, r, sh, c.Args(kDrawBins), cut, WalkPos{});
+  WriteToken(c, id >= 0 ? id : sh.rs.token);
+  return Publish(c, sh, kDone);
+}
+
+// A walk's first stage: the level-0 histogram of its set, summed over the row's CTAs; the
+// finisher picks the bin to descend into.
+__device__ __noinline__ uint32_t BinsStage(const Ctx& c, Smem& sh, uint32_t stage) {
+  const WalkArgs a = c.Args(stage);
+  const bool weighted = Weighted(a);
+  const bool with_draw = stage == kTopPBins && c.plan.draw_in_top_p;
+  Row r = c.r;
+  r.s0 = sh.rs.s0;
+  WalkPos pos;
+  LevelZeroPass(r, sh, a, sh.rs.cut, c.lo, c.hi);
+  if (c.split > 1) {
+    for (int b = threadIdx.x; b < kMaxBins; b += kThreads) {
+      if (weighted && sh.weight[b] != 0) atomicAdd(c.space.weight + b, sh.weight[b]);
+      if (!weighted && sh.count[b] != 0) atomicAdd(c.space.count + b, sh.count[b]);
+    }
+    if (!Arrive(c, sh)) return kNotFinisher;
+    // The draw reads the top-p walk's histogram again after the gather (and then zeroes it).
+    for (int b = threadIdx.x; b < kMaxBins; b += kThreads) {
+      if (weighted) {
+        sh.weight[b] = __ldcg(c.space.weight + b);
+        if (!with_draw) c.space.weight[b] = 0;
+      } else {
+        sh.count[b] = __ldcg(c.space.count + b);
+        c.space.count[b] = 0;
+      }
+    }
+    __syncthreads();
+  } else if (with_draw) {
+    for (int b = threadIdx.x; b < kMaxBins; b += kThreads) c.space.weight[b] = sh.weight[b];
+  }
+  if (!SelectLevel(sh, a, pos, nullptr)) {
+    // No bin: a top-k or top-p walk keeps its set; the draw keeps rank 0.
+    if (with_draw) {
+      for (int b = threadIdx.x; b < kMaxBins; b += kThreads) c.space.weight[b] = 0;
+      return DrawFromWholeRow(c, r, sh, sh.rs.cut);
+    }
+    if (a.mode != Walk::kDraw) return Publish(c, sh, c.plan.NextStage(stage + 1));
+    WriteToken(c, sh.rs.token);
+    return Publish(c, sh, kDone);
+  }
+  const uint32_t bin = pos.prefix >> kLevel0Shift;
+  uint32_t draw_lo = 1, draw_hi = 0;  // empty
+  if (with_draw) {
+    // The kept set's total W lies in [above, above + weight[bin]], so the draw's target
+    // WalkTarget(W) in [t_lo, t_hi]; a target >= above falls in `bin`, a lower one in the bin
+    // of this histogram that holds it. Those bins are a contiguous range above `bin`.
+    const WalkArgs d = c.Args(kDrawBins);
+    const u64 t_lo = WalkTarget(d, pos.above);
+    const u64 t_hi = WalkTarget(d, pos.above + sh.weight[bin]);
+    if (t_lo < pos.above) {
+      u64 before;
+      draw_hi = FindBin(
+          sh, kMaxBins, true, [&](u64) { return t_lo; }, &before);
+      draw_lo = FindBin(
+          sh, kMaxBins, true, [&](u64) { return min(t_hi, pos.above - 1); }, &before);
+    }
+  }
+  if (threadIdx.x == 0) {
+    sh.rs.bin = bin;
+    sh.rs.draw_lo = draw_lo;
+    sh.rs.draw_hi = draw_hi;
+    sh.rs.above = pos.above;
+    sh.rs.target = pos.target;
+    c.space.state->num_candidates = 0;
+  }
+  return Publish(c, sh, stage + 1);
+}
+
+// Appends a warp's staged candidates buf[0, n) (n <= 32) to the row's list.
+__device__ __forceinline__ void FlushCandidates(const Ctx& c, const u64* buf, uint32_t n) {
+  const int lane = threadIdx.x % 32;
+  uint32_t base = 0;
+  if (lane == 0) base = atomicAdd(&c.space.state->num_candidates, n);
+  base = __shfl_sync(0xffffffffu, base, 0);
+  if (lane < n && base + lane < static_cast<uint32_t>(c.space.capacity)) {
+    c.space.cands[base + lane] = buf[lane];
+  }
+}
+
+// Gathers the slice's set elements whose level-0 bin is the walk's or in [draw_lo, draw_hi] into
+// the row's candidate list: a warp stages 32 before one atomic reserves their place. Returns the
+// list's length once every CTA is in (finisher only; false for the others).
+__device__ __noinline__ bool Gather(const Ctx& c, const Row r, Smem& sh, const WalkArgs a,
+                                    uint32_t* found) {
+  const Cut cut = sh.rs.cut;
+  const uint32_t bin = sh.rs.bin, draw_lo = sh.rs.draw_lo, draw_hi = sh.rs.draw_hi;
+  const int lane = threadIdx.x % 32;
+  u64* buf = sh.weight + (threadIdx.x / 32) * 64;  // this warp's 64 staging entries
+  uint32_t n = 0;                                  // staged, the same in every lane
+  ForEachValueInWarp<kWalkUnroll>(
+      r, false,
+      [&](int32_t i, float s, bool valid) {
+        const uint32_t key = OrderKey(s);
+        const uint32_t b = key >> kLevel0Shift;
+        bool keep = valid && (b == bin || (draw_lo <= b && b <= draw_hi)) && InCut(key, i, cut);
+        if (keep && a.use_min_p) keep = r.Weight(s) >= r.min_p;
+        const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
+        if (ballot == 0) return;
+        if (keep) {
+          buf[n + __popc(ballot & ((1u << lane) - 1))] =
+              (static_cast<u64>(key) << 32) | static_cast<uint32_t>(i);
+        }
+        n += __popc(ballot);
+        if (n >= 32) {
+          __syncwarp();
+          FlushCandidates(c, buf, 32);
+          __syncwarp();
+          if (lane < n - 32) buf[lane] = buf[32 + lane];
+          __syncwarp();
+          n -= 32;
+        }
+      },
+      c.lo, c.hi);
+  __syncwarp();
+  if (n > 0) FlushCandidates(c, buf, n);
+  if (!Arrive(c, sh)) return false;
+  if (threadIdx.x == 0) sh.num_candidates = __ldcg(&c.space.state->num_candidates);
+  __syncthreads();
+  *found = sh.num_candidates;
+  return true;
+}
+
+// Completes a walk from level 1 of `bin`: over the gathered candidates when they all fit, else
+// over the whole row.
+__device__ __noinline__ int32_t FinishFrom(const Ctx& c, const Row r, Smem& sh, const WalkArgs a,
+                                           uint32_t found, Cut& cut, WalkPos pos,
+                                           u64* through = nullptr) {
+  if (found <= static_cast<uint32_t>(c.space.capacity)) {
+    return FinishWalk(CandidateSource{c.space.cands, found}, r, sh, a, cut, pos, through);
+  }
+  return FinishWalk(RowSource{r, 0, r.vocab}, r, sh, a, cut, pos, through);
+}
+
+__device__ WalkPos Level1(uint32_t bin, u64 above, u64 target) {
+  WalkPos pos;
+  pos.level = 1;
+  pos.prefix = bin << kLevel0Shift;
+  pos.prefix_mask = static_cast<uint32_t>(kMaxBins - 1) << kLevel0Shift;
+  pos.above = above;
+  pos.target = target;
+  return pos;
+}
+
+// A walk's second stage: the gather, from which the finisher completes the walk (and, for top-p
+// with draw_in_top_p, the draw).
+__device__ __noinline__ uint32_t GatherStage(const Ctx& c, Smem& sh, uint32_t stage) {
+  const WalkArgs a = c.Args(stage);
+  Row r = c.r;
+  r.s0 = sh.rs.s0;
+  uint32_t found = 0;
+  if (!Gather(c, r, sh, a, &found)) return kNotFinisher;
+  const uint32_t bin = sh.rs.bin;
+  const u64 above = sh.rs.above;
+  Cut cut = sh.rs.cut;
+  u64 kept = 0;
+  const int32_t id = FinishFrom(c, r, sh, a, found, cut, Level1(bin, above, sh.rs.target), &kept);
+  if (a.mode == Walk::kDraw) {
+    WriteToken(c, id >= 0 ? id : sh.rs.token);
+    return Publish(c, sh, kDone);
+  }
+  if (!(stage == kTopPGather && c.plan.draw_in_top_p)) {
+    if (threadIdx.x == 0) sh.rs.cut = cut;
+    return Publish(c, sh, c.plan.NextStage(stage));
+  }
+  // The draw: its level-0 histogram is the top-p walk's above `bin`, the kept part of `bin`
+  // (kept - above), and nothing below. The top-p histogram is zeroed for the next launch.
+  for (int b = threadIdx.x; b < kMaxBins; b += kThreads) {
+    const u64 w = __ldcg(c.space.weight + b);
+    c.space.weight[b] = 0;
+    if (id >= 0) {
+      sh.weight[b] = b > static_cast<int>(bin) ? w : b == static_cast<int>(bin) ? kept - above : 0;
+    }
+  }
+  __syncthreads();
+  if (id < 0) return DrawFromWholeRow(c, r, sh, cut);
+  const WalkArgs d = c.Args(kDrawBins);
+  WalkPos pos;
+  if (!SelectLevel(sh, d, pos, nullptr)) return DrawFromWholeRow(c, r, sh, cut);
+  const uint32_t draw_bin = pos.prefix >> kLevel0Shift;
+  const bool gathered = draw_bin == bin || (sh.rs.draw_lo <= draw_bin && draw_bin <= sh.rs.draw_hi);
+  const int32_t drawn = FinishFrom(c, r, sh, d, gathered ? found : UINT32_MAX, cut,
+                                   Level1(draw_bin, pos.above, pos.target));
+  WriteToken(c, drawn >= 0 ? drawn : sh.rs.token);
+  return Publish(c, sh, kDone);
+}
+
+__device__ uint32_t RunStage(const Ctx& c, Smem& sh, uint32_t stage) {
+  switch (stage) {
+    case kArgMax:
+      return ArgMaxStage(c, sh);
+    case kTopKBins:
+    case kTopPBins:
+    case kDrawBins:
+      return BinsStage(c, sh, stage);
+    default:
+      return GatherStage(c, sh, stage);
+  }
+}
+
+// Waits until the row has moved past `done` (the stage this CTA finished) and loads its state.
+// Returns the row's new stage, kDone if it finished. The row cannot move further without this
+// CTA, so the stage seen is the one to run next.
+__device__ uint32_t WaitForNextStage(const Ctx& c, Smem& sh, uint32_t done) {
+  if (threadIdx.x == 0) {
+    RowState* g = c.space.state;
+    uint32_t seen;
+    unsigned ns = 32;
+    while ((seen = LoadAcquire(&g->stage)) <= done) {
+      __nanosleep(ns);
+      ns = min(ns * 2, 256u);
+    }
+    sh.seen_stage = seen;
+    if (seen < kDone) {
+      sh.rs.bin = __ldcg(&g->bin);
+      sh.rs.draw_lo = __ldcg(&g->draw_lo);
+      sh.rs.draw_hi = __ldcg(&g->draw_hi);
+      sh.rs.above = __ldcg(&g->above);
+      sh.rs.target = __ldcg(&g->target);
+      sh.rs.cut.key = __ldcg(&g->cut.key);
+      sh.rs.cut.id = __ldcg(&g->cut.id);
+      sh.rs.s0 = __ldcg(&g->s0);
+      sh.rs.token = __ldcg(&g->token);
+    }
+  }
+  __syncthreads();
+  return sh.seen_stage;
+}
+
+// One CTA per row and slice. With split == 1 a CTA runs its row's stages one after another.
+// With split > 1 the row's CTAs run each stage together: after its part of a stage a CTA waits
+// for the stage's finisher (the last of them in) to publish the next. A greedy row ends after
+// stage 0 and waits for nothing.
+//
+// Progress: a CTA's row and slice come from its ticket, the order CTAs start in, so the started
+// CTAs are always whole rows plus part of one. Whole rows need nothing else and finish, freeing
+// SMs for the rest of the partial row; this needs only that a row's `split` CTAs fit on the GPU
+// at once (LaunchSampling checks), not the whole grid. Only this kernel's CTAs ever wait, so
+// other kernels beside it (prefill) always drain.
+__global__ void __launch_bounds__(kThreads, 1) SamplingKernel(SamplingKernelParams p) {
+  __shared__ Smem sh;
+  auto* launch = static_cast<LaunchState*>(p.workspace);
+  int32_t row = blockIdx.x, slice = 0;
+  if (p.split > 1) {
+    if (threadIdx.x == 0) sh.ticket = atomicAdd(&launch->ticket, 1u);
+    __syncthreads();
+    row = static_cast<int32_t>(sh.ticket) / p.split;
+    slice = static_cast<int32_t>(sh.ticket) % p.split;
+  }
+  // Built once, in shared memory: a per-thread copy would be a stack frame in local memory.
+  __shared__ alignas(Ctx) unsigned char ctx[sizeof(Ctx)];
+  if (threadIdx.x == 0) {
+    new (ctx) Ctx(MakeCtx(p, row, slice));
+    if (!reinterpret_cast<Ctx*>(ctx)->slot_ok && p.error_flag != nullptr) *p.error_flag = 1;
+  }
+  __syncthreads();
+  const Ctx& c = *reinterpret_cast<const Ctx*>(ctx);
+  uint32_t stage = kArgMax;
+  while (true) {
+    const uint32_t next = RunStage(c, sh, stage);
+    if (p.split == 1) {
+      if (next >= kDone) break;
+      stage = next;
+      continue;
+    }
+    if (c.plan.NextStage(stage) >= kDone) break;  // nothing after this stage for this row
+    stage = WaitForNextStage(c, sh, stage);
+    if (stage >= kDone) break;
+  }
+  if (p.split > 1) {
+    // The last CTA out leaves the workspace ready for the next launch.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      if (atomicAdd(&launch->exited, 1u) == gridDim.x - 1) {
+        for (int32_t i = 0; i < p.rows; ++i) RowSpaceAt(p.workspace, i, p.vocab).state->stage = 0;
+        launch->ticket = 0;
+        launch->exited = 0;
+        __threadfence();
+      }
     }
   }
 }
 
 }  // namespace
+
+size_t SamplingWorkspaceBytes(int32_t rows, int32_t vocab) {
+  if (rows <= 0 || vocab <= 0) return 0;
+  return AlignUp(sizeof(LaunchState)) + static_cast<size_t>(rows) * RowBytes(vocab);
+}
 
 absl::Status LaunchSampling(const SamplingKernelParams& p, cudaStream_t stream) {
   TS_RETURN_IF_ERROR(RequireNonNegative("sampling.rows", p.rows));
@@ -489,12 +645,33 @@ absl::Status LaunchSampling(const SamplingKernelParams& p, cudaStream_t stream) 
     return absl::InvalidArgumentError(
         absl::StrCat("sampling.split must be in [1, ", kSamplingMaxSplit, "], got ", p.split));
   }
-  if (p.split > 1) {
-    TS_RETURN_IF_ERROR(RequirePointer("sampling.split_best", p.split_best, 4));
-    TS_RETURN_IF_ERROR(RequirePointer("sampling.split_best_id", p.split_best_id, 4));
-    TS_RETURN_IF_ERROR(RequirePointer("sampling.split_done", p.split_done, 4));
+  TS_RETURN_IF_ERROR(RequirePointer("sampling.workspace", p.workspace, kAlign));
+  const size_t need = SamplingWorkspaceBytes(p.rows, p.vocab);
+  if (p.workspace_bytes < need) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling.workspace_bytes must be >= ", need,
+                                                   " for ", p.rows, " rows, got ",
+                                                   p.workspace_bytes));
   }
-  SamplingKernel<<<dim3(p.rows, p.split), kThreads, 0, stream>>>(p);
+  if (p.split > 1) {
+    // A row's CTAs wait for each other between passes, so they must fit on the GPU together, and
+    // with half of it per launch two launches running at once (the engine's decode and prefill
+    // heads) cannot fill every SM with waiting CTAs of rows neither can finish.
+    int device = 0, sms = 0, per_sm = 0;
+    TS_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    TS_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    TS_CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, SamplingKernel, kThreads, 0));
+    if (p.split > sms * per_sm / 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sampling.split must be <= ", sms * per_sm / 2,
+                       " (half the CTAs this GPU holds at once), got ", p.split));
+    }
+  }
+  const int64_t ctas = static_cast<int64_t>(p.rows) * p.split;
+  if (ctas > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling.rows too large: ", p.rows));
+  }
+  SamplingKernel<<<static_cast<uint32_t>(ctas), kThreads, 0, stream>>>(p);
   TS_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

@@ -1,25 +1,29 @@
-// Token sampling on the GPU, one CTA per row, the same pipeline as the CPU reference
-// (models/sampling.h): penalties -> temperature (0 = greedy argmax, ties to the lowest id) ->
-// top-k -> top-p -> min-p -> inverse-CDF draw in rank order (score desc, id asc) with
-// u = UniformFromSeed(seed, position).
+// Token sampling on the GPU, the same pipeline as the CPU reference (models/sampling.h):
+// penalties -> temperature (0 = greedy argmax, ties to the lowest id) -> top-k -> top-p -> min-p
+// -> inverse-CDF draw in rank order (score desc, id asc) with u = UniformFromSeed(seed, position).
 //
 // No sort: every filter keeps a prefix of the rank order, so each cut-off is found by a 3-level
 // radix walk (11 + 11 + 10 bits of an order-preserving key of the fp32 score) over count or
-// weight histograms in shared memory, plus a ballot walk by id when a cut falls inside a group of
-// equal scores. Weights w = exp(s - s_max) are summed in 32.32 fixed point with integer atomics,
-// so a row's token is bit-for-bit reproducible and independent of the other rows in the launch.
+// weight histograms, plus a walk by id when a cut falls inside a group of equal scores. Weights
+// w = exp(s - s_max) are summed in 32.32 fixed point with integer atomics, so a row's token is
+// bit-for-bit reproducible and independent of the other rows in the launch and of `split`.
 // Versus the CPU reference, whose sums are sequential fp32: the cut-offs agree except when a
 // running sum lands within rounding of a threshold; weights below 2^-33 count as zero (the
 // reference's fp32 running sum, >= 1, drops them too). Greedy is exact.
 //
-// Cost: logits are re-read (from L2) once per radix level: greedy 1 pass; sampling 4 passes, +3
-// with top-p, +3 with top-k (top_k == 1 takes the greedy path's 1 pass). Only the first pass is
-// split over a row's CTAs; at about 0.1 ms a walk pass on one SM, a row sampled over a 128k
-// vocabulary added 0.74-0.85 ms to an H100 step at any batch (docs/gpu-facts.md, Sampling).
+// Passes: a greedy row reads its logits once (the argmax). A sampled row reads them once for the
+// max score, then twice for each walk: a level-0 histogram of the walk's set, then a gather of
+// the elements of the chosen level-0 bin (a quarter octave of scores; a few percent of a 128k
+// row), from which the last CTA in completes the walk's lower levels alone. Top-p gathers the
+// bins the draw can land in too and completes the draw as well (unless min-p is on), so
+// temperature with top-p or alone takes 3 passes, with top-k too 5, and min-p adds the draw's
+// own 2. Every pass is spread over the row's `split` CTAs, which wait for each other between
+// passes (docs/gpu-facts.md, Sampling).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -66,20 +70,27 @@ struct SamplingKernelParams {
   // The logits are a bf16 model's lm_head accumulated in fp32: read each rounded to bf16, the
   // value transformers' bf16 lm_head returns, so greedy ties and near-ties resolve as there.
   bool round_logits_to_bf16 = false;
-  // Optional: spread each row's first pass (the argmax: all a greedy row needs) over `split`
-  // CTAs; the last CTA of a row to finish (an atomic count) merges their results and completes
-  // the row as before. One CTA reads a 128k-entry row at a few elements per cycle (30-35 us on
-  // the H200 under ncu), so at batch 1 the other SMs would idle.
-  int32_t split = 1;                 // 1..kSamplingMaxSplit
-  float* split_best = nullptr;       // [rows, split] scratch
-  int32_t* split_best_id = nullptr;  // [rows, split] scratch
-  uint32_t* split_done = nullptr;    // [rows]: zero before the first launch; left zero
+  // Each row's passes are spread over `split` CTAs, the last of which to finish a pass (an atomic
+  // count) completes it. One CTA reads a 128k-entry row at a few elements per cycle (30-35 us on
+  // the H200 under ncu), so at small batch the other SMs would idle. 1..kSamplingMaxSplit, and at
+  // most half the CTAs of this kernel the GPU holds at once (66 on an H100), since a row's CTAs
+  // wait for each other.
+  int32_t split = 1;
+  // [workspace_bytes >= SamplingWorkspaceBytes(rows, vocab)], 256-byte aligned: the rows' pass
+  // state, histograms and gathered candidates. Zero before the first launch (the engine's arena
+  // memset); every launch leaves it ready for the next, whatever its rows and split. Launches
+  // that may run concurrently need workspaces of their own.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 inline constexpr int32_t kSamplingMaxSplit = 32;
 
 // Keeps fixed-point weight sums (vocab * 2^32) and u * sum inside 64 + 64 bits.
 inline constexpr int32_t kSamplingMaxVocab = 1 << 24;
+
+// Bytes of workspace for launches of up to `rows` rows over `vocab` (0 if either is <= 0).
+size_t SamplingWorkspaceBytes(int32_t rows, int32_t vocab);
 
 // Validates params (InvalidArgument naming the field) and enqueues the kernel on `stream`.
 // Graph-capturable: no allocation, no sync.

@@ -443,11 +443,12 @@ absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t ro
     p.params_by_slot = false;
     p.update_counts = false;        // postprocess counts only tokens it emits
     p.round_logits_to_bf16 = true;  // the model's dtype: greedy agrees with transformers' argmax
-    // Enough CTAs per row to spread a small batch's argmax over the GPU.
-    p.split = std::clamp(num_sms_ / std::max(rows, 1), 1, k::kSamplingMaxSplit);
-    p.split_best = head.split_best;
-    p.split_best_id = head.split_best_id;
-    p.split_done = head.split_done;
+    // Enough CTAs per row to spread a small batch's passes over the GPU (and no more than half
+    // of it, LaunchSampling's limit).
+    p.split = std::clamp(num_sms_ / std::max(rows, 1), 1,
+                         std::max(1, std::min(k::kSamplingMaxSplit, num_sms_ / 2)));
+    p.workspace = head.sampling_workspace;
+    p.workspace_bytes = head.sampling_workspace_bytes;
     return k::LaunchSampling(p, stream);
   }));
   return RunOp(observer, "postprocess", stream, [&] {

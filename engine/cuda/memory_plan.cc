@@ -76,9 +76,8 @@ void CarveHead(const ArenaShape& s, Carver& c, size_t* cat, HeadBuffers* h) {
   h->sample_slots = c.Take<int32_t>(m, cat);
   h->row_slots = c.Take<int32_t>(m, cat);
   h->sampled = c.Take<int32_t>(m, cat);
-  h->split_best = c.Take<float>(m * kernels::kSamplingMaxSplit, cat);
-  h->split_best_id = c.Take<int32_t>(m * kernels::kSamplingMaxSplit, cat);
-  h->split_done = c.Take<uint32_t>(m, cat);
+  h->sampling_workspace_bytes = kernels::SamplingWorkspaceBytes(s.max_bucket, d.vocab);
+  h->sampling_workspace = c.Take<char>(h->sampling_workspace_bytes, cat);
 }
 
 DeviceLayout Carve(const ArenaShape& s, void* base, Categories* cats, size_t* total) {

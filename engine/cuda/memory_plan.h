@@ -178,11 +178,10 @@ struct HeadBuffers {
   int32_t* sample_slots = nullptr;         // [M] slot per row; padding -> scratch row max_slots
   int32_t* row_slots = nullptr;            // [M] slot per row; -1 = padding (postprocess)
   int32_t* sampled = nullptr;              // [M]
-  // Sampling's split first pass (SamplingKernelParams::split): [M, kSamplingMaxSplit] scratch
-  // and [M] counters, zero from the arena's memset and left zero by every launch.
-  float* split_best = nullptr;
-  int32_t* split_best_id = nullptr;
-  uint32_t* split_done = nullptr;
+  // [sampling_workspace_bytes] SamplingKernelParams::workspace for up to M rows: zero from the
+  // arena's memset, and left ready by every launch.
+  void* sampling_workspace = nullptr;
+  size_t sampling_workspace_bytes = 0;
 };
 
 struct DeviceLayout {

@@ -80,15 +80,13 @@ std::vector<int32_t> Launch(const std::vector<int32_t>& hot, int32_t vocab, int3
   GuardedBuffer<int32_t> d_slots(rows), d_tokens(rows);
   GuardedBuffer<uint32_t> d_counts(size_t(rows) * vocab),
       d_mask(size_t(rows) * ((vocab + 31) / 32));
-  GuardedBuffer<float> d_best(size_t(rows) * split);
-  GuardedBuffer<int32_t> d_best_id(size_t(rows) * split);
-  GuardedBuffer<uint32_t> d_done(rows);
+  GuardedBuffer<uint8_t> d_ws(SamplingWorkspaceBytes(rows, vocab));
   d_logits.Upload(logits);
   d_params.Upload(params);
   d_slots.Upload(slots);
   d_counts.Upload(std::vector<uint32_t>(size_t(rows) * vocab, 0));
   d_mask.Upload(std::vector<uint32_t>(size_t(rows) * ((vocab + 31) / 32), 0));
-  d_done.Upload(std::vector<uint32_t>(rows, 0));
+  d_ws.Upload(std::vector<uint8_t>(d_ws.size(), 0));
   SamplingKernelParams p;
   p.logits = d_logits.get();
   p.params = d_params.get();
@@ -100,13 +98,13 @@ std::vector<int32_t> Launch(const std::vector<int32_t>& hot, int32_t vocab, int3
   p.vocab = vocab;
   p.num_slots = rows;
   p.split = split;
-  p.split_best = d_best.get();
-  p.split_best_id = d_best_id.get();
-  p.split_done = d_done.get();
+  p.workspace = d_ws.get();
+  p.workspace_bytes = d_ws.size();
   const absl::Status st = LaunchSampling(p, nullptr);
   EXPECT_TRUE(st.ok()) << st;
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(d_tokens.GuardsIntact());
+  EXPECT_TRUE(d_ws.GuardsIntact());
   return d_tokens.Download();
 }
 

@@ -88,13 +88,15 @@ struct RunOptions {
   bool params_by_slot = false;
   bool update_counts = false;
   bool round_logits_to_bf16 = false;
-  int split = 1;  // CTAs per row for the first pass
+  int split = 1;  // CTAs per row
   // {slot, token, count} written over the histories' counts (values no history could reach).
   std::vector<std::array<uint32_t, 3>> set_counts;
 };
 
 // One launch over `rows`. Slots not used by any row get random histories, so a kernel reading
-// the wrong slot gets different penalties.
+// the wrong slot gets different penalties. A second launch on the same workspace (counts as
+// before the first, another split) must give the same tokens: every launch leaves the workspace
+// ready, and a row's passes give the same result however many CTAs share them.
 GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {}) {
   const int n = static_cast<int>(rows.size());
   if (o.num_slots == 0) o.num_slots = n;
@@ -154,15 +156,12 @@ GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {})
   p.params_by_slot = o.params_by_slot;
   p.update_counts = o.update_counts;
   p.round_logits_to_bf16 = o.round_logits_to_bf16;
-  // Split scratch poisoned, the done counters zero as the engine's arena leaves them.
-  GuardedBuffer<float> d_split_best(size_t(n) * o.split);
-  GuardedBuffer<int32_t> d_split_id(size_t(n) * o.split);
-  GuardedBuffer<uint32_t> d_split_done(n);
-  d_split_done.Upload(std::vector<uint32_t>(n, 0));
+  // Zero, as the engine's arena memset leaves it.
+  GuardedBuffer<uint8_t> d_ws(SamplingWorkspaceBytes(n, vocab));
+  d_ws.Upload(std::vector<uint8_t>(d_ws.size(), 0));
   p.split = o.split;
-  p.split_best = d_split_best.get();
-  p.split_best_id = d_split_id.get();
-  p.split_done = d_split_done.get();
+  p.workspace = d_ws.get();
+  p.workspace_bytes = d_ws.size();
   GpuResult res;
   const absl::Status st = LaunchSampling(p, nullptr);
   EXPECT_TRUE(st.ok()) << st;
@@ -171,7 +170,13 @@ GpuResult RunGpu(const std::vector<RowCase>& rows, int vocab, RunOptions o = {})
   res.counts = d_counts.Download();
   res.flag = d_flag.Download()[0];
   for (int32_t t : res.tokens) EXPECT_TRUE(t >= 0 && t < vocab) << "token " << t;
-  for (uint32_t d : d_split_done.Download()) EXPECT_EQ(d, 0u) << "split counter not reset";
+  d_counts.Upload(counts);
+  d_tokens.Poison();
+  p.split = o.split == 1 ? 6 : 1;  // and tokens do not depend on the split
+  EXPECT_TRUE(LaunchSampling(p, nullptr).ok());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(d_tokens.Download(), res.tokens) << "a second launch on the workspace differs";
+  EXPECT_TRUE(d_ws.GuardsIntact());
   EXPECT_TRUE(d_tokens.GuardsIntact());
   EXPECT_TRUE(d_counts.GuardsIntact());
   EXPECT_TRUE(d_logits.GuardsIntact());
@@ -356,9 +361,8 @@ TEST(SamplingTest, SeededDrawsAgreeWithCpu) {
         RandomHistory(c, vocab, r + vocab);
         if (r % 3 == 0) AddPenalties(c.params);
       }
-      // Non-greedy rows only use the split for their first pass (the max score).
       RunOptions o;
-      o.split = bf16 ? 4 : 1;
+      o.split = bf16 ? 4 : 32;
       const auto gpu = RunGpu(rows, vocab, o);
       for (int r = 0; r < 64; ++r) {
         ++total;
@@ -378,6 +382,39 @@ TEST(SamplingTest, SeededDrawsAgreeWithCpu) {
               mismatches, total);
 }
 
+// A walk completes from the elements of its level-0 bin (a quarter octave of scores), gathered
+// into a list of up to 16384; a row whose scores all share one bin overflows it, and the walk
+// completes from the whole row instead. Scores in [4, 5): one bin. In bf16 they are 32 values,
+// so every cut also falls inside a group of thousands of ties.
+TEST(SamplingTest, DrawsWhenOneBinHoldsTheWholeRow) {
+  constexpr int kVocab = 128256;
+  for (bool bf16 : {false, true}) {
+    std::mt19937 gen(bf16 ? 11 : 12);
+    std::uniform_real_distribution<float> d(4.0f, 5.0f);
+    std::vector<RowCase> rows(12);
+    for (int r = 0; r < 12; ++r) {
+      RowCase& c = rows[r];
+      c.logits.resize(kVocab);
+      for (float& l : c.logits) l = bf16 ? testing::RoundBf16(d(gen)) : d(gen);
+      const int ks[] = {0, 20000, 0, 100000};
+      const float ps[] = {1.0f, 1.0f, 0.9f, 0.6f};
+      c.params = Params(1.0f, ks[r % 4], ps[r % 4], r % 3 == 2 ? 0.8f : 0.0f,
+                        gen() | (uint64_t(gen()) << 32));
+      c.position = gen() % 100000;
+    }
+    for (int split : {1, 32}) {
+      RunOptions o;
+      o.split = split;
+      const auto gpu = RunGpu(rows, kVocab, o);
+      for (int r = 0; r < 12; ++r) {
+        ExpectSameDraw(rows[r], gpu.tokens[r],
+                       "bf16=" + std::to_string(bf16) + " split=" + std::to_string(split) +
+                           " row " + std::to_string(r));
+      }
+    }
+  }
+}
+
 std::vector<float> RoundedToBf16(const std::vector<float>& v) {
   std::vector<float> out(v.size());
   std::transform(v.begin(), v.end(), out.begin(), testing::RoundBf16);
@@ -385,7 +422,7 @@ std::vector<float> RoundedToBf16(const std::vector<float>& v) {
 }
 
 // The production combination (EnqueueSampleAndPost in engine/cuda/cuda_model_forward.cc): fp32
-// lm_head logits read rounded to bf16, the first pass split over num_sms / rows CTAs (1..32),
+// lm_head logits read rounded to bf16, the passes split over num_sms / rows CTAs (1..32),
 // padding rows sampling greedily from a scratch slot past the live ones, penalties and seeds.
 // The reference samples the same logits rounded to bf16 on the host. Every row's max is a bf16
 // near-tie between two ids in different slices (the higher id larger in fp32): with the
@@ -440,8 +477,9 @@ TEST(SamplingTest, Bf16RoundingWithSplitsMatchesCpuOnRoundedLogits) {
           c.params.frequency_penalty = -0.1f;
         }
       }
-      std::vector<int> splits = {std::clamp(num_sms / rows, 1, kSamplingMaxSplit), 3,
-                                 kSamplingMaxSplit};
+      std::vector<int> splits = {
+          std::clamp(num_sms / rows, 1, std::max(1, std::min(kSamplingMaxSplit, num_sms / 2))), 3,
+          kSamplingMaxSplit};
       for (int split : splits) {
         o.split = split;
         const auto gpu = RunGpu(cases, vocab, o);
@@ -721,6 +759,74 @@ TEST(SamplingTest, BadSlotIsFlaggedNotFatal) {
   EXPECT_EQ(res.tokens[0], CpuToken(rows[0]));
 }
 
+// A row's CTAs wait for each other between passes. Two launches at once (as the engine's decode
+// and prefill heads run) with more CTAs than the GPU holds, half its SMs' worth of split each:
+// both must finish (a hang fails by the test's timeout), with the tokens of one launch alone.
+TEST(SamplingTest, ConcurrentLaunchesWithMoreCtasThanTheGpuHoldsFinish) {
+  constexpr int kVocab = 128256, kRows = 8;
+  int num_sms = 0;
+  TS_ASSERT_CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  const int split = std::max(1, std::min(kSamplingMaxSplit, num_sms / 2));
+  const auto rows = MixedRows(kVocab);
+  std::vector<float> logits;
+  std::vector<SamplingRow> params;
+  for (const RowCase& c : rows) {
+    logits.insert(logits.end(), c.logits.begin(), c.logits.end());
+    ts::SamplingParams sp = c.params;
+    sp.repetition_penalty = 1.0f, sp.presence_penalty = 0.0f, sp.frequency_penalty = 0.0f;
+    params.push_back(ToSamplingRow(sp, c.position));
+  }
+  GuardedBuffer<float> d_logits(logits.size());
+  GuardedBuffer<SamplingRow> d_params(kRows);
+  GuardedBuffer<int32_t> d_slots(kRows), d_tokens_a(kRows), d_tokens_b(kRows);
+  GuardedBuffer<uint32_t> d_counts(size_t(kRows) * kVocab);
+  GuardedBuffer<uint32_t> d_mask(size_t(kRows) * ((kVocab + 31) / 32));
+  GuardedBuffer<uint8_t> d_ws_a(SamplingWorkspaceBytes(kRows, kVocab));
+  GuardedBuffer<uint8_t> d_ws_b(SamplingWorkspaceBytes(kRows, kVocab));
+  d_logits.Upload(logits);
+  d_params.Upload(params);
+  d_slots.Upload({0, 1, 2, 3, 4, 5, 6, 7});
+  d_counts.Upload(std::vector<uint32_t>(d_counts.size(), 0));
+  d_mask.Upload(std::vector<uint32_t>(d_mask.size(), 0));
+  d_ws_a.Upload(std::vector<uint8_t>(d_ws_a.size(), 0));
+  d_ws_b.Upload(std::vector<uint8_t>(d_ws_b.size(), 0));
+  SamplingKernelParams p;
+  p.logits = d_logits.get();
+  p.params = d_params.get();
+  p.row_slots = d_slots.get();
+  p.output_counts = d_counts.get();
+  p.prompt_mask = d_mask.get();
+  p.rows = kRows;
+  p.vocab = kVocab;
+  p.num_slots = kRows;
+  p.split = split;
+  cudaStream_t sa, sb;
+  TS_ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&sa, cudaStreamNonBlocking));
+  TS_ASSERT_CUDA_OK(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking));
+  for (int rep = 0; rep < 20; ++rep) {
+    SamplingKernelParams a = p, b = p;
+    a.tokens = d_tokens_a.get(), a.workspace = d_ws_a.get(), a.workspace_bytes = d_ws_a.size();
+    b.tokens = d_tokens_b.get(), b.workspace = d_ws_b.get(), b.workspace_bytes = d_ws_b.size();
+    ASSERT_TRUE(LaunchSampling(a, sa).ok());
+    ASSERT_TRUE(LaunchSampling(b, sb).ok());
+  }
+  TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  cudaStreamDestroy(sa);
+  cudaStreamDestroy(sb);
+  const auto a = d_tokens_a.Download(), b = d_tokens_b.Download();
+  EXPECT_EQ(a, b);
+  RunOptions alone;
+  alone.slots = {0, 1, 2, 3, 4, 5, 6, 7};
+  alone.split = split;
+  std::vector<RowCase> plain = rows;
+  for (RowCase& c : plain) {
+    c.prompt.clear(), c.output.clear();
+    c.params.repetition_penalty = 1.0f, c.params.presence_penalty = 0.0f;
+    c.params.frequency_penalty = 0.0f;
+  }
+  EXPECT_EQ(RunGpu(plain, kVocab, alone).tokens, a);
+}
+
 TEST(SamplingTest, CapturesInGraph) {
   constexpr int kVocab = 4096, kRows = 3;
   const auto rows = MixedRows(kVocab);
@@ -752,6 +858,11 @@ TEST(SamplingTest, CapturesInGraph) {
   p.rows = kRows;
   p.vocab = kVocab;
   p.num_slots = kRows;
+  GuardedBuffer<uint8_t> d_ws(SamplingWorkspaceBytes(kRows, kVocab));
+  d_ws.Upload(std::vector<uint8_t>(d_ws.size(), 0));
+  p.workspace = d_ws.get();
+  p.workspace_bytes = d_ws.size();
+  p.split = 4;
   cudaStream_t stream;
   TS_ASSERT_CUDA_OK(cudaStreamCreate(&stream));
   EXPECT_TRUE(testing::RunInGraph(stream, [&](cudaStream_t s) { return LaunchSampling(p, s); }));
@@ -781,6 +892,9 @@ TEST(SamplingTest, RejectsBadParams) {
   good.rows = 1;
   good.vocab = 64;
   good.num_slots = 1;
+  GuardedBuffer<uint8_t> ws(SamplingWorkspaceBytes(2, 64));
+  good.workspace = ws.get();
+  good.workspace_bytes = SamplingWorkspaceBytes(1, 64);
   SamplingKernelParams p = good;
   p.vocab = 0;
   TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.vocab");
@@ -802,6 +916,18 @@ TEST(SamplingTest, RejectsBadParams) {
   p = good;
   p.rows = -2;
   TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.rows");
+  p = good;
+  p.split = kSamplingMaxSplit + 1;
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.split");
+  p = good;
+  p.workspace = nullptr;
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.workspace");
+  p = good;
+  p.workspace = ws.get() + 16;
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.workspace");
+  p = good;
+  p.rows = 2;  // the workspace holds one row's state
+  TS_EXPECT_INVALID(LaunchSampling(p, nullptr), "sampling.workspace_bytes");
   TS_ASSERT_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_TRUE(tokens.GuardsIntact());
 }
