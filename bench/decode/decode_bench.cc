@@ -70,6 +70,8 @@ ABSL_FLAG(float, temperature, 0.0f,
           "every stream's sampling temperature (0: greedy, as the peer baseline; > 0: seeded "
           "draws, each stream its own seed)");
 ABSL_FLAG(float, top_p, 1.0f, "every stream's nucleus top_p, in (0, 1] (1: off)");
+ABSL_FLAG(int32_t, top_k, 0, "every stream's top_k, >= 0 (0: off)");
+ABSL_FLAG(float, min_p, 0.0f, "every stream's min_p, in [0, 1] (0: off)");
 ABSL_FLAG(std::string, out, "",
           "JSON lines output file, appended to (as bench/peer/peer_decode.py does), so the runs "
           "of an A/B loop can share one file; optional");
@@ -200,7 +202,8 @@ struct Settings {
   std::vector<int32_t> loads;  // busy threads per core
   std::vector<int32_t> batches;
   int32_t prompt_len = 0, new_tokens = 0;
-  float temperature = 0.0f, top_p = 1.0f;
+  float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f;
+  int32_t top_k = 0;
   double copy_gbps = 0;
 };
 
@@ -328,6 +331,8 @@ absl::Status PrefillBatch(CudaBackend& b, const Settings& s, int32_t batch, int3
         .slot = i, .prompt = prompts[i], .block_table = tables[i], .sampling = {}, .stop = {}};
     in.sampling.temperature = s.temperature;
     in.sampling.top_p = s.top_p;
+    in.sampling.top_k = s.top_k;
+    in.sampling.min_p = s.min_p;
     in.sampling.seed = seed * 1000 + i;
     in.stop.max_new_tokens = max_new;
     in.stop.ignore_eos = true;
@@ -507,6 +512,8 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
                         {"new_tokens", s.new_tokens},
                         {"temperature", s.temperature},
                         {"top_p", s.top_p},
+                        {"top_k", s.top_k},
+                        {"min_p", s.min_p},
                         {"step_ms_median", med},
                         {"step_ms_p10", Quantile(period_ms, 0.1)},
                         {"step_ms_p90", Quantile(period_ms, 0.9)},
@@ -705,8 +712,13 @@ int Main() {
   }
   s.temperature = absl::GetFlag(FLAGS_temperature);
   s.top_p = absl::GetFlag(FLAGS_top_p);
-  if (!(s.temperature >= 0.0f && s.temperature < 1e30f) || !(s.top_p > 0.0f && s.top_p <= 1.0f)) {
-    std::fprintf(stderr, "--temperature must be finite and >= 0, --top_p in (0, 1]\n");
+  s.top_k = absl::GetFlag(FLAGS_top_k);
+  s.min_p = absl::GetFlag(FLAGS_min_p);
+  if (!(s.temperature >= 0.0f && s.temperature < 1e30f) || !(s.top_p > 0.0f && s.top_p <= 1.0f) ||
+      s.top_k < 0 || !(s.min_p >= 0.0f && s.min_p <= 1.0f)) {
+    std::fprintf(stderr,
+                 "--temperature must be finite and >= 0, --top_p in (0, 1], --top_k >= 0, "
+                 "--min_p in [0, 1]\n");
     return 2;
   }
   if (cudaSetDevice(absl::GetFlag(FLAGS_device)) != cudaSuccess) {
