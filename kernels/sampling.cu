@@ -41,10 +41,12 @@ constexpr uint32_t kNotFinisher = 0xffffffffu;
 // A row's state in the workspace, read and written by its finishers. Between launches (and so
 // from the arena's memset on) `stage` and `arrived` are zero, as are the row's histogram bins.
 struct RowState {
-  uint32_t stage;           // the row's running stage, release-stored; kDone once its token is out
-  uint32_t arrived;         // CTAs done with the running stage
-  uint32_t num_candidates;  // gathered by the running walk (may exceed the capacity)
-  uint32_t bin;             // the walk's level-0 bin
+  uint32_t stage;    // the row's running stage, release-stored; kDone once its token is out
+  uint32_t arrived;  // CTAs done with the running stage
+  // Gathered by the running walk (their sum may exceed the capacity): the walk's own bin's
+  // elements fill the list from the front, those of the draw's bins from the back.
+  uint32_t num_candidates, num_draw;
+  uint32_t bin;  // the walk's level-0 bin
   // Top-p with the draw folded in: the draw's possible level-0 bins, gathered too (else empty).
   uint32_t draw_lo, draw_hi;
   unsigned long long above;   // amount of the set ranked above that bin
@@ -102,7 +104,7 @@ struct Smem : WalkSmem {
   int32_t is_last;  // this CTA finishes the stage
   uint32_t ticket;
   uint32_t seen_stage;
-  uint32_t num_candidates;
+  uint32_t num_candidates, num_draw;
   RowState rs;  // the row's state while a stage runs; the finisher's changes are published
 };
 
@@ -397,26 +399,44 @@ __device__ __noinline__ uint32_t BinsStage(const Ctx& c, Smem& sh, uint32_t stag
     sh.rs.above = pos.above;
     sh.rs.target = pos.target;
     c.space.state->num_candidates = 0;
+    c.space.state->num_draw = 0;
   }
   return Publish(c, sh, stage + 1);
 }
 
-// Appends a warp's staged candidates buf[0, n) (n <= 32) to the row's list.
+// Bit 31 of a candidate's id word: it is one of the draw's bins (ids are < 2^24).
+constexpr u64 kDrawTag = 1ull << 31;
+
+// Appends a warp's staged candidates buf[0, n) (n <= 32) to the row's list: untagged ones at the
+// front, tagged ones at the back.
 __device__ __forceinline__ void FlushCandidates(const Ctx& c, const u64* buf, uint32_t n) {
   const int lane = threadIdx.x % 32;
-  uint32_t base = 0;
-  if (lane == 0) base = atomicAdd(&c.space.state->num_candidates, n);
-  base = __shfl_sync(0xffffffffu, base, 0);
-  if (lane < n && base + lane < static_cast<uint32_t>(c.space.capacity)) {
-    c.space.cands[base + lane] = buf[lane];
+  const u64 v = lane < n ? buf[lane] : 0;
+  const bool draw = (v & kDrawTag) != 0;
+  const uint32_t front = __ballot_sync(0xffffffffu, lane < n && !draw);
+  const uint32_t back = __ballot_sync(0xffffffffu, lane < n && draw);
+  uint32_t base_front = 0, base_back = 0;
+  if (lane == 0) {
+    if (front != 0) base_front = atomicAdd(&c.space.state->num_candidates, __popc(front));
+    if (back != 0) base_back = atomicAdd(&c.space.state->num_draw, __popc(back));
+  }
+  base_front = __shfl_sync(0xffffffffu, base_front, 0);
+  base_back = __shfl_sync(0xffffffffu, base_back, 0);
+  const uint32_t below = (1u << lane) - 1;
+  if (lane < n) {
+    const uint32_t k = draw ? base_back + __popc(back & below) : base_front + __popc(front & below);
+    if (k < static_cast<uint32_t>(c.space.capacity)) {
+      c.space.cands[draw ? c.space.capacity - 1 - k : k] = v & ~kDrawTag;
+    }
   }
 }
 
-// Gathers the slice's set elements whose level-0 bin is the walk's or in [draw_lo, draw_hi] into
-// the row's candidate list: a warp stages 32 before one atomic reserves their place. Returns the
-// list's length once every CTA is in (finisher only; false for the others).
+// Gathers the slice's set elements whose level-0 bin is the walk's (front of the list) or in
+// [draw_lo, draw_hi] (back) into the row's candidate list: a warp stages 32 before one atomic
+// per end reserves their places. Returns the two lengths once every CTA is in (finisher only;
+// false for the others).
 __device__ __noinline__ bool Gather(const Ctx& c, const Row r, Smem& sh, const WalkArgs a,
-                                    uint32_t* found) {
+                                    uint32_t* found, uint32_t* found_draw) {
   const Cut cut = sh.rs.cut;
   const uint32_t bin = sh.rs.bin, draw_lo = sh.rs.draw_lo, draw_hi = sh.rs.draw_hi;
   const int lane = threadIdx.x % 32;
@@ -427,13 +447,14 @@ __device__ __noinline__ bool Gather(const Ctx& c, const Row r, Smem& sh, const W
       [&](int32_t i, float s, bool valid) {
         const uint32_t key = OrderKey(s);
         const uint32_t b = key >> kLevel0Shift;
-        bool keep = valid && (b == bin || (draw_lo <= b && b <= draw_hi)) && InCut(key, i, cut);
+        const bool in_draw = b != bin && draw_lo <= b && b <= draw_hi;
+        bool keep = valid && (b == bin || in_draw) && InCut(key, i, cut);
         if (keep && a.use_min_p) keep = r.Weight(s) >= r.min_p;
         const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
         if (ballot == 0) return;
         if (keep) {
           buf[n + __popc(ballot & ((1u << lane) - 1))] =
-              (static_cast<u64>(key) << 32) | static_cast<uint32_t>(i);
+              (static_cast<u64>(key) << 32) | static_cast<uint32_t>(i) | (in_draw ? kDrawTag : 0);
         }
         n += __popc(ballot);
         if (n >= 32) {
@@ -449,20 +470,22 @@ __device__ __noinline__ bool Gather(const Ctx& c, const Row r, Smem& sh, const W
   __syncwarp();
   if (n > 0) FlushCandidates(c, buf, n);
   if (!Arrive(c, sh)) return false;
-  if (threadIdx.x == 0) sh.num_candidates = __ldcg(&c.space.state->num_candidates);
+  if (threadIdx.x == 0) {
+    sh.num_candidates = __ldcg(&c.space.state->num_candidates);
+    sh.num_draw = __ldcg(&c.space.state->num_draw);
+  }
   __syncthreads();
   *found = sh.num_candidates;
+  *found_draw = sh.num_draw;
   return true;
 }
 
-// Completes a walk from level 1 of `bin`: over the gathered candidates when they all fit, else
-// over the whole row.
-__device__ __noinline__ int32_t FinishFrom(const Ctx& c, const Row r, Smem& sh, const WalkArgs a,
-                                           uint32_t found, Cut& cut, WalkPos pos,
-                                           u64* through = nullptr) {
-  if (found <= static_cast<uint32_t>(c.space.capacity)) {
-    return FinishWalk(CandidateSource{c.space.cands, found}, r, sh, a, cut, pos, through);
-  }
+// Completes a walk from level 1 of its bin: over `list` when the gather fit (`fits`), else over
+// the whole row.
+__device__ __noinline__ int32_t FinishFrom(const Row r, WalkSmem& sh, const WalkArgs a,
+                                           const u64* list, uint32_t n, bool fits, Cut& cut,
+                                           WalkPos pos, u64* through = nullptr) {
+  if (fits) return FinishWalk(CandidateSource{list, n}, r, sh, a, cut, pos, through);
   return FinishWalk(RowSource{r, 0, r.vocab}, r, sh, a, cut, pos, through);
 }
 
@@ -482,13 +505,15 @@ __device__ __noinline__ uint32_t GatherStage(const Ctx& c, Smem& sh, uint32_t st
   const WalkArgs a = c.Args(stage);
   Row r = c.r;
   r.s0 = sh.rs.s0;
-  uint32_t found = 0;
-  if (!Gather(c, r, sh, a, &found)) return kNotFinisher;
+  uint32_t found = 0, found_draw = 0;
+  if (!Gather(c, r, sh, a, &found, &found_draw)) return kNotFinisher;
+  const bool fits = static_cast<uint64_t>(found) + found_draw <= c.space.capacity;
   const uint32_t bin = sh.rs.bin;
   const u64 above = sh.rs.above;
   Cut cut = sh.rs.cut;
   u64 kept = 0;
-  const int32_t id = FinishFrom(c, r, sh, a, found, cut, Level1(bin, above, sh.rs.target), &kept);
+  const int32_t id = FinishFrom(r, sh, a, c.space.cands, found, fits, cut,
+                                Level1(bin, above, sh.rs.target), &kept);
   if (a.mode == Walk::kDraw) {
     WriteToken(c, id >= 0 ? id : sh.rs.token);
     return Publish(c, sh, kDone);
@@ -511,10 +536,16 @@ __device__ __noinline__ uint32_t GatherStage(const Ctx& c, Smem& sh, uint32_t st
   const WalkArgs d = c.Args(kDrawBins);
   WalkPos pos;
   if (!SelectLevel(sh, d, pos, nullptr)) return DrawFromWholeRow(c, r, sh, cut);
+  // In `bin`: the front of the list; in the draw's range: the back; else (which the range rules
+  // out) the whole row.
   const uint32_t draw_bin = pos.prefix >> kLevel0Shift;
-  const bool gathered = draw_bin == bin || (sh.rs.draw_lo <= draw_bin && draw_bin <= sh.rs.draw_hi);
-  const int32_t drawn = FinishFrom(c, r, sh, d, gathered ? found : UINT32_MAX, cut,
-                                   Level1(draw_bin, pos.above, pos.target));
+  const bool in_range = sh.rs.draw_lo <= draw_bin && draw_bin <= sh.rs.draw_hi;
+  const int32_t drawn =
+      draw_bin == bin
+          ? FinishFrom(r, sh, d, c.space.cands, found, fits, cut,
+                       Level1(draw_bin, pos.above, pos.target))
+          : FinishFrom(r, sh, d, fits ? c.space.cands + (c.space.capacity - found_draw) : nullptr,
+                       found_draw, fits && in_range, cut, Level1(draw_bin, pos.above, pos.target));
   WriteToken(c, drawn >= 0 ? drawn : sh.rs.token);
   return Publish(c, sh, kDone);
 }
