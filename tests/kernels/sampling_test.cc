@@ -383,7 +383,7 @@ TEST(SamplingTest, SeededDrawsAgreeWithCpu) {
 }
 
 // A walk completes from the elements of its level-0 bin (a quarter octave of scores), gathered
-// into a list of up to 16384; a row whose scores all share one bin overflows it, and the walk
+// into a list of up to 32,768; a row whose scores all share one bin overflows it, and the walk
 // completes from the whole row instead. Scores in [4, 5): one bin. In bf16 they are 32 values,
 // so every cut also falls inside a group of thousands of ties.
 TEST(SamplingTest, DrawsWhenOneBinHoldsTheWholeRow) {
