@@ -49,11 +49,11 @@ struct RowState {
   uint32_t bin;  // the walk's level-0 bin
   // Top-p with the draw folded in: the draw's possible level-0 bins, gathered too (else empty).
   uint32_t draw_lo, draw_hi;
-  unsigned long long above;   // amount of the set ranked above that bin
-  unsigned long long target;  // the walk's target amount
-  Cut cut;                    // the set: the rank-order prefix the walks so far kept
-  float s0;                   // max score
-  int32_t token;              // rank 0, the token if a walk finds none
+  u64 above;      // amount of the set ranked above that bin
+  u64 target;     // the walk's target amount
+  Cut cut;        // the set: the rank-order prefix the walks so far kept
+  float s0;       // max score
+  int32_t token;  // rank 0, the token if a walk finds none
   float slice_best[kSamplingMaxSplit];
   int32_t slice_best_id[kSamplingMaxSplit];
 };
