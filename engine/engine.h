@@ -4,6 +4,7 @@
 // The server talks to it only through this header; protobuf never reaches here.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -43,6 +44,16 @@ struct GenerateRequest {
   StopParams stop;
 };
 
+// When a request passed each phase, on the steady clock (the engine thread's view). A point not
+// reached is time_point{}: a request cancelled in the queue is never scheduled.
+struct RequestTimes {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point submitted;    // Submit queued it
+  Clock::time_point scheduled;    // it took a slot and KV blocks; its prompt went to the backend
+  Clock::time_point first_token;  // the engine read its first token from the backend
+  Clock::time_point finished;     // the engine finished its stream
+};
+
 // Everything a stream has not yet sent, coalesced. How a request ends:
 //   eos / stop_token / length       status OK
 //   cancelled by Engine::Cancel      status OK
@@ -56,6 +67,7 @@ struct StreamUpdate {
   absl::Status status;  // non-OK when the request failed
   int32_t prompt_tokens = 0;
   int32_t completion_tokens = 0;
+  RequestTimes times;  // as of this update
 };
 
 // Shared between the engine thread (producer) and one server stream (consumer). Bounded: when more
@@ -63,6 +75,7 @@ struct StreamUpdate {
 // reader never stalls the loop.
 class RequestStream {
  public:
+  // Its times().submitted is the construction.
   explicit RequestStream(std::string id, int32_t prompt_tokens);
   const std::string& id() const { return id_; }
 
@@ -72,12 +85,15 @@ class RequestStream {
   void SetNotifier(std::function<void()> notify);
 
   // Producer (engine thread).
-  void Append(std::span<const int32_t> tokens);  // returns without blocking
+  void MarkScheduled();  // the request took a slot and KV blocks
+  // Returns without blocking. The first non-empty call is the first token's time.
+  void Append(std::span<const int32_t> tokens);
   // First call wins; later Append/Finish calls are ignored.
   void Finish(FinishReason reason, absl::Status status);
   int32_t unread() const;  // tokens appended but not yet taken
   bool finished() const;   // Finish was called (the consumer may not have taken it yet)
   int32_t completion_tokens() const;
+  RequestTimes times() const;
 
  private:
   void Notify();
@@ -87,6 +103,7 @@ class RequestStream {
   StreamUpdate pending_;
   bool done_ = false;
   int32_t completion_tokens_ = 0;
+  RequestTimes times_;
   std::function<void()> notify_;
 };
 

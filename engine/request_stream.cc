@@ -3,7 +3,9 @@
 namespace ts {
 
 RequestStream::RequestStream(std::string id, int32_t prompt_tokens)
-    : id_(std::move(id)), prompt_tokens_(prompt_tokens) {}
+    : id_(std::move(id)), prompt_tokens_(prompt_tokens) {
+  times_.submitted = RequestTimes::Clock::now();
+}
 
 bool RequestStream::Take(StreamUpdate* out) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -12,6 +14,7 @@ bool RequestStream::Take(StreamUpdate* out) {
   pending_ = StreamUpdate{};
   out->prompt_tokens = prompt_tokens_;
   out->completion_tokens = completion_tokens_;
+  out->times = times_;
   return true;
 }
 
@@ -26,11 +29,19 @@ void RequestStream::SetNotifier(std::function<void()> notify) {
   if (has_pending) Notify();
 }
 
+void RequestStream::MarkScheduled() {
+  std::lock_guard<std::mutex> lock(mu_);
+  times_.scheduled = RequestTimes::Clock::now();
+}
+
 void RequestStream::Append(std::span<const int32_t> tokens) {
   if (tokens.empty()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return;
+    if (times_.first_token == RequestTimes::Clock::time_point{}) {
+      times_.first_token = RequestTimes::Clock::now();
+    }
     pending_.tokens.insert(pending_.tokens.end(), tokens.begin(), tokens.end());
     completion_tokens_ += static_cast<int32_t>(tokens.size());
   }
@@ -42,6 +53,7 @@ void RequestStream::Finish(FinishReason reason, absl::Status status) {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return;
     done_ = true;
+    times_.finished = RequestTimes::Clock::now();
     pending_.finished = true;
     pending_.reason = reason;
     pending_.status = std::move(status);
@@ -62,6 +74,11 @@ bool RequestStream::finished() const {
 int32_t RequestStream::completion_tokens() const {
   std::lock_guard<std::mutex> lock(mu_);
   return completion_tokens_;
+}
+
+RequestTimes RequestStream::times() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return times_;
 }
 
 void RequestStream::Notify() {

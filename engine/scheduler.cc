@@ -320,6 +320,7 @@ std::vector<Request*> Scheduler::Admit() {
   requests_finished_ += expired.size();
   PublishStatsLocked();
   lock.unlock();
+  for (Request* r : admitted) r->stream->MarkScheduled();
   for (auto& r : expired) {
     r->stream->Finish(FinishReason::kDeadline,
                       absl::DeadlineExceededError("the request's deadline passed while it queued"));

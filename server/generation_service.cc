@@ -1,5 +1,6 @@
 #include "server/generation_service.h"
 
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -48,6 +49,24 @@ pb::FinishReason ToProto(FinishReason r) {
   return pb::FINISH_REASON_UNSPECIFIED;
 }
 
+// Where the call's time went (the proto's Timing), from its arrival and the engine's times. A
+// point the engine never reached counts as reached at the next one, so the four parts always add
+// up to `end` - `received`. `end`: the engine's finish, or now for a stream the server ended
+// itself (a stop string matched before the engine stopped).
+void SetTiming(const RequestTimes& t, RequestTimes::Clock::time_point received, pb::Timing* out) {
+  using TimePoint = RequestTimes::Clock::time_point;
+  const TimePoint end = t.finished != TimePoint{} ? t.finished : RequestTimes::Clock::now();
+  const TimePoint first = t.first_token != TimePoint{} ? t.first_token : end;
+  const TimePoint scheduled = t.scheduled != TimePoint{} ? t.scheduled : first;
+  auto us = [](TimePoint from, TimePoint to) -> int64_t {
+    return to > from ? std::chrono::duration_cast<std::chrono::microseconds>(to - from).count() : 0;
+  };
+  out->set_preprocess_us(us(received, t.submitted));
+  out->set_queue_us(us(t.submitted, scheduled));
+  out->set_prefill_us(us(scheduled, first));
+  out->set_decode_us(us(first, end));
+}
+
 // A Generate call that failed before reaching the engine: finishes at once with `status`.
 class RejectReactor final : public grpc::ServerWriteReactor<pb::GenerateResponse> {
  public:
@@ -62,12 +81,15 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
   enum class Action { kNone, kWrite, kWriteAndFinish, kFinish };
 
   // `text` is null when the model has no tokenizer.
+  // `received`: when the call arrived, for its Timing.
   GenerateReactor(GenerationService* service, Engine* engine, std::shared_ptr<RequestStream> stream,
-                  uint64_t seed, std::shared_ptr<IdClaim> claim, StopParams stop,
+                  RequestTimes::Clock::time_point received, uint64_t seed,
+                  std::shared_ptr<IdClaim> claim, StopParams stop,
                   std::vector<int32_t> eos_token_ids, std::unique_ptr<TextStream> text)
       : service_(service),
         engine_(engine),
         stream_(std::move(stream)),
+        received_(received),
         seed_(seed),
         claim_(std::move(claim)),
         stop_(std::move(stop)),
@@ -293,12 +315,14 @@ class GenerateReactor final : public grpc::ServerWriteReactor<pb::GenerateRespon
       response_.set_matched_stop(std::move(matched_stop));
       response_.mutable_usage()->set_prompt_tokens(update.prompt_tokens);
       response_.mutable_usage()->set_completion_tokens(update.completion_tokens);
+      if (update.status.ok()) SetTiming(update.times, received_, response_.mutable_timing());
     }
   }
 
   GenerationService* const service_;
   Engine* const engine_;
   const std::shared_ptr<RequestStream> stream_;
+  const RequestTimes::Clock::time_point received_;
   const uint64_t seed_;
   const std::shared_ptr<IdClaim> claim_;
   const StopParams stop_;
@@ -418,6 +442,7 @@ grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::Generate(
 
 grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::StartGenerate(
     grpc::CallbackServerContext* context, const pb::GenerateRequest* request) {
+  const auto received = RequestTimes::Clock::now();
   if (draining()) {
     return new RejectReactor(
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining; retry elsewhere"));
@@ -459,8 +484,9 @@ grpc::ServerWriteReactor<pb::GenerateResponse>* GenerationService::StartGenerate
     return new RejectReactor(ToGrpcStatus(stream.status()));
   }
   active_streams_.fetch_add(1);
-  auto* reactor = new GenerateReactor(this, engine_, *std::move(stream), seed, *std::move(claim),
-                                      std::move(stop), model_info_.eos_token_ids, std::move(text));
+  auto* reactor =
+      new GenerateReactor(this, engine_, *std::move(stream), received, seed, *std::move(claim),
+                          std::move(stop), model_info_.eos_token_ids, std::move(text));
   reactor->Start();
   return reactor;
 }

@@ -1,8 +1,10 @@
 // End to end: the API's edges as a new user meets them (issue #14, item 6): a busy port, flags out
-// of range, --help, an unset max_new_tokens, the shape of a stream's last message, a request that
-// arrives after its deadline, and a request id reused right after DEADLINE_EXCEEDED. Waits use the
-// server's gates and log lines, never a guess at how long something takes.
+// of range, --help, an unset max_new_tokens, the shape of a stream's last message and its Timing, a
+// request that arrives after its deadline, and a request id reused right after DEADLINE_EXCEEDED.
+// Waits use the server's gates and log lines, never a guess at how long something takes.
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/server/e2e_util.h"
@@ -291,6 +293,62 @@ TEST(ServerEdgeTest, RequestArrivingAfterItsDeadlineNeverReachesTheEngine) {
   EXPECT_EQ(after.requests_finished(), before.requests_finished())
       << "the expired request reached the engine";
   EXPECT_EQ(after.tokens_generated(), before.tokens_generated());
+}
+
+// The Timing on a stream's last message says where the call waited. Every prefill waits on a
+// gate that the test holds shut for `kHeld` after both requests are inside the server, so the
+// first request's prefill and the second's queue (one slot: --max_batch=1) each last at least that.
+TEST(ServerEdgeTest, TimingSaysWhereTheCallWaited) {
+  constexpr auto kHeld = 300ms;
+  const Reference ref = LoadReference();
+  Gate gate;
+  std::unique_ptr<Server> server =
+      Server::Launch({gate.flag(), "--debug_gate_prefill", "--max_batch=1"});
+  ASSERT_NE(server, nullptr);
+  struct Call {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<pb::GenerateResponse>> reader;
+    std::chrono::steady_clock::time_point sent;
+    StreamResult result;
+    std::chrono::microseconds wall{};
+  };
+  Call calls[2];
+  auto send = [&](Call& c, size_t prompt) {
+    c.ctx.set_deadline(In(kRpcTimeout));
+    c.sent = std::chrono::steady_clock::now();
+    c.reader = server->stub().Generate(&c.ctx, Greedy(ref.prompts[prompt], 8));
+  };
+  send(calls[0], 0);
+  server->WaitStats([](const pb::ServerStats& s) { return s.running() == 1; },
+                    "the first request in its prefill");
+  send(calls[1], 2);
+  server->WaitStats([](const pb::ServerStats& s) { return s.queued() == 1; },
+                    "the second request queued behind it");
+  std::this_thread::sleep_for(kHeld);
+  gate.Open();
+  for (Call& c : calls) {
+    ReadAll(c.reader.get(), &c.result);
+    c.wall = std::chrono::duration_cast<std::chrono::microseconds>(
+        std::chrono::steady_clock::now() - c.sent);
+  }
+  const int64_t held_us = std::chrono::microseconds(kHeld).count();
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE(absl::StrCat("call ", i));
+    const StreamResult& r = calls[i].result;
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_THAT(r.tokens, ElementsAreArray(Prefix(ref.greedy[i == 0 ? 0 : 2], 8)));
+    ASSERT_EQ(r.timing_messages, 1) << "Timing belongs on the last message only";
+    const pb::Timing& t = r.timing;
+    EXPECT_GE(t.preprocess_us(), 0);
+    EXPECT_GE(t.queue_us(), 0);
+    EXPECT_GE(t.prefill_us(), 0);
+    EXPECT_GT(t.decode_us(), 0) << "7 tokens came after the first";
+    // The server's interval lies inside the client's, on the same monotonic clock.
+    EXPECT_LE(t.preprocess_us() + t.queue_us() + t.prefill_us() + t.decode_us(),
+              calls[i].wall.count());
+  }
+  EXPECT_GE(calls[0].result.timing.prefill_us(), held_us);
+  EXPECT_GE(calls[1].result.timing.queue_us(), held_us);
 }
 
 TEST(ServerEdgeTest, RequestIdIsFreeOnceTheClientHasItsDeadlineExceeded) {

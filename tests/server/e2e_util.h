@@ -176,6 +176,8 @@ struct StreamResult {
   std::string text;  // every message's text delta, in order
   std::string matched_stop;
   std::vector<std::string> deltas;
+  pb::Timing timing;        // from the message that carried one
+  int timing_messages = 0;  // messages that carried one
 };
 
 inline void ReadAll(grpc::ClientReader<pb::GenerateResponse>* reader, StreamResult* r) {
@@ -193,6 +195,10 @@ inline void ReadAll(grpc::ClientReader<pb::GenerateResponse>* reader, StreamResu
       r->finish = msg.finish_reason();
       r->usage = msg.usage();
       r->matched_stop = msg.matched_stop();
+    }
+    if (msg.has_timing()) {
+      r->timing = msg.timing();
+      ++r->timing_messages;
     }
   }
   r->status = reader->Finish();
