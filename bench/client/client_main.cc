@@ -191,6 +191,11 @@ void PrintSummary(const StreamFacts& f, double total_ms) {
                                                            (f.last_token_ms - f.ttft_ms)));
   }
   absl::StrAppend(&line, absl::StrFormat(", total: %.1f ms", total_ms));
+  if (last.has_timing()) {
+    const v1::Timing& t = last.timing();
+    absl::StrAppend(&line, absl::StrFormat(" (server: queue %.1f ms, prefill %.1f ms)",
+                                           t.queue_us() / 1000.0, t.prefill_us() / 1000.0));
+  }
   std::fprintf(stderr, "%s\n", line.c_str());
 }
 

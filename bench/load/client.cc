@@ -102,6 +102,14 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
       record_.usage_completion_tokens = response_.usage().completion_tokens();
       record_.usage_prompt_tokens = response_.usage().prompt_tokens();
     }
+    if (response_.has_timing()) {
+      const v1::Timing& t = response_.timing();
+      record_.server = ServerTiming{.has = true,
+                                    .preprocess_ms = t.preprocess_us() / 1000.0,
+                                    .queue_ms = t.queue_us() / 1000.0,
+                                    .prefill_ms = t.prefill_us() / 1000.0,
+                                    .decode_ms = t.decode_us() / 1000.0};
+    }
     if (response_.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
       record_.finish_reason = FinishReasonName(response_.finish_reason());
     }

@@ -46,7 +46,10 @@ std::vector<MetricView> Views(const RunMetrics& m) {
           {"tpot_ms", "TPOT", &m.tpot_ms},
           {"itl_ms", "ITL", &m.itl_ms},
           {"e2e_ms", "E2E latency", &m.e2e_ms},
-          {"send_lag_ms", "send lag", &m.send_lag_ms}};
+          {"send_lag_ms", "send lag", &m.send_lag_ms},
+          {"server_queue_ms", "srv queue", &m.server_queue_ms},
+          {"server_prefill_ms", "srv prefill", &m.server_prefill_ms},
+          {"server_ttft_ms", "srv TTFT", &m.server_ttft_ms}};
 }
 
 constexpr const char* kCss = R"(
@@ -63,6 +66,13 @@ nlohmann::json RecordToJson(const RequestRecord& r) {
   const RequestMetrics m = ComputeRequestMetrics(r);
   nlohmann::json message_ms = nlohmann::json::array();
   for (double t : r.message_ms) message_ms.push_back(Ms(t));
+  nlohmann::json server;  // null without the server's Timing
+  if (r.server.has) {
+    server = {{"preprocess_ms", Ms(r.server.preprocess_ms)},
+              {"queue_ms", Ms(r.server.queue_ms)},
+              {"prefill_ms", Ms(r.server.prefill_ms)},
+              {"decode_ms", Ms(r.server.decode_ms)}};
+  }
   return {{"index", r.index},
           {"request_id", r.request_id},
           {"status", r.status_name},
@@ -83,6 +93,7 @@ nlohmann::json RecordToJson(const RequestRecord& r) {
           {"tpot_ms", Ms(m.tpot_ms)},
           {"e2e_ms", Ms(m.e2e_ms)},
           {"send_lag_ms", Ms(m.send_lag_ms)},
+          {"server_timing", server},
           {"message_ms", message_ms},
           {"message_tokens", r.message_tokens}};
 }
@@ -127,7 +138,11 @@ nlohmann::json BuildSummaryJson(const ReportInputs& in) {
              "gap between token-carrying messages, split evenly over the later message's "
              "tokens; first-message tokens add no sample"},
             {"e2e_ms", "stream end - intended send time"},
-            {"send_lag_ms", "actual send - intended send time"}}},
+            {"send_lag_ms", "actual send - intended send time"},
+            {"server_queue_ms", "the server's Timing.queue_us: waiting for a slot and KV blocks"},
+            {"server_prefill_ms",
+             "the server's Timing.prefill_us: scheduled -> first token read by its engine"},
+            {"server_ttft_ms", "the server's Timing: preprocess + queue + prefill"}}},
           {"config", in.config},
           {"model_info", in.model_info},
           {"run", in.run},

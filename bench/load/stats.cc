@@ -21,6 +21,10 @@ RequestMetrics ComputeRequestMetrics(const RequestRecord& r) {
   m.ttft_ms = r.message_ms.empty() ? kNaN : r.message_ms.front() - r.intended_ms;
   const int32_t tokens = r.OutputTokens();
   m.tpot_ms = tokens >= 2 ? (m.e2e_ms - m.ttft_ms) / (tokens - 1) : kNaN;
+  const ServerTiming& s = r.server;
+  m.server_queue_ms = s.has ? s.queue_ms : kNaN;
+  m.server_prefill_ms = s.has ? s.prefill_ms : kNaN;
+  m.server_ttft_ms = s.has ? s.preprocess_ms + s.queue_ms + s.prefill_ms : kNaN;
   return m;
 }
 
@@ -78,7 +82,7 @@ double ChooseBinMs(double duration_ms, int target_bins) {
 RunMetrics ComputeRunMetrics(std::span<const RequestRecord> records, int target_bins) {
   RunMetrics m;
   m.requests_total = static_cast<int64_t>(records.size());
-  std::vector<double> ttft, tpot, itl, e2e, lag;
+  std::vector<double> ttft, tpot, itl, e2e, lag, queue, prefill, server_ttft;
   double window_start = std::numeric_limits<double>::infinity();
   double window_end = -std::numeric_limits<double>::infinity();
   for (const RequestRecord& r : records) {
@@ -102,6 +106,9 @@ RunMetrics ComputeRunMetrics(std::span<const RequestRecord> records, int target_
     tpot.push_back(rm.tpot_ms);
     e2e.push_back(rm.e2e_ms);
     lag.push_back(rm.send_lag_ms);
+    queue.push_back(rm.server_queue_ms);
+    prefill.push_back(rm.server_prefill_ms);
+    server_ttft.push_back(rm.server_ttft_ms);
     const std::vector<double> r_itl = InterTokenLatencies(r);
     itl.insert(itl.end(), r_itl.begin(), r_itl.end());
   }
@@ -110,6 +117,9 @@ RunMetrics ComputeRunMetrics(std::span<const RequestRecord> records, int target_
   m.itl_ms = Summarize(std::move(itl));
   m.e2e_ms = Summarize(std::move(e2e));
   m.send_lag_ms = Summarize(std::move(lag));
+  m.server_queue_ms = Summarize(std::move(queue));
+  m.server_prefill_ms = Summarize(std::move(prefill));
+  m.server_ttft_ms = Summarize(std::move(server_ttft));
   if (records.empty()) return m;
 
   const double duration_ms = std::max(window_end - window_start, 0.0);

@@ -11,6 +11,10 @@
 //           n_k samples of (t_k - t_{k-1}) / n_k. Tokens that arrive in the first message are
 //           covered by TTFT and add no ITL sample. The raw per-message times stay in results.jsonl.
 //   send lag = actual send - intended send: how far the client itself fell behind its schedule.
+//   server queue / prefill / TTFT = the server's own account of a request (its Timing message):
+//           waiting for a slot and KV blocks; from then to the first token; and the two plus the
+//           call's validation and tokenization. TTFT - server TTFT is what the client, the network
+//           and gRPC added, and the open loop's send lag.
 // Latency distributions use successful requests only; failures are counted by status code.
 #pragma once
 
@@ -21,6 +25,15 @@
 #include <vector>
 
 namespace ts::load {
+
+// The server's Timing (proto) from a call's last message, in milliseconds.
+struct ServerTiming {
+  bool has = false;  // false: the server sent none (a failed call, or an older server)
+  double preprocess_ms = 0;
+  double queue_ms = 0;
+  double prefill_ms = 0;
+  double decode_ms = 0;
+};
 
 struct RequestRecord {
   int64_t index = 0;  // 0-based position in the schedule
@@ -35,8 +48,9 @@ struct RequestRecord {
   std::vector<int32_t> message_tokens;   // [num_token_messages] tokens in that message, each >= 1
   int32_t usage_completion_tokens = -1;  // the server's final Usage; -1 when it sent none
   int32_t usage_prompt_tokens = -1;      // likewise
-  std::string finish_reason;             // e.g. "LENGTH"; empty when none arrived
-  int status_code = 0;                   // grpc::StatusCode value; 0 = OK
+  ServerTiming server;
+  std::string finish_reason;  // e.g. "LENGTH"; empty when none arrived
+  int status_code = 0;        // grpc::StatusCode value; 0 = OK
   std::string status_name = "OK";
   std::string status_message;
 
@@ -50,6 +64,9 @@ struct RequestMetrics {
   double tpot_ms = 0;
   double e2e_ms = 0;
   double send_lag_ms = 0;
+  double server_queue_ms = 0;    // NaN without the server's Timing
+  double server_prefill_ms = 0;  // NaN without the server's Timing
+  double server_ttft_ms = 0;     // preprocess + queue + prefill; NaN without the server's Timing
 };
 RequestMetrics ComputeRequestMetrics(const RequestRecord& r);
 
@@ -100,6 +117,9 @@ struct RunMetrics {
   Distribution itl_ms;
   Distribution e2e_ms;
   Distribution send_lag_ms;
+  Distribution server_queue_ms;  // over successful requests whose server sent its Timing
+  Distribution server_prefill_ms;
+  Distribution server_ttft_ms;
   double bin_ms = 0;
   // Token arrivals (all requests) and completions per bin of bin_ms over the window.
   std::vector<RateBin> timeline;

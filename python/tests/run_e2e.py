@@ -104,6 +104,9 @@ def check_stream_text_is_the_text_of_its_ids(client: tailserve.Client) -> str:
           f"{len(ids)} ids and usage {last.usage}, want {NEW_TOKENS}")
     check(last.usage is not None and last.usage.prompt_tokens == len(client.tokenize(PROMPT)),
           f"usage.prompt_tokens {last.usage} is not the length of tokenize({PROMPT!r})")
+    check(last.timing is not None and last.timing.decode_us > 0
+          and all(c.timing is None for c in chunks[:-1]),
+          f"the server's Timing {last.timing} is not on the last chunk alone")
     check(text != "", f"{NEW_TOKENS} generated tokens {ids} gave no text")
     whole = client.detokenize(ids)
     check(text == whole, f"streamed deltas {text!r} != detokenize(all ids) {whole!r}")

@@ -202,7 +202,8 @@ def test_stream_yields_one_chunk_per_response(harness: Harness) -> None:
         response("In", (10, 11), seed=42),
         response(" the", (12,)),
         response(" end", (), finish_reason=pb.FINISH_REASON_STOP_STRING, matched_stop="!",
-                 usage=pb.Usage(prompt_tokens=4, completion_tokens=3)),
+                 usage=pb.Usage(prompt_tokens=4, completion_tokens=3),
+                 timing=pb.Timing(preprocess_us=5, queue_us=0, prefill_us=900, decode_us=2000)),
     ]
     with harness.client() as client:
         chunks = list(client.stream("x", stop="!"))
@@ -212,6 +213,8 @@ def test_stream_yields_one_chunk_per_response(harness: Harness) -> None:
     assert [c.finish_reason for c in chunks] == [None, None, "stop_string"]
     assert [c.matched_stop for c in chunks] == [None, None, "!"]
     assert [c.usage for c in chunks] == [None, None, tailserve.Usage(4, 3)]
+    # A zero queue_us is a time, not "unset".
+    assert [c.timing for c in chunks] == [None, None, tailserve.Timing(5, 0, 900, 2000)]
 
 
 def test_generate_puts_the_stream_together(harness: Harness) -> None:
@@ -224,7 +227,7 @@ def test_generate_puts_the_stream_together(harness: Harness) -> None:
         result = client.generate("x", stop_token_ids=[3])
     assert result == tailserve.Completion(
         text="Hello", token_ids=[1, 2, 3], finish_reason="stop_token", matched_stop="3",
-        usage=tailserve.Usage(5, 3), seed=0, request_id="r1")
+        usage=tailserve.Usage(5, 3), seed=0, request_id="r1", timing=None)
 
 
 @pytest.mark.parametrize("value,name", [

@@ -95,6 +95,15 @@ class LoadE2eTest : public ::testing::Test {
       EXPECT_LE(r["input_tokens"].get<int>(), 24);
       EXPECT_GE(r["ttft_ms"].get<double>(), 0.0);
       EXPECT_GE(r["e2e_ms"].get<double>(), r["ttft_ms"].get<double>());
+      // The server's own account: inside the client's TTFT, which also holds the network.
+      const nlohmann::json& t = r["server_timing"];
+      ASSERT_TRUE(t.is_object()) << line;
+      EXPECT_GE(t["queue_ms"].get<double>(), 0.0);
+      EXPECT_GT(t["decode_ms"].get<double>(), 0.0) << line;
+      EXPECT_LE(t["preprocess_ms"].get<double>() + t["queue_ms"].get<double>() +
+                    t["prefill_ms"].get<double>(),
+                r["ttft_ms"].get<double>())
+          << line;
     }
     EXPECT_EQ(lines, kRequests);
 
@@ -107,6 +116,7 @@ class LoadE2eTest : public ::testing::Test {
     EXPECT_EQ(m["output_len_mismatches"], 0);
     EXPECT_EQ(m["output_tokens"], kRequests * kOutputLen);
     EXPECT_TRUE(m["ttft_ms"]["p99"].is_number());
+    EXPECT_EQ(m["server_ttft_ms"]["count"], kRequests);
     EXPECT_TRUE(m["tpot_ms"]["median"].is_number());
     EXPECT_GT(m["output_token_throughput_per_s"].get<double>(), 0.0);
     EXPECT_EQ(summary["model_info"]["backend"], "cpu");

@@ -80,6 +80,20 @@ TEST(RequestMetricsTest, TpotUndefinedForOneToken) {
   EXPECT_DOUBLE_EQ(none.e2e_ms, 31);
 }
 
+TEST(RequestMetricsTest, ServerTimingSplitsTheServersShareOfTtft) {
+  RequestRecord r = Record(0, 100, 101, {150, 170}, {1, 1}, 171, 2);
+  const RequestMetrics without = ComputeRequestMetrics(r);
+  EXPECT_TRUE(std::isnan(without.server_queue_ms));
+  EXPECT_TRUE(std::isnan(without.server_prefill_ms));
+  EXPECT_TRUE(std::isnan(without.server_ttft_ms));
+  r.server = {.has = true, .preprocess_ms = 0.5, .queue_ms = 12, .prefill_ms = 30, .decode_ms = 20};
+  const RequestMetrics m = ComputeRequestMetrics(r);
+  EXPECT_DOUBLE_EQ(m.server_queue_ms, 12);
+  EXPECT_DOUBLE_EQ(m.server_prefill_ms, 30);
+  EXPECT_DOUBLE_EQ(m.server_ttft_ms, 42.5);  // decode is not part of it
+  EXPECT_DOUBLE_EQ(m.ttft_ms, 50);           // the client's own, unchanged
+}
+
 TEST(InterTokenLatencyTest, CoalescedGapIsSplitOverItsTokens) {
   const RequestRecord r = Record(0, 100, 100, {150, 170, 200}, {1, 2, 1}, 205, 4);
   EXPECT_EQ(InterTokenLatencies(r), (std::vector<double>{10, 10, 30}));
@@ -138,6 +152,27 @@ TEST(RunMetricsTest, ThroughputErrorsAndDistributions) {
   EXPECT_DOUBLE_EQ(m.itl_ms.mean, 40);
   EXPECT_DOUBLE_EQ(m.itl_ms.median, 50);
   EXPECT_DOUBLE_EQ(m.send_lag_ms.max, 2);
+  // No server sent its Timing: those distributions are empty, not zeros.
+  EXPECT_EQ(m.server_queue_ms.count, 0);
+  EXPECT_EQ(m.server_ttft_ms.count, 0);
+}
+
+TEST(RunMetricsTest, ServerTimingCountsOnlySuccessfulRequestsThatCarryIt) {
+  std::vector<RequestRecord> records = {
+      Record(0, 0, 0, {100, 150}, {1, 1}, 150, 2),
+      Record(1, 10, 10, {100, 150}, {1, 1}, 150, 2),
+      Record(2, 20, 20, {100, 150}, {1, 1}, 150, 2),  // no Timing (an older server)
+      Failed(3, 30, 40, 14, "UNAVAILABLE"),
+  };
+  records[0].server = {.has = true, .preprocess_ms = 1, .queue_ms = 4, .prefill_ms = 60};
+  records[1].server = {.has = true, .preprocess_ms = 1, .queue_ms = 10, .prefill_ms = 40};
+  records[3].server = {.has = true, .preprocess_ms = 1, .queue_ms = 1000, .prefill_ms = 1000};
+  const RunMetrics m = ComputeRunMetrics(records);
+  EXPECT_EQ(m.server_queue_ms.count, 2);
+  EXPECT_DOUBLE_EQ(m.server_queue_ms.max, 10);
+  EXPECT_DOUBLE_EQ(m.server_prefill_ms.mean, 50);
+  EXPECT_DOUBLE_EQ(m.server_ttft_ms.min, 51);
+  EXPECT_DOUBLE_EQ(m.server_ttft_ms.max, 65);
 }
 
 TEST(RunMetricsTest, TimelineConservesTokensAndCompletions) {

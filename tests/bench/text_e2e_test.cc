@@ -187,6 +187,7 @@ TEST_F(TextE2eTest, ClientPrintsTheTextOfTheIdsItStreams) {
   EXPECT_THAT(out.summary, HasSubstr("completion_tokens: 24,"));
   EXPECT_THAT(out.summary, HasSubstr("seed: 7,"));
   EXPECT_THAT(out.summary, HasSubstr("ttft: "));
+  EXPECT_THAT(out.summary, HasSubstr("(server: queue "));
 
   // --tokenize prints what the tokenizer makes of the text, ready for --prompt.
   const test::CommandResult tok = Run(client_bin_, "tokenize", {"--tokenize", kPrompt});

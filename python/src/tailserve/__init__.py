@@ -7,6 +7,7 @@
 The raw stubs, for what the client does not cover, are tailserve.v1.generation_pb2 and
 tailserve.v1.generation_pb2_grpc.
 """
-from tailserve.client import DEFAULT_TARGET, Chunk, Client, Completion, TailserveError, Usage
+from tailserve.client import (DEFAULT_TARGET, Chunk, Client, Completion, TailserveError, Timing,
+                              Usage)
 
-__all__ = ["DEFAULT_TARGET", "Chunk", "Client", "Completion", "TailserveError", "Usage"]
+__all__ = ["DEFAULT_TARGET", "Chunk", "Client", "Completion", "TailserveError", "Timing", "Usage"]

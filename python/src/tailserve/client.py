@@ -44,6 +44,21 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Timing:
+    """Where the call's time went inside the server, in microseconds (the proto's Timing).
+
+    preprocess: arrival to the engine's queue (validation, tokenization); queue: waiting for a
+    slot and KV blocks; prefill: from then to the first token (the prompt's chunks, behind other
+    prompts); decode: first token to last. Server TTFT = preprocess + queue + prefill.
+    """
+
+    preprocess_us: int
+    queue_us: int
+    prefill_us: int
+    decode_us: int
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed response.
 
@@ -59,6 +74,7 @@ class Chunk:
     finish_reason: str | None  # "eos", "length", "stop_string", "stop_token" or "cancelled"
     matched_stop: str | None  # stop_string: the string; stop_token: the id in decimal
     usage: Usage | None
+    timing: Timing | None  # last chunk of a stream that ends OK (None from an older server)
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,7 @@ class Completion:
     usage: Usage
     seed: int
     request_id: str
+    timing: Timing | None
 
 
 class Client:
@@ -176,7 +193,7 @@ class Client:
             text="".join(c.text for c in chunks),
             token_ids=[t for c in chunks for t in c.token_ids],
             finish_reason=last.finish_reason, matched_stop=last.matched_stop, usage=last.usage,
-            seed=first.seed, request_id=last.request_id)
+            seed=first.seed, request_id=last.request_id, timing=last.timing)
 
     def tokenize(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """The server tokenizer's ids for `text` (None: the server's default, which adds BOS for
@@ -258,7 +275,12 @@ def _chunk(response: pb.GenerateResponse, first: bool) -> Chunk:
         seed=response.seed if first else None,
         finish_reason=_finish_reason(response.finish_reason) if last else None,
         matched_stop=response.matched_stop or None,
-        usage=Usage(usage.prompt_tokens, usage.completion_tokens) if last else None)
+        usage=Usage(usage.prompt_tokens, usage.completion_tokens) if last else None,
+        timing=_timing(response.timing) if response.HasField("timing") else None)
+
+
+def _timing(t: pb.Timing) -> Timing:
+    return Timing(t.preprocess_us, t.queue_us, t.prefill_us, t.decode_us)
 
 
 def _finish_reason(value: int) -> str:
