@@ -83,9 +83,17 @@ Tokens Greedy(pb::Generation::Stub& stub, const Tokens& prompt, int32_t n) {
   auto reader = stub.Generate(&ctx, req);
   pb::GenerateResponse msg;
   Tokens out;
-  while (reader->Read(&msg)) out.insert(out.end(), msg.token_ids().begin(), msg.token_ids().end());
+  int timed = 0;  // messages with the server's Timing: the last one only
+  while (reader->Read(&msg)) {
+    out.insert(out.end(), msg.token_ids().begin(), msg.token_ids().end());
+    if (!msg.has_timing()) continue;
+    ++timed;
+    EXPECT_NE(msg.finish_reason(), pb::FINISH_REASON_UNSPECIFIED);
+    if (n > 1) EXPECT_GT(msg.timing().decode_us(), 0);
+  }
   const grpc::Status s = reader->Finish();
   EXPECT_TRUE(s.ok()) << s.error_code() << " " << s.error_message();
+  EXPECT_EQ(timed, 1);
   return out;
 }
 
