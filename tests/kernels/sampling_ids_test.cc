@@ -8,17 +8,15 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <numeric>
 #include <set>
 #include <vector>
 
 #include "kernels/sampling.cuh"
 #include "tests/kernels/kernel_test_util.h"
+#include "tests/kernels/sampling_test_util.h"
 
 namespace ts::kernels {
 namespace {
-
-using testing::GuardedBuffer;
 
 // Ids within 3 of the boundaries of the ranges a launch with `split` CTAs a row reads: each
 // slice's start and end and, in the first two slices and the last, each warp's range (the
@@ -73,39 +71,13 @@ std::vector<int32_t> Launch(const std::vector<int32_t>& hot, int32_t vocab, int3
       params[r].temperature = 0.0f;
     }
   }
-  std::vector<int32_t> slots(rows);
-  std::iota(slots.begin(), slots.end(), 0);
-  GuardedBuffer<float> d_logits(logits.size());
-  GuardedBuffer<SamplingRow> d_params(rows);
-  GuardedBuffer<int32_t> d_slots(rows), d_tokens(rows);
-  GuardedBuffer<uint32_t> d_counts(size_t(rows) * vocab),
-      d_mask(size_t(rows) * ((vocab + 31) / 32));
-  GuardedBuffer<uint8_t> d_ws(SamplingWorkspaceBytes(rows, vocab));
-  d_logits.Upload(logits);
-  d_params.Upload(params);
-  d_slots.Upload(slots);
-  d_counts.Upload(std::vector<uint32_t>(size_t(rows) * vocab, 0));
-  d_mask.Upload(std::vector<uint32_t>(size_t(rows) * ((vocab + 31) / 32), 0));
-  d_ws.Upload(std::vector<uint8_t>(d_ws.size(), 0));
-  SamplingKernelParams p;
-  p.logits = d_logits.get();
-  p.params = d_params.get();
-  p.row_slots = d_slots.get();
-  p.output_counts = d_counts.get();
-  p.prompt_mask = d_mask.get();
-  p.tokens = d_tokens.get();
-  p.rows = rows;
-  p.vocab = vocab;
-  p.num_slots = rows;
-  p.split = split;
-  p.workspace = d_ws.get();
-  p.workspace_bytes = d_ws.size();
-  const absl::Status st = LaunchSampling(p, nullptr);
+  sampling_test::SamplingBuffers buf(logits, params, rows, vocab);
+  const absl::Status st = LaunchSampling(buf.Launch(split), nullptr);
   EXPECT_TRUE(st.ok()) << st;
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_TRUE(d_tokens.GuardsIntact());
-  EXPECT_TRUE(d_ws.GuardsIntact());
-  return d_tokens.Download();
+  EXPECT_TRUE(buf.tokens.GuardsIntact());
+  EXPECT_TRUE(buf.workspace.GuardsIntact());
+  return buf.tokens.Download();
 }
 
 TEST(SamplingIdsTest, EveryIdNextToARangeBoundaryIsRead) {
