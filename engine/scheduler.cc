@@ -310,6 +310,9 @@ std::vector<Request*> Scheduler::Admit() {
     head.slot = static_cast<SlotId>(slot - slot_used_.begin());
     *slot = true;
     head.state = RequestState::kDecoding;
+    // Before the stats below publish it as running. A stream's lock is never held while this one
+    // is taken, so the nesting cannot deadlock.
+    head.stream->MarkScheduled();
     running_.push_back(std::move(queue_.front()));
     queue_.pop_front();
     admitted.push_back(running_.back().get());
@@ -320,7 +323,6 @@ std::vector<Request*> Scheduler::Admit() {
   requests_finished_ += expired.size();
   PublishStatsLocked();
   lock.unlock();
-  for (Request* r : admitted) r->stream->MarkScheduled();
   for (auto& r : expired) {
     r->stream->Finish(FinishReason::kDeadline,
                       absl::DeadlineExceededError("the request's deadline passed while it queued"));
