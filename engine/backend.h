@@ -138,6 +138,14 @@ class Backend {
   virtual void Release(SlotId slot) = 0;
   // Report of the last completed step (kOneStep mode; with row groups, that group's rows).
   virtual StepReport last_step() const = 0;
+  // When `slot`'s prompt began its prefill (the host handed its first rows to the device), for
+  // the request's Timing. time_point{} for a backend that starts every prompt inside Prefill: the
+  // engine's own scheduled time stands for it then. A loop backend's queued prompts wait behind
+  // the earlier ones (docs/device-loop.md, Mixed steps).
+  virtual std::chrono::steady_clock::time_point PrefillStarted(SlotId slot) const {
+    (void)slot;
+    return {};
+  }
 };
 
 // Smallest bucket >= n (0 for n <= 0); buckets sorted ascending. n must be <= buckets.back().

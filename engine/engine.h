@@ -48,8 +48,11 @@ struct GenerateRequest {
 // reached is time_point{}: a request cancelled in the queue is never scheduled.
 struct RequestTimes {
   using Clock = std::chrono::steady_clock;
-  Clock::time_point submitted;    // Submit queued it
-  Clock::time_point scheduled;    // it took a slot and KV blocks; its prompt went to the backend
+  Clock::time_point submitted;  // Submit queued it
+  Clock::time_point scheduled;  // it took a slot and KV blocks; its prompt went to the backend
+  // The backend handed the prompt's first rows to the device (Backend::PrefillStarted); unset
+  // when the backend started it inside Prefill, at `scheduled`.
+  Clock::time_point prefill_started;
   Clock::time_point first_token;  // the engine read its first token from the backend
   Clock::time_point finished;     // the engine finished its stream
 };
@@ -86,8 +89,10 @@ class RequestStream {
 
   // Producer (engine thread).
   void MarkScheduled();  // the request took a slot and KV blocks
-  // Returns without blocking. The first non-empty call is the first token's time.
-  void Append(std::span<const int32_t> tokens);
+  // Returns without blocking. The first non-empty call is the first token's time, and records
+  // `prefill_started` (the backend's report, unset if it has none) with it.
+  void Append(std::span<const int32_t> tokens,
+              RequestTimes::Clock::time_point prefill_started = {});
   // First call wins; later Append/Finish calls are ignored.
   void Finish(FinishReason reason, absl::Status status);
   int32_t unread() const;  // tokens appended but not yet taken

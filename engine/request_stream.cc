@@ -34,13 +34,15 @@ void RequestStream::MarkScheduled() {
   times_.scheduled = RequestTimes::Clock::now();
 }
 
-void RequestStream::Append(std::span<const int32_t> tokens) {
+void RequestStream::Append(std::span<const int32_t> tokens,
+                           RequestTimes::Clock::time_point prefill_started) {
   if (tokens.empty()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return;
     if (times_.first_token == RequestTimes::Clock::time_point{}) {
       times_.first_token = RequestTimes::Clock::now();
+      times_.prefill_started = prefill_started;
     }
     pending_.tokens.insert(pending_.tokens.end(), tokens.begin(), tokens.end());
     completion_tokens_ += static_cast<int32_t>(tokens.size());

@@ -396,7 +396,9 @@ void Scheduler::DrainOne(Request* r) {
   }
   if (broken_before) token_buf_.clear();
   if (!token_buf_.empty()) {
-    r->stream->Append(token_buf_);
+    // With the first tokens, when the backend began the prompt's prefill (for the Timing).
+    r->stream->Append(token_buf_, r->generated == 0 ? backend_->PrefillStarted(r->slot)
+                                                    : RequestTimes::Clock::time_point{});
     r->generated += static_cast<int32_t>(token_buf_.size());
     tokens_generated_ += token_buf_.size();
   }

@@ -1,5 +1,6 @@
 #include "server/generation_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -50,20 +51,25 @@ pb::FinishReason ToProto(FinishReason r) {
 }
 
 // Where the call's time went (the proto's Timing), from its arrival and the engine's times. A
-// point the engine never reached counts as reached at the next one, so the four parts always add
-// up to `end` - `received`. `end`: the engine's finish, or now for a stream the server ended
-// itself (a stop string matched before the engine stopped).
+// point the engine never reached counts as reached at the next one (the prefill's start: at
+// `scheduled`), and each is kept within its neighbours, so the five parts always add up to
+// `end` - `received`. `end`: the engine's finish, or now for a stream the server ended itself (a
+// stop string matched before the engine stopped).
 void SetTiming(const RequestTimes& t, RequestTimes::Clock::time_point received, pb::Timing* out) {
   using TimePoint = RequestTimes::Clock::time_point;
   const TimePoint end = t.finished != TimePoint{} ? t.finished : RequestTimes::Clock::now();
   const TimePoint first = t.first_token != TimePoint{} ? t.first_token : end;
   const TimePoint scheduled = t.scheduled != TimePoint{} ? t.scheduled : first;
+  const TimePoint started = t.prefill_started != TimePoint{}
+                                ? std::max(scheduled, std::min(t.prefill_started, first))
+                                : scheduled;
   auto us = [](TimePoint from, TimePoint to) -> int64_t {
     return to > from ? std::chrono::duration_cast<std::chrono::microseconds>(to - from).count() : 0;
   };
   out->set_preprocess_us(us(received, t.submitted));
   out->set_queue_us(us(t.submitted, scheduled));
-  out->set_prefill_us(us(scheduled, first));
+  out->set_prefill_wait_us(us(scheduled, started));
+  out->set_prefill_us(us(started, first));
   out->set_decode_us(us(first, end));
 }
 

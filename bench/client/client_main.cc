@@ -193,8 +193,10 @@ void PrintSummary(const StreamFacts& f, double total_ms) {
   absl::StrAppend(&line, absl::StrFormat(", total: %.1f ms", total_ms));
   if (last.has_timing()) {
     const v1::Timing& t = last.timing();
-    absl::StrAppend(&line, absl::StrFormat(" (server: queue %.1f ms, prefill %.1f ms)",
-                                           t.queue_us() / 1000.0, t.prefill_us() / 1000.0));
+    absl::StrAppend(&line, absl::StrFormat(" (server: queue %.1f ms, prefill wait %.1f ms, "
+                                           "prefill %.1f ms)",
+                                           t.queue_us() / 1000.0, t.prefill_wait_us() / 1000.0,
+                                           t.prefill_us() / 1000.0));
   }
   std::fprintf(stderr, "%s\n", line.c_str());
 }

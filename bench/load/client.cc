@@ -107,6 +107,7 @@ class GenerateCall final : public grpc::ClientReadReactor<v1::GenerateResponse> 
       record_.server = ServerTiming{.has = true,
                                     .preprocess_ms = t.preprocess_us() / 1000.0,
                                     .queue_ms = t.queue_us() / 1000.0,
+                                    .prefill_wait_ms = t.prefill_wait_us() / 1000.0,
                                     .prefill_ms = t.prefill_us() / 1000.0,
                                     .decode_ms = t.decode_us() / 1000.0};
     }

@@ -48,6 +48,7 @@ std::vector<MetricView> Views(const RunMetrics& m) {
           {"e2e_ms", "E2E latency", &m.e2e_ms},
           {"send_lag_ms", "send lag", &m.send_lag_ms},
           {"server_queue_ms", "srv queue", &m.server_queue_ms},
+          {"server_prefill_wait_ms", "srv wait", &m.server_prefill_wait_ms},
           {"server_prefill_ms", "srv prefill", &m.server_prefill_ms},
           {"server_ttft_ms", "srv TTFT", &m.server_ttft_ms}};
 }
@@ -70,6 +71,7 @@ nlohmann::json RecordToJson(const RequestRecord& r) {
   if (r.server.has) {
     server = {{"preprocess_ms", Ms(r.server.preprocess_ms)},
               {"queue_ms", Ms(r.server.queue_ms)},
+              {"prefill_wait_ms", Ms(r.server.prefill_wait_ms)},
               {"prefill_ms", Ms(r.server.prefill_ms)},
               {"decode_ms", Ms(r.server.decode_ms)}};
   }
@@ -140,9 +142,9 @@ nlohmann::json BuildSummaryJson(const ReportInputs& in) {
             {"e2e_ms", "stream end - intended send time"},
             {"send_lag_ms", "actual send - intended send time"},
             {"server_queue_ms", "the server's Timing.queue_us: waiting for a slot and KV blocks"},
-            {"server_prefill_ms",
-             "the server's Timing.prefill_us: scheduled -> first token read by its engine"},
-            {"server_ttft_ms", "the server's Timing: preprocess + queue + prefill"}}},
+            {"server_prefill_wait_ms", "Timing.prefill_wait_us: behind the prompts ahead of it"},
+            {"server_prefill_ms", "Timing.prefill_us: its first prompt rows -> its first token"},
+            {"server_ttft_ms", "the server's Timing: every part but decode_us"}}},
           {"config", in.config},
           {"model_info", in.model_info},
           {"run", in.run},

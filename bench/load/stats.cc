@@ -23,8 +23,9 @@ RequestMetrics ComputeRequestMetrics(const RequestRecord& r) {
   m.tpot_ms = tokens >= 2 ? (m.e2e_ms - m.ttft_ms) / (tokens - 1) : kNaN;
   const ServerTiming& s = r.server;
   m.server_queue_ms = s.has ? s.queue_ms : kNaN;
+  m.server_prefill_wait_ms = s.has ? s.prefill_wait_ms : kNaN;
   m.server_prefill_ms = s.has ? s.prefill_ms : kNaN;
-  m.server_ttft_ms = s.has ? s.preprocess_ms + s.queue_ms + s.prefill_ms : kNaN;
+  m.server_ttft_ms = s.has ? s.preprocess_ms + s.queue_ms + s.prefill_wait_ms + s.prefill_ms : kNaN;
   return m;
 }
 
@@ -82,7 +83,7 @@ double ChooseBinMs(double duration_ms, int target_bins) {
 RunMetrics ComputeRunMetrics(std::span<const RequestRecord> records, int target_bins) {
   RunMetrics m;
   m.requests_total = static_cast<int64_t>(records.size());
-  std::vector<double> ttft, tpot, itl, e2e, lag, queue, prefill, server_ttft;
+  std::vector<double> ttft, tpot, itl, e2e, lag, queue, prefill_wait, prefill, server_ttft;
   double window_start = std::numeric_limits<double>::infinity();
   double window_end = -std::numeric_limits<double>::infinity();
   for (const RequestRecord& r : records) {
@@ -107,6 +108,7 @@ RunMetrics ComputeRunMetrics(std::span<const RequestRecord> records, int target_
     e2e.push_back(rm.e2e_ms);
     lag.push_back(rm.send_lag_ms);
     queue.push_back(rm.server_queue_ms);
+    prefill_wait.push_back(rm.server_prefill_wait_ms);
     prefill.push_back(rm.server_prefill_ms);
     server_ttft.push_back(rm.server_ttft_ms);
     const std::vector<double> r_itl = InterTokenLatencies(r);
@@ -118,6 +120,7 @@ RunMetrics ComputeRunMetrics(std::span<const RequestRecord> records, int target_
   m.e2e_ms = Summarize(std::move(e2e));
   m.send_lag_ms = Summarize(std::move(lag));
   m.server_queue_ms = Summarize(std::move(queue));
+  m.server_prefill_wait_ms = Summarize(std::move(prefill_wait));
   m.server_prefill_ms = Summarize(std::move(prefill));
   m.server_ttft_ms = Summarize(std::move(server_ttft));
   if (records.empty()) return m;

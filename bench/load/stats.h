@@ -11,10 +11,11 @@
 //           n_k samples of (t_k - t_{k-1}) / n_k. Tokens that arrive in the first message are
 //           covered by TTFT and add no ITL sample. The raw per-message times stay in results.jsonl.
 //   send lag = actual send - intended send: how far the client itself fell behind its schedule.
-//   server queue / prefill / TTFT = the server's own account of a request (its Timing message):
-//           waiting for a slot and KV blocks; from then to the first token; and the two plus the
-//           call's validation and tokenization. TTFT - server TTFT is what the client, the network
-//           and gRPC added, and the open loop's send lag.
+//   server queue / prefill wait / prefill / TTFT = the server's own account of a request (its
+//           Timing message): waiting for a slot and KV blocks; then behind the prompts ahead of it;
+//           its own prefill to the first token; and all three plus the call's validation and
+//           tokenization. TTFT - server TTFT is what the client, the network and gRPC added, and
+//           the open loop's send lag.
 // Latency distributions use successful requests only; failures are counted by status code.
 #pragma once
 
@@ -31,6 +32,7 @@ struct ServerTiming {
   bool has = false;  // false: the server sent none (a failed call, or an older server)
   double preprocess_ms = 0;
   double queue_ms = 0;
+  double prefill_wait_ms = 0;
   double prefill_ms = 0;
   double decode_ms = 0;
 };
@@ -64,9 +66,11 @@ struct RequestMetrics {
   double tpot_ms = 0;
   double e2e_ms = 0;
   double send_lag_ms = 0;
-  double server_queue_ms = 0;    // NaN without the server's Timing
-  double server_prefill_ms = 0;  // NaN without the server's Timing
-  double server_ttft_ms = 0;     // preprocess + queue + prefill; NaN without the server's Timing
+  // NaN without the server's Timing.
+  double server_queue_ms = 0;
+  double server_prefill_wait_ms = 0;
+  double server_prefill_ms = 0;
+  double server_ttft_ms = 0;  // preprocess + queue + prefill wait + prefill
 };
 RequestMetrics ComputeRequestMetrics(const RequestRecord& r);
 
@@ -118,6 +122,7 @@ struct RunMetrics {
   Distribution e2e_ms;
   Distribution send_lag_ms;
   Distribution server_queue_ms;  // over successful requests whose server sent its Timing
+  Distribution server_prefill_wait_ms;
   Distribution server_prefill_ms;
   Distribution server_ttft_ms;
   double bin_ms = 0;

@@ -13,8 +13,8 @@
 # MODEL: a Hugging Face Llama directory; when missing, tests/gpu/make_llama_reference.py writes a
 # random-weight one in the SHAPE given (default 8b). Prompts are random ids, uniform 64-512 tokens,
 # 128 output tokens (EOS ignored), greedy; --max_batch 64. Full reports under $OUT/serve-*. The last
-# columns are p99s of the server's own Timing: its TTFT, and the queue (a slot and KV blocks) and
-# prefill parts of it; results.jsonl has them per request, and $OUT/serve-<mode>-<rate>.ttft-tail.txt
+# columns are p99s of the server's own Timing: its TTFT, and the queue (a slot and KV blocks), wait
+# (behind other prompts) and prefill parts of it; results.jsonl has them per request, and $OUT/serve-<mode>-<rate>.ttft-tail.txt
 # splits the slowest first tokens (bench/serving/ttft_tail.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -64,7 +64,8 @@ import json, sys
 m = json.load(open(sys.argv[1]))["metrics"]
 t, i = m["ttft_ms"], m["itl_ms"]
 # The server's share of the TTFT tail (its Timing): waiting for a slot, and prefill to first token.
-srv = [m.get(k, {}).get("p99") for k in ("server_ttft_ms", "server_queue_ms", "server_prefill_ms")]
+srv = [m.get(k, {}).get("p99")
+       for k in ("server_ttft_ms", "server_queue_ms", "server_prefill_wait_ms", "server_prefill_ms")]
 srv = " ".join(f"{v:9.1f}" if v is not None else f"{'-':>9}" for v in srv)
 print(f"{sys.argv[2]:10} {sys.argv[3]:>5} {t['median']:9.1f} {t['p99']:9.1f} {i['median']:8.2f} "
       f"{i['p99']:8.2f} {i['p99'] / i['median']:7.2f} {m['requests_ok']:5d} {m['requests_failed']:4d} "
@@ -75,5 +76,5 @@ EOF
   kill -TERM $pid; wait $pid
   echo "$mode: server exit $?" >> "$OUT/serve-exits.txt"
 done
-echo "mode        rate  ttft_p50  ttft_p99  itl_p50  itl_p99 p99/p50    ok fail  srv_ttft  srv_queue srv_prefill (p99)"
+echo "mode        rate  ttft_p50  ttft_p99  itl_p50  itl_p99 p99/p50    ok fail  srv_ttft srv_queue  srv_wait srv_prefill (p99)"
 printf '%s\n' "${rows[@]}"

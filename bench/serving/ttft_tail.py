@@ -4,8 +4,8 @@
 Reads a run's results.jsonl (tailserve-load --out_dir) and splits each successful request's TTFT
 into the server's own Timing (docs/serving.md, API edges):
   queue    waiting in the engine for a slot, KV blocks and room in the batch (--max_batch)
-  prefill  from then to the engine reading its first token: its prompt's chunks or mixed steps,
-           behind the prompts ahead of it
+  wait     then behind the prompts ahead of it (the device loop's prefill queue)
+  prefill  its own chunks or mixed steps, to the engine reading its first token
   other    the rest of the client's TTFT: validation and tokenization, gRPC, the network, the
            client's own send lag
 and adds what the server held when the request arrived, from the other requests' times:
@@ -13,8 +13,8 @@ and adds what the server held when the request arrived, from the other requests'
   decoding requests between their first token and their end (the batch it joined)
 
 Prints the slowest requests and, for the requests at or above a TTFT percentile against the rest,
-the mean of each part: whether a TTFT tail is the slot limit (queue), the prefill backlog
-(prefill, with ahead), or outside the engine (other).
+the mean of each part: whether a TTFT tail is the slot limit (queue), the prefill backlog (wait,
+with ahead), its own prefill, or outside the engine (other).
 
     python3 bench/serving/ttft_tail.py serve-out/serve-loop-48/results.jsonl [--top 10] [--tail 0.95]
 """
@@ -32,7 +32,8 @@ def load(path):
             t = r.get("server_timing")
             if r.get("status") != "OK" or t is None or r.get("ttft_ms") is None:
                 continue
-            server = t["preprocess_ms"] + t["queue_ms"] + t["prefill_ms"]
+            wait = t.get("prefill_wait_ms", 0.0)  # absent from results written before the field
+            server = t["preprocess_ms"] + t["queue_ms"] + wait + t["prefill_ms"]
             rows.append({
                 "index": r["index"],
                 "arrival": r["intended_ms"],
@@ -41,8 +42,9 @@ def load(path):
                 "input": r["input_tokens"],
                 "ttft": r["ttft_ms"],
                 "queue": t["queue_ms"],
+                "wait": wait,
                 "prefill": t["prefill_ms"],
-                "other": r["ttft_ms"] - t["queue_ms"] - t["prefill_ms"],
+                "other": r["ttft_ms"] - t["queue_ms"] - wait - t["prefill_ms"],
                 "server": server,
             })
     return rows
@@ -70,7 +72,7 @@ def percentile(values, q):
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-PARTS = ("ttft", "queue", "prefill", "other", "ahead", "decoding")
+PARTS = ("ttft", "queue", "wait", "prefill", "other", "ahead", "decoding")
 
 
 def split_tail(rows, q):
@@ -96,12 +98,12 @@ def main(argv):
         print(f"{args.results}: no successful request with the server's Timing", file=sys.stderr)
         return 1
     print(f"{len(rows)} requests; the {min(args.top, len(rows))} slowest first tokens (ms):")
-    print(f"{'index':>6} {'arrival_s':>9} {'input':>6} {'ttft':>8} {'queue':>8} {'prefill':>8} "
-          f"{'other':>7} {'ahead':>6} {'decoding':>8}")
+    print(f"{'index':>6} {'arrival_s':>9} {'input':>6} {'ttft':>8} {'queue':>8} {'wait':>8} "
+          f"{'prefill':>8} {'other':>7} {'ahead':>6} {'decoding':>8}")
     for r in sorted(rows, key=lambda r: -r["ttft"])[:args.top]:
         print(f"{r['index']:6d} {r['arrival'] / 1000:9.3f} {r['input']:6d} {r['ttft']:8.1f} "
-              f"{r['queue']:8.1f} {r['prefill']:8.1f} {r['other']:7.1f} {r['ahead']:6d} "
-              f"{r['decoding']:8d}")
+              f"{r['queue']:8.1f} {r['wait']:8.1f} {r['prefill']:8.1f} {r['other']:7.1f} "
+              f"{r['ahead']:6d} {r['decoding']:8d}")
     cut, n_tail, tail, n_rest, rest = split_tail(rows, args.tail)
     print(f"\nmeans, TTFT >= p{args.tail * 100:g} ({cut:.1f} ms, {n_tail} requests) against the "
           f"other {n_rest}:")

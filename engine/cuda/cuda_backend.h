@@ -155,6 +155,9 @@ class CudaBackend : public Backend {
   const TokenRing& Ring(SlotId slot) const override;
   void Release(SlotId slot) override;
   StepReport last_step() const override { return last_; }
+  std::chrono::steady_clock::time_point PrefillStarted(SlotId slot) const override {
+    return slots_[slot].prefill_started;
+  }
 
   // For benchmarks and tests. model() is the last stage of a pipeline (its slot table).
   CudaModel& model() { return *model_; }
@@ -203,6 +206,9 @@ class CudaBackend : public Backend {
   struct Slot {
     int32_t prompt_len = 0;
     int32_t generated = 0;  // host mirror of the device count, for the regime choice
+    // Loop mode: when the first chunk holding the prompt was enqueued (unset before, and in
+    // host-driven mode, where Prefill runs the prompt at once).
+    std::chrono::steady_clock::time_point prefill_started;
   };
 
   // Stages before the last one of a pipeline (empty for a whole model). The last stage is

@@ -102,6 +102,7 @@ void CudaBackend::QueuePrefills(std::span<const SlotInit> inits) {
     table_->set_state(in.slot, SlotState::kQueued);
     s.prompt_len = static_cast<int32_t>(in.prompt.size());
     s.generated = 0;
+    s.prefill_started = {};
   }
 }
 
@@ -118,7 +119,10 @@ absl::Status CudaBackend::EnqueueChunk(int32_t max_rows, int32_t mixed_bucket,
     const SlotInit& in = *p.init;
     // Staging row = slot: a slot is staged once per request, so no later chunk's staging can
     // overwrite rows whose copies have not run yet.
-    if (p.first) TS_RETURN_IF_ERROR(StageSlot(in, in.slot, k::kSlotPrefill, stream_));
+    if (p.first) {
+      TS_RETURN_IF_ERROR(StageSlot(in, in.slot, k::kSlotPrefill, stream_));
+      slots_[in.slot].prefill_started = std::chrono::steady_clock::now();
+    }
     int32_t head_row = -1;
     if (p.last) {
       head_row = static_cast<int32_t>(sample_slots.size());

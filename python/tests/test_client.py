@@ -203,7 +203,8 @@ def test_stream_yields_one_chunk_per_response(harness: Harness) -> None:
         response(" the", (12,)),
         response(" end", (), finish_reason=pb.FINISH_REASON_STOP_STRING, matched_stop="!",
                  usage=pb.Usage(prompt_tokens=4, completion_tokens=3),
-                 timing=pb.Timing(preprocess_us=5, queue_us=0, prefill_us=900, decode_us=2000)),
+                 timing=pb.Timing(preprocess_us=5, queue_us=0, prefill_wait_us=30, prefill_us=900,
+                                  decode_us=2000)),
     ]
     with harness.client() as client:
         chunks = list(client.stream("x", stop="!"))
@@ -214,7 +215,7 @@ def test_stream_yields_one_chunk_per_response(harness: Harness) -> None:
     assert [c.matched_stop for c in chunks] == [None, None, "!"]
     assert [c.usage for c in chunks] == [None, None, tailserve.Usage(4, 3)]
     # A zero queue_us is a time, not "unset".
-    assert [c.timing for c in chunks] == [None, None, tailserve.Timing(5, 0, 900, 2000)]
+    assert [c.timing for c in chunks] == [None, None, tailserve.Timing(5, 0, 30, 900, 2000)]
 
 
 def test_generate_puts_the_stream_together(harness: Harness) -> None:

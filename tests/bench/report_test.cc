@@ -70,11 +70,16 @@ TEST(ReportTest, RecordJsonCarriesTimesAndNullsForUndefined) {
   EXPECT_TRUE(ok["server_timing"].is_null());  // SampleRecords' server sent no Timing
 
   RequestRecord timed = records[2];
-  timed.server = {
-      .has = true, .preprocess_ms = 0.25, .queue_ms = 3.5, .prefill_ms = 12.125, .decode_ms = 40};
+  timed.server = {.has = true,
+                  .preprocess_ms = 0.25,
+                  .queue_ms = 3.5,
+                  .prefill_wait_ms = 1.5,
+                  .prefill_ms = 12.125,
+                  .decode_ms = 40};
   const nlohmann::json t = RecordToJson(timed)["server_timing"];
   EXPECT_DOUBLE_EQ(t["preprocess_ms"].get<double>(), 0.25);
   EXPECT_DOUBLE_EQ(t["queue_ms"].get<double>(), 3.5);
+  EXPECT_DOUBLE_EQ(t["prefill_wait_ms"].get<double>(), 1.5);
   EXPECT_DOUBLE_EQ(t["prefill_ms"].get<double>(), 12.125);
   EXPECT_DOUBLE_EQ(t["decode_ms"].get<double>(), 40);
 }
@@ -101,7 +106,8 @@ TEST(ReportTest, SummaryJsonHasMetricsConfigAndModelInfo) {
   // A distribution with no samples serialises as nulls, not NaN (invalid JSON).
   const RunMetrics empty = ComputeRunMetrics({});
   EXPECT_TRUE(MetricsToJson(empty)["ttft_ms"]["mean"].is_null());
-  for (const char* key : {"server_queue_ms", "server_prefill_ms", "server_ttft_ms"}) {
+  for (const char* key :
+       {"server_queue_ms", "server_prefill_wait_ms", "server_prefill_ms", "server_ttft_ms"}) {
     EXPECT_EQ(s["metrics"][key]["count"], 0) << key;
     EXPECT_TRUE(s["definitions"].contains(key)) << key;
   }

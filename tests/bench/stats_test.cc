@@ -86,10 +86,16 @@ TEST(RequestMetricsTest, ServerTimingSplitsTheServersShareOfTtft) {
   EXPECT_TRUE(std::isnan(without.server_queue_ms));
   EXPECT_TRUE(std::isnan(without.server_prefill_ms));
   EXPECT_TRUE(std::isnan(without.server_ttft_ms));
-  r.server = {.has = true, .preprocess_ms = 0.5, .queue_ms = 12, .prefill_ms = 30, .decode_ms = 20};
+  r.server = {.has = true,
+              .preprocess_ms = 0.5,
+              .queue_ms = 12,
+              .prefill_wait_ms = 7,
+              .prefill_ms = 23,
+              .decode_ms = 20};
   const RequestMetrics m = ComputeRequestMetrics(r);
   EXPECT_DOUBLE_EQ(m.server_queue_ms, 12);
-  EXPECT_DOUBLE_EQ(m.server_prefill_ms, 30);
+  EXPECT_DOUBLE_EQ(m.server_prefill_wait_ms, 7);
+  EXPECT_DOUBLE_EQ(m.server_prefill_ms, 23);
   EXPECT_DOUBLE_EQ(m.server_ttft_ms, 42.5);  // decode is not part of it
   EXPECT_DOUBLE_EQ(m.ttft_ms, 50);           // the client's own, unchanged
 }
@@ -164,13 +170,15 @@ TEST(RunMetricsTest, ServerTimingCountsOnlySuccessfulRequestsThatCarryIt) {
       Record(2, 20, 20, {100, 150}, {1, 1}, 150, 2),  // no Timing (an older server)
       Failed(3, 30, 40, 14, "UNAVAILABLE"),
   };
-  records[0].server = {.has = true, .preprocess_ms = 1, .queue_ms = 4, .prefill_ms = 60};
+  records[0].server = {
+      .has = true, .preprocess_ms = 1, .queue_ms = 4, .prefill_wait_ms = 20, .prefill_ms = 40};
   records[1].server = {.has = true, .preprocess_ms = 1, .queue_ms = 10, .prefill_ms = 40};
   records[3].server = {.has = true, .preprocess_ms = 1, .queue_ms = 1000, .prefill_ms = 1000};
   const RunMetrics m = ComputeRunMetrics(records);
   EXPECT_EQ(m.server_queue_ms.count, 2);
   EXPECT_DOUBLE_EQ(m.server_queue_ms.max, 10);
-  EXPECT_DOUBLE_EQ(m.server_prefill_ms.mean, 50);
+  EXPECT_DOUBLE_EQ(m.server_prefill_wait_ms.max, 20);
+  EXPECT_DOUBLE_EQ(m.server_prefill_ms.mean, 40);
   EXPECT_DOUBLE_EQ(m.server_ttft_ms.min, 51);
   EXPECT_DOUBLE_EQ(m.server_ttft_ms.max, 65);
 }

@@ -12,12 +12,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', '..', 'bench', 
 import ttft_tail  # noqa: E402
 
 
-def record(index, arrival, ttft, end, tokens, queue, prefill, status='OK', timing=True):
+def record(index, arrival, ttft, end, tokens, queue, prefill, wait=0.0, status='OK',
+           timing=True):
     r = {'index': index, 'status': status, 'intended_ms': arrival, 'ttft_ms': ttft,
          'end_ms': end, 'input_tokens': tokens, 'server_timing': None}
     if timing:
-        r['server_timing'] = {'preprocess_ms': 0.5, 'queue_ms': queue, 'prefill_ms': prefill,
-                              'decode_ms': end - arrival - ttft}
+        r['server_timing'] = {'preprocess_ms': 0.5, 'queue_ms': queue, 'prefill_wait_ms': wait,
+                              'prefill_ms': prefill, 'decode_ms': end - arrival - ttft}
     return r
 
 
@@ -27,7 +28,7 @@ RECORDS = [
     record(0, 0, 10, 500, 100, 1, 8),
     record(1, 20, 60, 600, 300, 2, 50),
     record(2, 25, 95, 700, 200, 40, 50),
-    record(3, 30, 150, 800, 400, 60, 80),
+    record(3, 30, 150, 800, 400, 60, 50, wait=30),
     record(4, 35, 5, 40, 50, 0, 0, status='UNAVAILABLE'),
     record(5, 36, 7, 900, 50, 0, 0, timing=False),
 ]
@@ -48,8 +49,10 @@ class TtftTailTest(unittest.TestCase):
         rows = ttft_tail.load(self.path)
         self.assertEqual([r['index'] for r in rows], [0, 1, 2, 3])
         d = rows[3]
-        self.assertAlmostEqual(d['other'], 150 - 60 - 80)  # preprocess is part of it
-        self.assertAlmostEqual(d['server'], 0.5 + 60 + 80)
+        self.assertAlmostEqual(d['wait'], 30)
+        self.assertAlmostEqual(d['other'], 150 - 60 - 30 - 50)  # preprocess is part of it
+        self.assertAlmostEqual(d['server'], 0.5 + 60 + 30 + 50)
+        self.assertEqual(rows[0]['wait'], 0)
 
     def test_what_each_request_found_on_arrival(self):
         rows = {r['index']: r for r in ttft_tail.add_load(ttft_tail.load(self.path))}
@@ -70,6 +73,8 @@ class TtftTailTest(unittest.TestCase):
         self.assertAlmostEqual(rest['queue'], 1.5)
         self.assertAlmostEqual(tail['ahead'], 400)
         self.assertAlmostEqual(rest['prefill'], 29)
+        self.assertAlmostEqual(tail['prefill'], 50)
+        self.assertAlmostEqual(tail['wait'], 15)
 
     def test_main_lists_the_slowest_first(self):
         out = io.StringIO()

@@ -156,6 +156,9 @@ class CancelWatch : public Backend {
   const TokenRing& Ring(SlotId slot) const override { return inner_->Ring(slot); }
   void Release(SlotId slot) override { inner_->Release(slot); }
   StepReport last_step() const override { return inner_->last_step(); }
+  std::chrono::steady_clock::time_point PrefillStarted(SlotId slot) const override {
+    return inner_->PrefillStarted(slot);
+  }
 
   bool WaitForCancel(SlotId slot) {
     std::unique_lock<std::mutex> lock(mu_);

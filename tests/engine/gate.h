@@ -83,6 +83,9 @@ class GatedBackend : public Backend {
   const TokenRing& Ring(SlotId slot) const override { return inner_->Ring(slot); }
   void Release(SlotId slot) override { inner_->Release(slot); }
   StepReport last_step() const override { return inner_->last_step(); }
+  std::chrono::steady_clock::time_point PrefillStarted(SlotId slot) const override {
+    return inner_->PrefillStarted(slot);
+  }
   absl::Status Pause() override { return inner_->Pause(); }
   absl::StatusOr<LoopStatus> Poll() override { return inner_->Poll(); }
 

@@ -6,7 +6,9 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,6 +74,15 @@ class MockBackend : public Backend {
   void fail_next_run(absl::Status s) { fail_next_run_ = std::move(s); }
   // Called at the start of every Prefill (to look at the scheduler mid-step).
   void set_on_prefill(std::function<void()> f) { on_prefill_ = std::move(f); }
+  // What PrefillStarted reports for `slot` from now on (by default nothing, as a backend that
+  // prefills inside Prefill).
+  void set_prefill_started(SlotId slot, std::chrono::steady_clock::time_point t) {
+    prefill_started_[slot] = t;
+  }
+  std::chrono::steady_clock::time_point PrefillStarted(SlotId slot) const override {
+    auto it = prefill_started_.find(slot);
+    return it == prefill_started_.end() ? std::chrono::steady_clock::time_point{} : it->second;
+  }
 
   const BackendInfo& info() const override { return info_; }
 
@@ -178,6 +189,7 @@ class MockBackend : public Backend {
   Script script_;
   Script burst_;
   std::function<void()> on_prefill_;
+  std::map<SlotId, std::chrono::steady_clock::time_point> prefill_started_;
   absl::Status fail_next_run_;
   StepReport last_;
   uint64_t steps_ = 0;

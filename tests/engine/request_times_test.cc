@@ -39,16 +39,20 @@ TEST(RequestStreamTimesTest, EachPointIsSetOnceByItsEvent) {
   Tick();
   stream.MarkScheduled();
   Tick();
-  stream.Append({});  // no token: not the first token's time
+  const Clock::time_point started = Clock::now();
+  stream.Append({}, started);  // no token: not the first token's time
   EXPECT_EQ(stream.times().first_token, kUnset);
-  stream.Append(std::vector<int32_t>{7});
+  EXPECT_EQ(stream.times().prefill_started, kUnset);
+  stream.Append(std::vector<int32_t>{7}, started);
   const RequestTimes first = stream.times();
   EXPECT_GT(first.scheduled, created.submitted);
   EXPECT_GT(first.first_token, first.scheduled);
+  EXPECT_EQ(first.prefill_started, started);
 
   Tick();
-  stream.Append(std::vector<int32_t>{8, 9});
+  stream.Append(std::vector<int32_t>{8, 9}, Clock::now());
   EXPECT_EQ(stream.times().first_token, first.first_token);
+  EXPECT_EQ(stream.times().prefill_started, started);
   Tick();
   stream.Finish(FinishReason::kLength, absl::OkStatus());
   const RequestTimes done = stream.times();
@@ -62,6 +66,7 @@ TEST(RequestStreamTimesTest, EachPointIsSetOnceByItsEvent) {
   ASSERT_TRUE(stream.Take(&update));
   EXPECT_EQ(update.times.submitted, done.submitted);
   EXPECT_EQ(update.times.scheduled, done.scheduled);
+  EXPECT_EQ(update.times.prefill_started, done.prefill_started);
   EXPECT_EQ(update.times.first_token, done.first_token);
   EXPECT_EQ(update.times.finished, done.finished);
 }
@@ -80,11 +85,11 @@ class SchedulerTimesTest : public ::testing::Test {
     EngineOptions eo;
     eo.max_batch = 1;  // the second request queues until the first retires
     auto backend = std::make_unique<MockBackend>(::ts::testing::MockBackendOptions{});
-    MockBackend* mock = backend.get();
+    mock_ = backend.get();
     auto s = Scheduler::Create(std::move(eo), std::move(backend));
     ASSERT_TRUE(s.ok()) << s.status();
     sched_ = std::move(*s);
-    mock->set_buckets(sched_->model_info().buckets);
+    mock_->set_buckets(sched_->model_info().buckets);
   }
 
   std::unique_ptr<StreamReader> Submit(std::string id, int32_t first_prompt_id) {
@@ -98,6 +103,7 @@ class SchedulerTimesTest : public ::testing::Test {
     return s.ok() ? std::make_unique<StreamReader>(*s) : nullptr;
   }
 
+  MockBackend* mock_ = nullptr;
   std::unique_ptr<Scheduler> sched_;
 };
 
@@ -127,6 +133,35 @@ TEST_F(SchedulerTimesTest, AQueuedRequestIsScheduledOnlyAfterTheOneAheadFinished
   }
   // b waited for a's slot: scheduled in the step after the one that retired a.
   EXPECT_GT(b->stream->times().scheduled, a->stream->times().finished);
+}
+
+// The backend's report of when it began the prompt's prefill is taken with the first tokens, and
+// only then; a backend with no report leaves it unset.
+TEST_F(SchedulerTimesTest, ThePrefillStartIsTheBackendsReportAtTheFirstToken) {
+  std::unique_ptr<StreamReader> a = Submit("a", 1);
+  ASSERT_TRUE(a);
+  const Clock::time_point reported = Clock::now() + std::chrono::milliseconds(5);
+  mock_->set_prefill_started(0, reported);  // a takes slot 0
+  sched_->Step();                           // a's prefill, its first tokens drained
+  a->Pull();
+  ASSERT_FALSE(a->tokens.empty());
+  ASSERT_FALSE(a->finished);
+  EXPECT_EQ(a->stream->times().prefill_started, reported);
+  mock_->set_prefill_started(0, reported + std::chrono::seconds(1));
+  for (int i = 0; i < 10 && !a->finished; ++i) {
+    sched_->Step();
+    a->Pull();
+  }
+  ASSERT_TRUE(a->finished);
+  EXPECT_EQ(a->stream->times().prefill_started, reported) << "moved after the first token";
+
+  // b takes slot 0 again, now with no report.
+  std::unique_ptr<StreamReader> b = Submit("b", 2);
+  mock_->set_prefill_started(0, kUnset);
+  sched_->Step();
+  b->Pull();
+  ASSERT_FALSE(b->tokens.empty());
+  EXPECT_EQ(b->stream->times().prefill_started, kUnset);
 }
 
 TEST_F(SchedulerTimesTest, ARequestCancelledInTheQueueIsNeverScheduled) {

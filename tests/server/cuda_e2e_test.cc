@@ -89,7 +89,9 @@ Tokens Greedy(pb::Generation::Stub& stub, const Tokens& prompt, int32_t n) {
     if (!msg.has_timing()) continue;
     ++timed;
     EXPECT_NE(msg.finish_reason(), pb::FINISH_REASON_UNSPECIFIED);
-    if (n > 1) EXPECT_GT(msg.timing().decode_us(), 0);
+    if (n > 1) {
+      EXPECT_GT(msg.timing().decode_us(), 0);
+    }
   }
   const grpc::Status s = reader->Finish();
   EXPECT_TRUE(s.ok()) << s.error_code() << " " << s.error_message();

@@ -48,12 +48,13 @@ class Timing:
     """Where the call's time went inside the server, in microseconds (the proto's Timing).
 
     preprocess: arrival to the engine's queue (validation, tokenization); queue: waiting for a
-    slot and KV blocks; prefill: from then to the first token (the prompt's chunks, behind other
-    prompts); decode: first token to last. Server TTFT = preprocess + queue + prefill.
+    slot and KV blocks; prefill_wait: behind the prompts ahead of it; prefill: its own chunks to
+    the first token; decode: first token to last. Server TTFT = all but decode.
     """
 
     preprocess_us: int
     queue_us: int
+    prefill_wait_us: int
     prefill_us: int
     decode_us: int
 
@@ -280,7 +281,7 @@ def _chunk(response: pb.GenerateResponse, first: bool) -> Chunk:
 
 
 def _timing(t: pb.Timing) -> Timing:
-    return Timing(t.preprocess_us, t.queue_us, t.prefill_us, t.decode_us)
+    return Timing(t.preprocess_us, t.queue_us, t.prefill_wait_us, t.prefill_us, t.decode_us)
 
 
 def _finish_reason(value: int) -> str:
