@@ -25,11 +25,14 @@ constexpr int kMaxBins = 2048;
 constexpr int kLastBins = 1024;
 constexpr int kLevel0Shift = 21;
 __host__ __device__ constexpr int LevelShift(int level) {
-  return level == 0 ? 21 : level == 1 ? 10 : 0;
+  return level == 0 ? kLevel0Shift : level == 1 ? kLevel0Shift - 11 : 0;
 }
 __host__ __device__ constexpr int LevelBins(int level) {
-  return level < 2 ? 2048 : 1024;
+  return level < kLevels - 1 ? kMaxBins : kLastBins;
 }
+// The three levels tile the key's 32 bits.
+static_assert(kMaxBins == 1 << (32 - kLevel0Shift) &&
+              (kMaxBins << LevelShift(1)) == 1 << kLevel0Shift && kLastBins == 1 << LevelShift(1));
 constexpr float kFixedOne = 4294967296.0f;  // weights in 32.32 fixed point
 
 using u64 = unsigned long long;
