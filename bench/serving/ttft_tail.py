@@ -19,6 +19,7 @@ with ahead), its own prefill, or outside the engine (other).
     python3 bench/serving/ttft_tail.py serve-out/serve-loop-48/results.jsonl [--top 10] [--tail 0.95]
 """
 import argparse
+import heapq
 import json
 import sys
 
@@ -52,12 +53,30 @@ def load(path):
 
 def add_load(rows):
     """Sets each row's `ahead` and `decoding` at its arrival. Times are the client's: a request
-    counts as waiting until its first token reached the client, a few ms after the server had it."""
-    for r in rows:
-        t = r["arrival"]
-        r["ahead"] = sum(o["input"] for o in rows
-                         if o is not r and o["arrival"] <= t < o["first"])
-        r["decoding"] = sum(1 for o in rows if o["first"] <= t < o["end"])
+    counts as waiting until its first token reached the client, a few ms after the server had it.
+    One sweep over the arrivals (a run may hold many thousands of requests)."""
+    order = sorted(rows, key=lambda r: r["arrival"])
+    waiting, decoding = [], []  # heaps of (first, n, input) and (end, n)
+    waiting_tokens = 0
+    k = 0
+    while k < len(order):
+        t = order[k]["arrival"]
+        group_end = k
+        while group_end < len(order) and order[group_end]["arrival"] == t:
+            o = order[group_end]
+            heapq.heappush(waiting, (o["first"], group_end, o["input"]))
+            waiting_tokens += o["input"]
+            group_end += 1
+        while waiting and waiting[0][0] <= t:
+            first, n, tokens = heapq.heappop(waiting)
+            waiting_tokens -= tokens
+            heapq.heappush(decoding, (order[n]["end"], n))
+        while decoding and decoding[0][0] <= t:
+            heapq.heappop(decoding)
+        for o in order[k:group_end]:
+            o["ahead"] = waiting_tokens - (o["input"] if o["first"] > t else 0)
+            o["decoding"] = len(decoding)
+        k = group_end
     return rows
 
 
