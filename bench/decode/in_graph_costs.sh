@@ -3,17 +3,18 @@
 # step with the op left out of every graph (--timing_skip, tokens meaningless), and the drop of the
 # step's median is the op's cost, its node boundaries included. Unlike --profile, which times ops
 # one by one between events (and so adds each op's launch latency), this is what a graph step
-# pays (bench/results/2026-12-01g-h200.md, call 8). Batches above the GEMV's 8 rows: the smaller
-# ones fuse these ops into the GEMVs and name them otherwise.
-#   BIN=.bundle/bin/tailserve-bench SHAPES=8b,1b BATCHES=16,64 OUT=$OUT bash bench/decode/in_graph_costs.sh
+# pays (bench/results/2026-12-01g-h200.md, call 8). Batches above the GEMV's 16 rows: the smaller
+# ones fuse these ops into the GEMVs (the norms, RoPE, SwiGLU) and name them otherwise. Above 16
+# rows RoPE and the K/V write run inside decode attention, so there is no rope_kv node to leave out.
+#   BIN=.bundle/bin/tailserve-bench SHAPES=8b,1b BATCHES=32,64 OUT=$OUT bash bench/decode/in_graph_costs.sh
 # OPS lists the classes, space-separated; a comma joins ops left out together.
 set -uo pipefail
 BIN=${BIN:-.bundle/bin/tailserve-bench}
 SHAPES=${SHAPES:-8b,1b}
-BATCHES=${BATCHES:-16,64}
+BATCHES=${BATCHES:-32,64}
 OUT=${OUT:-$PWD/gpu-out}
 NEW_TOKENS=${NEW_TOKENS:-64}
-OPS=${OPS:-"gate_up_gemm down_gemm qkv_gemm o_gemm attention attn_norm,mlp_norm rope_kv silu_mul attn_norm,mlp_norm,rope_kv,silu_mul"}
+OPS=${OPS:-"gate_up_gemm down_gemm qkv_gemm o_gemm attention attn_norm,mlp_norm silu_mul attn_norm,mlp_norm,silu_mul"}
 mkdir -p "$OUT"
 
 # Log names use '+' for ',' (the device tool does not return names with commas).
