@@ -34,19 +34,14 @@
 #include <string>
 #include <vector>
 
+#include "cublaslt_setup.h"  // beside this file
+
 namespace {
 
-void Check(int rc, const char* what, int line) {
-  if (rc == 0) return;
-  std::fprintf(stderr, "tailserve-cublaslt-search: %s failed (%d) at line %d\n", what, rc, line);
-  std::exit(1);
-}
-#define CHECK(x) Check(static_cast<int>(x), #x, __LINE__)
+using ts::bench::Projection;
 
-struct Shape {
-  const char* name;
-  int n, k;
-};
+#define CHECK(x) \
+  ts::bench::CheckOrExit("tailserve-cublaslt-search", static_cast<int>(x), #x, __LINE__)
 
 constexpr double kPeakFlopsPerUs = 989e6;  // dense bf16 tensor-core peak, H100 SXM and H200
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // as kernels/gemm.cuh's default
@@ -299,32 +294,18 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (ms.empty()) ms = {16, 32, 64, 128, 256};
-  std::vector<Shape> shapes;
-  for (const Shape& s :
-       {Shape{"8b.qkv", 6144, 4096}, Shape{"8b.o", 4096, 4096}, Shape{"8b.gate_up", 28672, 4096},
-        Shape{"8b.down", 4096, 14336}, Shape{"1b.qkv", 3072, 2048}, Shape{"1b.o", 2048, 2048},
-        Shape{"1b.gate_up", 16384, 2048}, Shape{"1b.down", 2048, 8192}}) {
+  std::vector<Projection> shapes;
+  for (const Projection& s : ts::bench::kProjections) {
     if (which.find(std::string(s.name, 2)) != std::string::npos) shapes.push_back(s);
   }
   const int max_m = *std::max_element(ms.begin(), ms.end());
-  size_t max_w = 0, max_k = 0, max_n = 0;
-  for (const Shape& s : shapes) {
-    max_w = std::max(max_w, size_t(s.n) * s.k);
-    max_k = std::max<size_t>(max_k, s.k);
-    max_n = std::max<size_t>(max_n, s.n);
-  }
+  const auto [max_w, max_k, max_n] = ts::bench::MaxExtents(shapes);
   const size_t w_bytes_all = std::max(kRotateBytes, 2 * max_w * sizeof(__nv_bfloat16));
 
   cublasLtHandle_t h;
   CHECK(cublasLtCreate(&h));
   cublasLtMatmulDesc_t desc;
-  CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  // Row-major C[m, n] = A[m, k] W[n, k]^T, laid out for cuBLASLt as kernels/gemm.cu does.
-  const cublasOperation_t trans_w = CUBLAS_OP_T, trans_a = CUBLAS_OP_N;
-  CHECK(
-      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof(trans_w)));
-  CHECK(
-      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_a, sizeof(trans_a)));
+  CHECK(ts::bench::CreateRowMajorDesc(&desc));
   void* ws;
   __nv_bfloat16 *w, *a, *c;
   CHECK(cudaMalloc(&ws, kWorkspaceBytes));
@@ -341,25 +322,13 @@ int main(int argc, char** argv) {
   std::printf("%-11s %4s %9s %9s %7s %8s %8s %6s %9s  %s\n", "shape", "m", "top1_us", "best_us",
               "gain", "byte_us", "flop_us", "cands", "rel_diff", "best configuration");
   for (int m : ms) {
-    for (const Shape& s : shapes) {
-      CHECK(cublasLtMatrixLayoutCreate(&p.wl, CUDA_R_16BF, s.k, s.n, s.k));
-      CHECK(cublasLtMatrixLayoutCreate(&p.al, CUDA_R_16BF, s.k, m, s.k));
-      CHECK(cublasLtMatrixLayoutCreate(&p.cl, CUDA_R_16BF, s.n, m, s.n));
+    for (const Projection& s : shapes) {
+      CHECK(ts::bench::CreateLayouts(s, m, &p.wl, &p.al, &p.cl));
       p.w_elems = size_t(s.n) * s.k;
       p.copies = static_cast<int>(w_bytes_all / (p.w_elems * sizeof(__nv_bfloat16)));
 
       cublasLtMatmulPreference_t pref;
-      CHECK(cublasLtMatmulPreferenceCreate(&pref));
-      size_t wsb = kWorkspaceBytes;
-      CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                 &wsb, sizeof(wsb)));
-      const uint32_t align = 16;  // as kernels/gemm.cu
-      for (auto attr :
-           {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-        CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
-      }
+      CHECK(ts::bench::CreatePreference(kWorkspaceBytes, &pref));
       cublasLtMatmulHeuristicResult_t top{};
       int found = 0;
       CHECK(cublasLtMatmulAlgoGetHeuristic(h, desc, p.wl, p.al, p.cl, p.cl, pref, 1, &top, &found));

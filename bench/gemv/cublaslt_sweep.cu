@@ -32,19 +32,14 @@
 #include <utility>
 #include <vector>
 
+#include "cublaslt_setup.h"  // beside this file
+
 namespace {
 
-void Check(int rc, const char* what, int line) {
-  if (rc == 0) return;
-  std::fprintf(stderr, "tailserve-cublaslt-sweep: %s failed (%d) at line %d\n", what, rc, line);
-  std::exit(1);
-}
-#define CHECK(x) Check(static_cast<int>(x), #x, __LINE__)
+using ts::bench::Projection;
 
-struct Shape {
-  const char* name;
-  int n, k;
-};
+#define CHECK(x) \
+  ts::bench::CheckOrExit("tailserve-cublaslt-sweep", static_cast<int>(x), #x, __LINE__)
 
 constexpr double kRoofBytesPerUs = 4.3e6;  // docs/gpu-facts.md, Bandwidth roof
 constexpr double kPeakFlopsPerUs = 989e6;  // the H200's dense bf16 tensor-core peak
@@ -61,16 +56,7 @@ std::vector<Candidate> Candidates(cublasLtHandle_t h, cublasLtMatmulDesc_t desc,
                                   cublasLtMatrixLayout_t wl, cublasLtMatrixLayout_t al,
                                   cublasLtMatrixLayout_t cl) {
   cublasLtMatmulPreference_t pref;
-  CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  size_t ws = kWorkspaceBytes;
-  CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                             sizeof(ws)));
-  const uint32_t align = 16;  // as kernels/gemm.cu
-  for (auto attr :
-       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-    CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
-  }
+  CHECK(ts::bench::CreatePreference(kWorkspaceBytes, &pref));
   cublasLtMatmulHeuristicResult_t res[32];
   int found = 0;
   CHECK(cublasLtMatmulAlgoGetHeuristic(h, desc, wl, al, cl, cl, pref, 32, res, &found));
@@ -120,7 +106,7 @@ float MedianUs(Launch launch, cudaStream_t stream, cudaEvent_t e0, cudaEvent_t e
 // Median us of C_s = A[:, s k/splits ...] W[:, s k/splits ...]^T for s < splits, as one strided
 // batch into fp32 partials `c32` ([splits][m][n]); 0 when cuBLASLt offers no algorithm. `desc` is
 // the row-major product's (the output type lives in the layouts).
-float TimeBatchedSplitK(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, const Shape& s, int m,
+float TimeBatchedSplitK(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, const Projection& s, int m,
                         int splits, const __nv_bfloat16* w, size_t w_copy_elems,
                         const __nv_bfloat16* a, float* c32, void* ws, cudaStream_t stream,
                         cudaEvent_t e0, cudaEvent_t e1) {
@@ -179,27 +165,13 @@ int main(int argc, char** argv) {
     ms.push_back(m);
   }
   if (ms.empty()) ms = {8, 16, 32, 64, 128};
-  const std::vector<Shape> shapes = {{"8b.qkv", 6144, 4096},      {"8b.o", 4096, 4096},
-                                     {"8b.gate_up", 28672, 4096}, {"8b.down", 4096, 14336},
-                                     {"1b.qkv", 3072, 2048},      {"1b.o", 2048, 2048},
-                                     {"1b.gate_up", 16384, 2048}, {"1b.down", 2048, 8192}};
+  const auto& shapes = ts::bench::kProjections;
   const int kMaxM = *std::max_element(ms.begin(), ms.end());
-  size_t max_w = 0, max_k = 0, max_n = 0;
-  for (const Shape& s : shapes) {
-    max_w = std::max(max_w, size_t(s.n) * s.k);
-    max_k = std::max<size_t>(max_k, s.k);
-    max_n = std::max<size_t>(max_n, s.n);
-  }
+  const auto [max_w, max_k, max_n] = ts::bench::MaxExtents(shapes);
   cublasLtHandle_t h;
   CHECK(cublasLtCreate(&h));
   cublasLtMatmulDesc_t desc;
-  CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  // Row-major C[m, n] = A[m, k] W[n, k]^T as kernels/gemm.cu lays it out for cuBLASLt.
-  const cublasOperation_t trans_w = CUBLAS_OP_T, trans_a = CUBLAS_OP_N;
-  CHECK(
-      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_w, sizeof(trans_w)));
-  CHECK(
-      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_a, sizeof(trans_a)));
+  CHECK(ts::bench::CreateRowMajorDesc(&desc));
   void* ws;
   __nv_bfloat16 *w, *a, *c;
   CHECK(cudaMalloc(&ws, kWorkspaceBytes));
@@ -219,11 +191,9 @@ int main(int argc, char** argv) {
               "flop_us", "best_splits", "candidates");
   std::vector<float> top1;  // per (m, shape), in loop order, for the second table
   for (int m : ms) {
-    for (const Shape& s : shapes) {
+    for (const Projection& s : shapes) {
       cublasLtMatrixLayout_t wl, al, cl;
-      CHECK(cublasLtMatrixLayoutCreate(&wl, CUDA_R_16BF, s.k, s.n, s.k));
-      CHECK(cublasLtMatrixLayoutCreate(&al, CUDA_R_16BF, s.k, m, s.k));
-      CHECK(cublasLtMatrixLayoutCreate(&cl, CUDA_R_16BF, s.n, m, s.n));
+      CHECK(ts::bench::CreateLayouts(s, m, &wl, &al, &cl));
       const std::vector<Candidate> cand = Candidates(h, desc, wl, al, cl);
       std::vector<float> median(cand.size(), 1e30f);
       for (size_t i = 0; i < cand.size(); ++i) {
@@ -263,7 +233,7 @@ int main(int argc, char** argv) {
               "batch8_us");
   size_t row = 0;
   for (int m : ms) {
-    for (const Shape& s : shapes) {
+    for (const Projection& s : shapes) {
       std::printf("%-11s %4d %9.1f", s.name, m, top1[row++]);
       for (int splits : kSplits) {
         const float us =
