@@ -13,7 +13,10 @@ With --layers L, an op launched k L times a step (k > 1) is split by its place i
 the i-th launch is op #(i mod k), so two projections of one grid (8B's qkv and gate_up at m <= 8)
 stay apart.
 
-  step_timeline.py trace.csv [--steps 20] [--marker PrepareDecodeKernel] [--layers 0]"""
+With --with NAME only the steps holding a NAME kernel count (PrefillAttentionKernel: the device
+loop's mixed steps, which decode the streams and prefill prompt rows in the same GEMMs).
+
+  step_timeline.py trace.csv [--steps 20] [--marker PrepareDecodeKernel] [--layers 0] [--with NAME]"""
 import argparse
 import collections
 import csv
@@ -55,10 +58,12 @@ def read_trace(path):
     return sorted(out, key=lambda k: k[0])
 
 
-def summarize(kernels, steps=20, marker='PrepareDecodeKernel', layers=0):
+def summarize(kernels, steps=20, marker='PrepareDecodeKernel', layers=0, having=None):
     """(number of steps, kernels per step, median span us, [(name, grid, n, dur, path, gap)])."""
     cuts = [i for i, k in enumerate(kernels) if k[2] == marker] + [len(kernels)]
     cut = [kernels[cuts[i]:cuts[i + 1]] for i in range(len(cuts) - 1)]
+    if having:
+        cut = [s for s in cut if any(k[2] == having for k in s)]
     if not cut:
         return 0, 0, 0.0, []
     common = collections.Counter(len(s) for s in cut).most_common(1)[0][0]
@@ -110,10 +115,12 @@ def main():
     ap.add_argument('--marker', default='PrepareDecodeKernel')
     ap.add_argument('--layers', type=int, default=0,
                     help='split an op launched k > 1 times a layer by its place in the layer')
+    ap.add_argument('--with', dest='having', default=None,
+                    help='keep only the steps that hold a kernel of this name')
     a = ap.parse_args()
-    n, per_step, span, rows = summarize(read_trace(a.csv), a.steps, a.marker, a.layers)
+    n, per_step, span, rows = summarize(read_trace(a.csv), a.steps, a.marker, a.layers, a.having)
     if n == 0:
-        print(f'no {a.marker} in {a.csv}')
+        print(f'no {a.marker} step' + (f' with {a.having}' if a.having else '') + f' in {a.csv}')
         return 1
     print(f'{n} steps of {per_step} kernels; span (first start to last end), median: {span:.1f} us')
     print(f"{'kernel':40s} {'grid':16s} {'n':>4s} {'dur us':>9s} {'path us':>9s} {'gap us':>8s}")

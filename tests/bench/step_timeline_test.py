@@ -83,6 +83,24 @@ class StepTimelineTest(unittest.TestCase):
         _, _, _, rows = self.summarize(two_layer_step(0) + two_layer_step(100))
         self.assertAlmostEqual({(r[0], r[1]): r for r in rows}[('GemvKernel', '264x1x1')][4], 20.0)
 
+    def test_with_keeps_only_the_steps_that_hold_the_kernel(self):
+        # Three plain decode steps (4 kernels, the most common count) and two mixed ones that add
+        # a 30 us prefill attention after the head GEMM: --with picks the two mixed steps.
+        def mixed(t0):
+            us = lambda x: int((t0 + x) * 1000)  # noqa: E731
+            return step(t0, 15) + [
+                f'{us(20)},{us(50)},1,5,4,32,1,0,_ZN2ts7kernels22PrefillAttentionKernelILi128EEEv']
+        lines = step(0, 15) + mixed(100) + step(200, 15) + mixed(300) + step(400, 15)
+        n, per_step, span, rows = self.summarize(lines, having='PrefillAttentionKernel')
+        self.assertEqual((n, per_step), (2, 5))
+        self.assertAlmostEqual(span, 50.0)
+        self.assertIn('PrefillAttentionKernel', {r[0] for r in rows})
+        n, per_step, span, _ = self.summarize(lines)
+        self.assertEqual((n, per_step), (3, 4))
+        self.assertAlmostEqual(span, 19.0)
+        n, _, _, rows = self.summarize(step(0, 15), having='PrefillAttentionKernel')
+        self.assertEqual((n, rows), (0, []))
+
     def test_no_marker_means_no_steps(self):
         n, _, _, rows = self.summarize(step(0, 15)[1:])
         self.assertEqual(n, 0)
