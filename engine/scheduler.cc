@@ -233,6 +233,11 @@ StepTrace Scheduler::Step() {
       return trace;
     }
   }
+  // Stream what the rings hold before the backend runs, not only after: Run may hold this thread
+  // for up to a step (host-driven, the decode step itself; in the CUDA loop, staging the next
+  // mixed step waits for the one before it on the GPU), and the first tokens Prefill just wrote,
+  // or the tokens a step wrote just before, would reach their clients that much later.
+  Drain();
   if (absl::Status s = RunBackend(&trace); !s.ok()) {
     Fail(s);
     return trace;

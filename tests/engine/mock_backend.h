@@ -72,8 +72,9 @@ class MockBackend : public Backend {
   // overrides options.tokens_per_run, so one slot can overrun its ring while others do not.
   void set_burst(Script burst) { burst_ = std::move(burst); }
   void fail_next_run(absl::Status s) { fail_next_run_ = std::move(s); }
-  // Called at the start of every Prefill (to look at the scheduler mid-step).
+  // Called at the start of every Prefill and every Run (to look at the scheduler mid-step).
   void set_on_prefill(std::function<void()> f) { on_prefill_ = std::move(f); }
+  void set_on_run(std::function<void()> f) { on_run_ = std::move(f); }
   // What PrefillStarted reports for `slot` from now on (by default nothing, as a backend that
   // prefills inside Prefill).
   void set_prefill_started(SlotId slot, std::chrono::steady_clock::time_point t) {
@@ -109,6 +110,7 @@ class MockBackend : public Backend {
   }
 
   absl::Status Run(RunMode mode) override {
+    if (on_run_) on_run_();
     if (!fail_next_run_.ok()) {
       absl::Status s = fail_next_run_;
       fail_next_run_ = absl::OkStatus();
@@ -189,6 +191,7 @@ class MockBackend : public Backend {
   Script script_;
   Script burst_;
   std::function<void()> on_prefill_;
+  std::function<void()> on_run_;
   std::map<SlotId, std::chrono::steady_clock::time_point> prefill_started_;
   absl::Status fail_next_run_;
   StepReport last_;

@@ -126,6 +126,36 @@ TEST_F(SchedulerTest, SingleRequestGetsOneTokenPerStepThenRetires) {
   EXPECT_EQ(mock_->runs.size(), 3u);
 }
 
+// Run may hold the engine thread for a whole step (host-driven, the step; the CUDA loop's mixed
+// steps, the wait for the step before), so what the rings already hold is streamed before it:
+// here the first token Prefill wrote, which the backend's Run must find already delivered.
+TEST_F(SchedulerTest, TokensInTheRingsAreStreamedBeforeTheBackendRuns) {
+  for (RunMode mode : {RunMode::kOneStep, RunMode::kLoop}) {
+    SCOPED_TRACE(mode == RunMode::kLoop ? "loop" : "one step");
+    EngineOptions eo;
+    eo.run_mode = mode;
+    Make({}, eo);
+    const std::vector<int32_t> prompt = {5, 6, 7};
+    StreamReader* a = Submit("a", prompt, 4);
+    ASSERT_NE(a, nullptr);
+    std::vector<std::vector<int32_t>> seen;  // a's tokens as each Run began
+    mock_->set_on_run([&] {
+      a->Pull();
+      seen.push_back(a->tokens);
+    });
+    StepUntilFinished(a);
+    ASSERT_FALSE(seen.empty());
+    EXPECT_EQ(seen[0], Expected(prompt, 1));  // the prefill's token, before the first decode
+    if (mode == RunMode::kOneStep) {
+      ASSERT_EQ(seen.size(), 3u);
+      EXPECT_EQ(seen[1], Expected(prompt, 2));
+      EXPECT_EQ(seen[2], Expected(prompt, 3));
+    }
+    EXPECT_EQ(a->tokens, Expected(prompt, 4));
+    readers_.clear();
+  }
+}
+
 struct BucketCase {
   int32_t requests;
   int32_t bucket;
@@ -192,10 +222,11 @@ TEST_F(SchedulerTest, ScheduleIterationByIteration) {
        {0, 1, 2},
        3,
        {{"a", 2}, {"b", 2}, {"c", 2}}},
-      // max_batch 7: a, b and five newcomers; i waits. f (m = 1) finishes in the prefill.
+      // max_batch 7: a, b and five newcomers; i waits. f (m = 1) finishes in the prefill, and
+      // the drain before the backend runs sees that, so f is not among the decoded.
       {{{"d", 4}, {"e", 6}, {"f", 1}, {"g", 3}, {"h", 3}, {"i", 2}},
        {"d", "e", "f", "g", "h"},
-       {"a", "b", "d", "e", "f", "g", "h"},
+       {"a", "b", "d", "e", "g", "h"},
        {"a", "f"},
        {0, 1, 2, 3, 5, 6},
        6,

@@ -19,13 +19,14 @@ namespace {
 TEST(ServerWatchdogTest, StalledStepGoesNotServingAndItsEndRestoresServing) {
   const Reference ref = LoadReference();
   // One 4 s step against a 1 s watchdog: NOT_SERVING from ~1 s until the step ends at ~4 s, and
-  // nothing left to run after it, so each state holds for seconds while the test checks it.
+  // nothing left to run after it, so each state holds for seconds while the test checks it. Two
+  // tokens: the prefill gives the first, so only a second one takes a decode step.
   std::unique_ptr<Server> server = Server::Launch({"--watchdog_s=1", "--debug_step_delay_ms=4000"});
   ASSERT_NE(server, nullptr);
   ASSERT_EQ(server->Health(), health::HealthCheckResponse::SERVING);
   grpc::ClientContext ctx;
   ctx.set_deadline(In(kRpcTimeout));
-  auto reader = server->stub().Generate(&ctx, Greedy(ref.prompts[0], 1));
+  auto reader = server->stub().Generate(&ctx, Greedy(ref.prompts[0], 2));
 
   ASSERT_TRUE(server->process().WaitForLine("NOT_SERVING", 10s).ok()) << server->process().Output();
   EXPECT_EQ(server->Health(), health::HealthCheckResponse::NOT_SERVING);
@@ -33,7 +34,7 @@ TEST(ServerWatchdogTest, StalledStepGoesNotServingAndItsEndRestoresServing) {
   StreamResult r;
   ReadAll(reader.get(), &r);
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
-  EXPECT_THAT(r.tokens, ElementsAreArray(Tokens(ref.greedy[0].begin(), ref.greedy[0].begin() + 1)));
+  EXPECT_THAT(r.tokens, ElementsAreArray(Tokens(ref.greedy[0].begin(), ref.greedy[0].begin() + 2)));
   ASSERT_TRUE(server->process().WaitForLine("progress resumed; SERVING", 10s).ok());
   EXPECT_EQ(server->Health(), health::HealthCheckResponse::SERVING);
 }
