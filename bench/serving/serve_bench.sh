@@ -15,7 +15,8 @@
 # 128 output tokens (EOS ignored), greedy; --max_batch 64. Full reports under $OUT/serve-*. The last
 # columns are p99s of the server's own Timing: its TTFT, and the queue (a slot and KV blocks), wait
 # (behind other prompts) and prefill parts of it; results.jsonl has them per request, and $OUT/serve-<mode>-<rate>.ttft-tail.txt
-# splits the slowest first tokens (bench/serving/ttft_tail.py).
+# splits the slowest first tokens (bench/serving/ttft_tail.py), .itl-tail.txt the slowest token
+# intervals (bench/serving/itl_tail.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/serve-out}
@@ -59,6 +60,7 @@ for mode in $MODES; do
       --warmup_requests 16 --input_dist uniform:64:512 --output_len 128 --seed 1 \
       --out_dir "$dir" > "$dir.log" 2>&1 || echo "$mode $rate: tailserve-load rc=$?"
     python3 bench/serving/ttft_tail.py "$dir/results.jsonl" > "$dir.ttft-tail.txt" 2>&1
+    python3 bench/serving/itl_tail.py "$dir/results.jsonl" > "$dir.itl-tail.txt" 2>&1
     rows+=("$(python3 - "$dir/summary.json" "$mode$TAG" "$rate" <<'EOF'
 import json, sys
 m = json.load(open(sys.argv[1]))["metrics"]
