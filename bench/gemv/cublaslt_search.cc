@@ -3,7 +3,7 @@
 // (eight algorithms and their split-K variants); this tool walks the whole configuration space
 // the library exposes, as a tactic search does: every algorithm id for bf16 in, bf16 out, fp32
 // compute, and for each its tiles, stage counts, split-K counts and reduction schemes, CTA
-// swizzling, custom options (0-3) and Hopper cluster shapes (auto, 1x1, 2x1, 1x2, 4x1), keeping
+// swizzling, custom options (0-7) and Hopper cluster shapes (auto, 1x1, 2x1, 1x2, 4x1), keeping
 // what cublasLtMatmulAlgoCheck accepts within kernels/gemm.cuh's 32 MB workspace. The whole
 // product is too large to time, so the search has two levels: every (algorithm, tile, stages)
 // base, then every variant of the kBases fastest bases.
@@ -144,7 +144,7 @@ std::vector<cublasLtMatmulAlgo_t> Expand(cublasLtHandle_t h, cublasLtMatmulDesc_
   const bool splitk = Cap<int32_t>(base, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT) != 0;
   const uint32_t red_mask = Cap<uint32_t>(base, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK);
   const bool swizzle = Cap<uint32_t>(base, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT) != 0;
-  const int32_t custom_max = std::min(Cap<int32_t>(base, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX), 3);
+  const int32_t custom_max = std::min(Cap<int32_t>(base, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX), 7);
   const uint32_t clusters[] = {CUBLASLT_CLUSTER_SHAPE_AUTO, CUBLASLT_CLUSTER_SHAPE_1x1x1,
                                CUBLASLT_CLUSTER_SHAPE_2x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1,
                                CUBLASLT_CLUSTER_SHAPE_4x1x1};
