@@ -111,8 +111,9 @@ INSTANTIATE_TEST_SUITE_P(Ranks, PipelineTokensTest, ::testing::Values(2, 3));
 TEST(PipelineRanksTest, AWorkerKilledMidRequestFailsItAndTheLeaderExits) {
   const Reference ref = LoadReference();
   Gate gate;
-  // Decode step 2 waits at the gate: the worker dies while the request is surely mid-run.
-  Pipeline p = StartPipeline({gate.flag(), "--debug_gate_step=2"});
+  // Decode step 1 waits at the gate: the first token (the prefill's) reaches the client before
+  // that step runs, so the worker dies while the request is surely mid-run and the engine holds.
+  Pipeline p = StartPipeline({gate.flag(), "--debug_gate_step=1"});
   ASSERT_NE(p.leader, nullptr);
   grpc::ClientContext ctx;
   ctx.set_deadline(In(kRpcTimeout));
