@@ -2,14 +2,13 @@
 """bench/serving/itl_tail.py on a made-up results.jsonl whose answer is known."""
 import contextlib
 import io
-import json
 import os
 import sys
-import tempfile
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', '..', 'bench', 'serving'))
 import itl_tail  # noqa: E402
+from results_file import ResultsFileTest, write_results  # noqa: E402
 
 
 def record(index, arrival, times, tokens=None, status='OK'):
@@ -40,16 +39,8 @@ RECORDS = [
 ]
 
 
-class ItlTailTest(unittest.TestCase):
-    def setUp(self):
-        f = tempfile.NamedTemporaryFile('w', suffix='.jsonl', delete=False)
-        with f:
-            for r in RECORDS:
-                f.write(json.dumps(r) + '\n')
-        self.path = f.name
-
-    def tearDown(self):
-        os.unlink(self.path)
+class ItlTailTest(ResultsFileTest):
+    RECORDS = RECORDS
 
     def test_only_successful_streams_with_two_messages_count(self):
         self.assertEqual([s['index'] for s in itl_tail.load(self.path)], [0, 1, 2, 3])
@@ -86,13 +77,12 @@ class ItlTailTest(unittest.TestCase):
         self.assertIn('a prompt arrived', text)
 
     def test_no_stream_is_an_error(self):
-        with tempfile.NamedTemporaryFile('w', suffix='.jsonl', delete=False) as f:
-            f.write(json.dumps(RECORDS[4]) + '\n')
+        path = write_results([RECORDS[4]])
         try:
             with contextlib.redirect_stderr(io.StringIO()):
-                self.assertEqual(itl_tail.main([f.name]), 1)
+                self.assertEqual(itl_tail.main([path]), 1)
         finally:
-            os.unlink(f.name)
+            os.unlink(path)
 
 
 if __name__ == '__main__':

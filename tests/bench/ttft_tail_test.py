@@ -2,14 +2,13 @@
 """bench/serving/ttft_tail.py on a made-up results.jsonl whose answer is known."""
 import contextlib
 import io
-import json
 import os
 import sys
-import tempfile
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', '..', 'bench', 'serving'))
 import ttft_tail  # noqa: E402
+from results_file import ResultsFileTest  # noqa: E402
 
 
 def record(index, arrival, ttft, end, tokens, queue, prefill, wait=0.0, status='OK',
@@ -34,16 +33,8 @@ RECORDS = [
 ]
 
 
-class TtftTailTest(unittest.TestCase):
-    def setUp(self):
-        f = tempfile.NamedTemporaryFile('w', suffix='.jsonl', delete=False)
-        with f:
-            for r in RECORDS:
-                f.write(json.dumps(r) + '\n')
-        self.path = f.name
-
-    def tearDown(self):
-        os.unlink(self.path)
+class TtftTailTest(ResultsFileTest):
+    RECORDS = RECORDS
 
     def test_only_successful_requests_with_timing_count(self):
         rows = ttft_tail.load(self.path)
