@@ -13,7 +13,9 @@ counts ITL samples. For the intervals at or above an ITL percentile (--tail, def
             long step, a pause of the GPU or the host), near 0 for one stream's own delay;
   arrivals  requests that arrived during the interval: prompts the server was taking in then
             (in the device loop, mixed steps that prefill them beside the decode rows).
-It prints the slowest intervals, then the tail's means against the rest's.
+It prints the slowest intervals, then the tail's means against the rest's. A token held back
+until the next one was made arrives in the same message (tailserve-load splits that interval
+evenly, so it never reaches the tail): the first line counts those messages.
 
     python3 bench/serving/itl_tail.py serve-out/serve-loop-16/results.jsonl [--top 10] [--tail 0.99]
 """
@@ -117,6 +119,9 @@ def main(argv):
     tail = classify(streams, ivs, cut, args.short)
     print(f"{len(streams)} streams, {sum(w for _, w in samples)} ITL samples: p50 {p50:.2f} ms, "
           f"p{args.tail * 100:g} {cut:.2f} ms; {len(tail)} intervals at or above it")
+    coalesced = sum(1 for iv in ivs if iv[5] > 1)
+    print(f"messages after the first carrying more than one token: {coalesced} of {len(ivs)} "
+          f"({100.0 * coalesced / len(ivs):.2f}%)")
     print(f"the {min(args.top, len(tail))} slowest (ms):")
     print(f"{'index':>6} {'token':>6} {'at_s':>8} {'itl':>7} {'tokens':>6} {'next':>7} {'held':>5} "
           f"{'shared':>7} {'arrivals':>8}")

@@ -72,9 +72,20 @@ class ItlTailTest(ResultsFileTest):
             self.assertEqual(itl_tail.main([self.path, '--tail', '0.9', '--top', '3']), 0)
         text = out.getvalue()
         self.assertIn('4 streams', text)
+        self.assertIn('more than one token: 0 of 62', text)
         self.assertIn('the 3 slowest', text)
         self.assertIn('held back', text)
         self.assertIn('a prompt arrived', text)
+
+    def test_a_message_of_two_tokens_is_counted_as_coalesced(self):
+        path = write_results([record(7, 0, [0.0, 10.0, 30.0, 40.0], [1, 1, 2, 1])])
+        try:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                self.assertEqual(itl_tail.main([path]), 0)
+            self.assertIn('more than one token: 1 of 3 (33.33%)', out.getvalue())
+        finally:
+            os.unlink(path)
 
     def test_no_stream_is_an_error(self):
         path = write_results([RECORDS[4]])
