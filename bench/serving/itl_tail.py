@@ -74,6 +74,11 @@ def percentile_weighted(pairs, q):
     return a + (b - a) * (pos - lo)
 
 
+def arrived_during(arrivals, start, end):
+    """How many of the sorted `arrivals` fall strictly inside (start, end)."""
+    return bisect.bisect_left(arrivals, end) - bisect.bisect_right(arrivals, start)
+
+
 def classify(streams, ivs, cut, short_ms):
     """For each interval with itl >= cut: (interval, held, shared fraction or None, arrivals)."""
     arrivals = sorted(st["arrival"] for st in streams)
@@ -95,8 +100,7 @@ def classify(streams, ivs, cut, short_ms):
             if n > 0 and (t[k] - t[k - 1]) / n >= cut:
                 in_tail += 1
         shared = in_tail / others if others else None
-        n_arrivals = bisect.bisect_left(arrivals, end) - bisect.bisect_right(arrivals, start)
-        out.append((iv, held, shared, n_arrivals))
+        out.append((iv, held, shared, arrived_during(arrivals, start, end)))
     return out
 
 
@@ -131,19 +135,17 @@ def main(argv):
         sh = f"{shared:7.2f}" if shared is not None else f"{'-':>7}"
         print(f"{streams[s]['index']:6d} {k:6d} {end / 1000:8.3f} {itl:7.2f} {n:6d} {nxt_s} "
               f"{'yes' if held else 'no':>5} {sh} {arr:8d}")
-    # The rest's arrivals, for contrast: how often any interval has a prompt arriving in it.
+    # The rest, for contrast: how often any interval is held back or has a prompt arriving in it.
     tail_ids = {id(c[0]) for c in tail}
     rest = [iv for iv in ivs if id(iv) not in tail_ids]
     arrivals = sorted(st["arrival"] for st in streams)
 
-    def with_arrival(group):
-        hits = sum(1 for iv in group
-                   if bisect.bisect_left(arrivals, iv[3]) > bisect.bisect_right(arrivals, iv[2]))
-        return hits / len(group) if group else float("nan")
-
     def mean(values):
         values = list(values)
         return sum(values) / len(values) if values else float("nan")
+
+    def with_arrival(group):
+        return mean(1.0 if arrived_during(arrivals, iv[2], iv[3]) else 0.0 for iv in group)
 
     print(f"\nthe tail ({len(tail)} intervals) against the other {len(rest)}:")
     itl_tail, itl_rest = mean(c[0][4] for c in tail), mean(iv[4] for iv in rest)
