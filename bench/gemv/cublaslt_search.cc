@@ -276,6 +276,15 @@ int main(int argc, char** argv) {
   std::string which = "8b,1b";
   std::vector<int> ms;
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::printf(
+          "usage: tailserve-cublaslt-search [--roof_gbps=4230] [--shapes=8b,1b] [M ...]\n"
+          "  Searches cuBLASLt's configurations for the Llama-1B/8B projections at M rows\n"
+          "  (default 16 32 64 128 256) and prints the heuristic's first choice against the\n"
+          "  fastest found, timed in graphs (bench/gemv/README.md). --roof_gbps: the copy\n"
+          "  bandwidth the bytes' roof column uses; --shapes: which of 8b and 1b.\n");
+      return 0;
+    }
     if (std::strncmp(argv[i], "--roof_gbps=", 12) == 0) {
       roof_gbps = std::atof(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--shapes=", 9) == 0) {
