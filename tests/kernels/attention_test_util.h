@@ -38,7 +38,7 @@ inline std::vector<float> HashedValues(size_t n, uint64_t seed, float amp) {
 
 // `v` rounded to the nearest multiple of `step` (a power of two), never to zero. Attention tests
 // use it for q and K so that every partial sum of a dot product is exact in fp32 whatever the
-// summation order (see decode_attention_test.cc): with |q| <= 4 on a 1/16 grid and |k| <= 1 on a
+// summation order (see decode_attention_harness.h): with |q| <= 4 on a 1/16 grid and |k| <= 1 on a
 // 1/64 grid, a product is a multiple of 2^-10 below 4, and 128 of them need 19 bits.
 inline void QuantizeTo(std::vector<float>& v, float step) {
   for (float& x : v) {
