@@ -395,8 +395,10 @@ TEST(CpuLoop, GenerationsLongerThanTheRingStreamEveryTokenInOrder) {
   EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total);
 }
 
-// The engine thread is parked before its first drain while the loop runs two laps past seq 1: the
-// request ends with INTERNAL, its slot and blocks come back, and the next request is unaffected.
+// The engine thread is parked as its Prefill returns, before its first drain, while the loop runs
+// two laps past seq 1: the request ends with INTERNAL, its slot and blocks come back, and the next
+// request is unaffected. (Parked at its first Run instead, it would drain once before the gate,
+// and under ThreadSanitizer the loop had then written seq 1-3.)
 TEST(CpuLoop, ARingLappedWhileTheEngineIsAwayEndsOnlyThatRequest) {
   const Reference ref = LoadReference();
   constexpr uint32_t kRing = 4;
@@ -408,8 +410,9 @@ TEST(CpuLoop, ARingLappedWhileTheEngineIsAwayEndsOnlyThatRequest) {
   cpu->set_step_hook([lapped](uint64_t steps) {
     if (steps == 2 * kRing) lapped->Open();
   });
-  auto engine =
-      MakeEngine(std::make_unique<GatedBackend>(std::move(cpu), 1, held), RunMode::kLoop, 2);
+  auto engine = MakeEngine(std::make_unique<GatedBackend>(std::move(cpu), 1, held,
+                                                          GatedBackend::HoldPoint::kAfterPrefill),
+                           RunMode::kLoop, 2);
   ASSERT_NE(engine, nullptr);
   OpenOnExit open_on_exit(held);
   auto s = engine->Submit(Greedy(ref.prompts[0], 100));

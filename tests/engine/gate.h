@@ -64,19 +64,29 @@ class OpenOnExit {
   std::shared_ptr<Gate> gate_;
 };
 
-// Forwards every call to a real backend, but parks the engine thread on `gate` at the start of
-// Run call number `hold_at_run` (1-based), before that step decodes anything. With the first
-// token sampled by Prefill and one token per Run(kOneStep), the slot then holds exactly
-// `hold_at_run` tokens while the test acts.
+// Forwards every call to a real backend, but parks the engine thread on `gate` at call number
+// `hold_at` (1-based) of one method:
+// - HoldPoint::kRun: at the start of that Run, before that step decodes anything. With the first
+//   token sampled by Prefill and one token per Run(kOneStep), the slot then holds exactly
+//   `hold_at` tokens while the test acts.
+// - HoldPoint::kAfterPrefill: as that Prefill returns, before the scheduler's first drain of the
+//   prefilled slots (Scheduler::Step drains before Run as well as after). A loop backend keeps
+//   decoding meanwhile.
 class GatedBackend : public Backend {
  public:
-  GatedBackend(std::unique_ptr<Backend> inner, int hold_at_run, std::shared_ptr<Gate> gate)
-      : inner_(std::move(inner)), hold_at_run_(hold_at_run), gate_(std::move(gate)) {}
+  enum class HoldPoint { kRun, kAfterPrefill };
+  GatedBackend(std::unique_ptr<Backend> inner, int hold_at, std::shared_ptr<Gate> gate,
+               HoldPoint point = HoldPoint::kRun)
+      : inner_(std::move(inner)), hold_at_(hold_at), gate_(std::move(gate)), point_(point) {}
 
   const BackendInfo& info() const override { return inner_->info(); }
-  absl::Status Prefill(std::span<const SlotInit> slots) override { return inner_->Prefill(slots); }
+  absl::Status Prefill(std::span<const SlotInit> slots) override {
+    absl::Status s = inner_->Prefill(slots);
+    if (point_ == HoldPoint::kAfterPrefill && ++calls_ == hold_at_) gate_->Wait();
+    return s;
+  }
   absl::Status Run(RunMode mode) override {
-    if (++runs_ == hold_at_run_) gate_->Wait();
+    if (point_ == HoldPoint::kRun && ++calls_ == hold_at_) gate_->Wait();
     return inner_->Run(mode);
   }
   void Cancel(SlotId slot) override { inner_->Cancel(slot); }
@@ -91,9 +101,10 @@ class GatedBackend : public Backend {
 
  private:
   std::unique_ptr<Backend> inner_;
-  const int hold_at_run_;
+  const int hold_at_;
   std::shared_ptr<Gate> gate_;
-  int runs_ = 0;  // engine thread only
+  const HoldPoint point_;
+  int calls_ = 0;  // of the held method; engine thread only
 };
 
 }  // namespace ts::testing
