@@ -21,7 +21,10 @@
 //
 // --probe_tokens N: the time from Prefill of one more N-token prompt to its first token, with
 // nothing decoding and beside each smaller batch: in the loop, the prompt rides in mixed steps
-// with the batch's decode rows; host-driven, it is prefilled while the decode waits.
+// with the batch's decode rows (--prefill_step_tokens rows a step, decode and prompt); host-driven,
+// it is prefilled while the decode waits. In the loop the probe also times each mixed step on the
+// GPU: what the decoding streams' token interval is while a prompt waits, to set against the
+// loop's plain step at that batch (docs/device-loop.md, what the budget trades).
 //
 // --profile: for --profile_shape / --profile_batch, also runs --profile_reps steps host-launched
 // op by op, each op between two events, and prints where a step's time goes: each op's time, the
@@ -104,6 +107,9 @@ ABSL_FLAG(std::string, pipeline_devices, "",
 ABSL_FLAG(int32_t, probe_tokens, 0,
           "also time one more prompt of this many tokens from Prefill to its first token, with "
           "nothing decoding and beside each batch below the largest (0 = off)");
+ABSL_FLAG(int32_t, prefill_step_tokens, 256,
+          "mode loop: the rows of a mixed step, decode and prompt (tailserve's "
+          "--prefill_step_tokens); what --probe_tokens' mixed steps hold");
 
 namespace ts::bench {
 namespace {
@@ -341,11 +347,19 @@ absl::Status PrefillBatch(CudaBackend& b, const Settings& s, int32_t batch, int3
   return b.Prefill(inits);
 }
 
-// Host milliseconds from Prefill of one more prompt of `tokens` (slot `batch`, greedy, one new
-// token) to its first token in the ring, while `batch` streams decode (0: nothing decodes). Then
-// runs everything to the end and frees every slot.
-absl::StatusOr<double> ProbePrefill(CudaBackend& b, const Settings& s, int32_t batch,
-                                    int32_t max_new, int32_t tokens, bool loop);
+struct Probe {
+  double first_token_ms = 0;  // host clock, Prefill to the first token in the ring
+  // Loop only: each mixed step's GPU milliseconds, from the stream reaching it to its end (the
+  // first one after the loop's exit also holds the host's staging of it, which the streams wait
+  // for too).
+  std::vector<double> mixed_step_ms;
+};
+
+// Prefill of one more prompt of `tokens` (slot `batch`, greedy, one new token) to its first token
+// in the ring, while `batch` streams decode (0: nothing decodes). Then runs everything to the end
+// and frees every slot.
+absl::StatusOr<Probe> ProbePrefill(CudaBackend& b, const Settings& s, int32_t batch,
+                                   int32_t max_new, int32_t tokens, bool loop);
 
 // Every slot must hold exactly `records` ring records, the last one FINISHED; then frees them.
 absl::Status CheckAndRelease(CudaBackend& b, int32_t batch, uint32_t records) {
@@ -414,6 +428,7 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
   if (!skip.empty()) o.capture_observer = &skip;
   o.attention_min_split_tokens = absl::GetFlag(FLAGS_attn_min_split_tokens);
   o.device_loop = loop;
+  o.prefill_step_tokens = absl::GetFlag(FLAGS_prefill_step_tokens);
   if (mode == "pipe") {
     TS_ASSIGN_OR_RETURN(o.stages, PipeStages(config, &o.gpu_memory_fraction));
   }
@@ -553,17 +568,27 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
       if (batch < s.batches.back()) besides.push_back(batch);
     }
     for (int32_t beside : besides) {
-      TS_ASSIGN_OR_RETURN(const double ms, ProbePrefill(*b, s, beside, max_new, probe, loop));
-      std::printf("prefill probe %-4s %-5s: %d tokens beside %d decoding streams: %.2f ms\n",
-                  shape.c_str(), mode.c_str(), probe, beside, ms);
+      TS_ASSIGN_OR_RETURN(const Probe p, ProbePrefill(*b, s, beside, max_new, probe, loop));
+      std::printf("prefill probe %-4s %-5s: %d tokens beside %d decoding streams: %.2f ms",
+                  shape.c_str(), mode.c_str(), probe, beside, p.first_token_ms);
+      const std::vector<double>& mixed = p.mixed_step_ms;
+      if (!mixed.empty()) {
+        std::printf("; %zu mixed steps of %d rows, median %.3f ms, max %.3f", mixed.size(),
+                    absl::GetFlag(FLAGS_prefill_step_tokens), Quantile(mixed, 0.5),
+                    *std::max_element(mixed.begin(), mixed.end()));
+      }
+      std::printf("\n");
       if (out != nullptr) {
-        *out << json{{"probe", shape},
-                     {"mode", mode},
-                     {"probe_tokens", probe},
-                     {"beside", beside},
-                     {"first_token_ms", ms}}
-                    .dump()
-             << "\n";
+        json row = {{"probe", shape},
+                    {"mode", mode},
+                    {"probe_tokens", probe},
+                    {"beside", beside},
+                    {"first_token_ms", p.first_token_ms}};
+        if (!mixed.empty()) {
+          row["prefill_step_tokens"] = absl::GetFlag(FLAGS_prefill_step_tokens);
+          row["mixed_step_ms"] = mixed;
+        }
+        *out << row.dump() << "\n";
       }
     }
   }
@@ -620,8 +645,8 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> ProbePrefill(CudaBackend& b, const Settings& s, int32_t batch,
-                                    int32_t max_new, int32_t tokens, bool loop) {
+absl::StatusOr<Probe> ProbePrefill(CudaBackend& b, const Settings& s, int32_t batch,
+                                   int32_t max_new, int32_t tokens, bool loop) {
   const BackendInfo& info = b.info();
   const int32_t per = (s.prompt_len + max_new + info.kv_block_size - 1) / info.kv_block_size;
   tokens = std::min(tokens, per * info.kv_block_size - 1);  // the slot's share of the pool
@@ -642,6 +667,23 @@ absl::StatusOr<double> ProbePrefill(CudaBackend& b, const Settings& s, int32_t b
   SlotInit probe{.slot = batch, .prompt = prompt, .block_table = table, .sampling = {}, .stop = {}};
   probe.sampling.temperature = 0.0f;
   probe.stop.max_new_tokens = 1;
+  // A Run(kLoop) enqueues at most one mixed step and nothing else, so two events around a call
+  // that did bracket that step's work on the stream.
+  struct Marks {
+    cudaEvent_t begin = nullptr, end = nullptr;
+    Marks() {
+      cudaEventCreate(&begin);
+      cudaEventCreate(&end);
+    }
+    ~Marks() {
+      cudaEventDestroy(begin);
+      cudaEventDestroy(end);
+    }
+    Marks(const Marks&) = delete;
+    Marks& operator=(const Marks&) = delete;
+  };
+  std::vector<std::unique_ptr<Marks>> marks;
+  auto next = std::make_unique<Marks>();
   const auto t0 = std::chrono::steady_clock::now();
   TS_RETURN_IF_ERROR(b.Prefill(std::span<const SlotInit>(&probe, 1)));
   const auto deadline = t0 + std::chrono::seconds(30);
@@ -649,10 +691,20 @@ absl::StatusOr<double> ProbePrefill(CudaBackend& b, const Settings& s, int32_t b
     if (std::chrono::steady_clock::now() > deadline) {
       return absl::DeadlineExceededError("prefill probe: no first token in 30 s");
     }
-    if (loop) TS_RETURN_IF_ERROR(b.Run(RunMode::kLoop));  // relaunches after an exit
+    if (loop) {
+      const uint64_t before = b.mixed_steps();
+      TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(next->begin, b.stream()));
+      TS_RETURN_IF_ERROR(b.Run(RunMode::kLoop));  // a mixed step, a pause, or a relaunch
+      TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(next->end, b.stream()));
+      if (b.mixed_steps() > before) {  // kept; otherwise recorded again at the next call
+        marks.push_back(std::move(next));
+        next = std::make_unique<Marks>();
+      }
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
-  const double ms =
+  Probe result;
+  result.first_token_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   // Everything to the end: the batch's streams, and the probe (finished by its first token).
   if (loop) TS_RETURN_IF_ERROR(b.WaitForPrefills());
@@ -660,9 +712,14 @@ absl::StatusOr<double> ProbePrefill(CudaBackend& b, const Settings& s, int32_t b
     TS_RETURN_IF_ERROR(b.Run(loop ? RunMode::kLoop : RunMode::kOneStep));
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(b.stream()));
   } while (b.num_active() > 0);
+  for (const auto& m : marks) {
+    float ms = 0.f;
+    TS_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, m->begin, m->end));
+    result.mixed_step_ms.push_back(ms);
+  }
   if (batch > 0) TS_RETURN_IF_ERROR(CheckAndRelease(b, batch, static_cast<uint32_t>(max_new)));
   b.Release(batch);
-  return ms;
+  return result;
 }
 
 int Main() {
