@@ -32,12 +32,13 @@
 // each op also pays its launch latency; what an op costs inside a graph step is measured by
 // leaving it out (--timing_skip), which bench/decode/in_graph_costs.sh does for every op class.
 //
+// Device timestamps and the host-load threads: bench/decode/step_clock.h.
+//
 // Output: a table on stdout; one JSON object per line in --out (when given).
 // Exit codes: 0 done; 1 a CUDA/backend error or a stream that did not finish as asked; 2 flags.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -55,11 +56,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/decode/step_clock.h"
 #include "common/flags.h"
 #include "common/status.h"
 #include "engine/cuda/cuda_backend.h"
 #include "kernels/cuda_check.h"
-#include "kernels/step_stamps.cuh"
 #include "models/llama_shapes.h"
 #include "nlohmann/json.hpp"
 
@@ -237,86 +238,6 @@ double OpBytes(const std::string& op, const ModelDims& d, int32_t batch, double 
   if (op == "final_norm") return act * 2 * h;
   return 0;
 }
-
-// Busy threads, one spinning loop each, for as long as it lives.
-class HostLoad {
- public:
-  explicit HostLoad(int32_t per_core) {
-    const int32_t n = per_core * static_cast<int32_t>(std::thread::hardware_concurrency());
-    for (int32_t i = 0; i < n; ++i) {
-      threads_.emplace_back([this] {
-        volatile uint64_t x = 0;
-        while (!stop_.load(std::memory_order_relaxed)) x = x + 1;
-      });
-    }
-  }
-  ~HostLoad() {
-    stop_.store(true);
-    for (auto& t : threads_) t.join();
-  }
-
- private:
-  std::atomic<bool> stop_{false};
-  std::vector<std::thread> threads_;
-};
-
-// The device StepStamps the backend's kernels write, and its arrays.
-class Stamps {
- public:
-  static absl::StatusOr<std::unique_ptr<Stamps>> Create(uint32_t capacity) {
-    auto s = std::unique_ptr<Stamps>(new Stamps());
-    s->capacity_ = capacity;
-    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->dev_, sizeof(kernels::StepStamps)));
-    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->start_, capacity * sizeof(unsigned long long)));
-    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->gap_, capacity * sizeof(unsigned long long)));
-    TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&s->launch_, capacity * sizeof(unsigned long long)));
-    TS_RETURN_IF_ERROR(s->Reset());
-    return s;
-  }
-  ~Stamps() {
-    cudaFree(dev_);
-    cudaFree(start_);
-    cudaFree(gap_);
-    cudaFree(launch_);
-  }
-  kernels::StepStamps* device() const { return dev_; }
-  absl::Status Reset() {
-    const kernels::StepStamps h{
-        .capacity = capacity_, .start_ns = start_, .gap_ns = gap_, .launch_ns = launch_};
-    TS_CUDA_RETURN_IF_ERROR(cudaMemcpy(dev_, &h, sizeof(h), cudaMemcpyHostToDevice));
-    return absl::OkStatus();
-  }
-  // Step periods (ms, start to next start) and idle gaps (us) of the stamped steps, and the part
-  // of each gap from the device loop's tail-launch call to the step's start (us; none for
-  // host-launched steps).
-  absl::Status Read(std::vector<double>* period_ms, std::vector<double>* gap_us,
-                    std::vector<double>* launch_us) const {
-    kernels::StepStamps h;
-    TS_CUDA_RETURN_IF_ERROR(cudaMemcpy(&h, dev_, sizeof(h), cudaMemcpyDeviceToHost));
-    const uint32_t n = std::min(h.count, capacity_);
-    std::vector<unsigned long long> start(n), gap(n), launch(n);
-    TS_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(start.data(), start_, n * sizeof(start[0]), cudaMemcpyDeviceToHost));
-    TS_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(gap.data(), gap_, n * sizeof(gap[0]), cudaMemcpyDeviceToHost));
-    TS_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(launch.data(), launch_, n * sizeof(launch[0]), cudaMemcpyDeviceToHost));
-    for (uint32_t i = 0; i < n; ++i) {
-      gap_us->push_back(gap[i] * 1e-3);
-      if (launch[i] != 0) launch_us->push_back(launch[i] * 1e-3);
-      if (i > 0) period_ms->push_back((start[i] - start[i - 1]) * 1e-6);
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  Stamps() = default;
-  uint32_t capacity_ = 0;
-  kernels::StepStamps* dev_ = nullptr;
-  unsigned long long* start_ = nullptr;
-  unsigned long long* gap_ = nullptr;
-  unsigned long long* launch_ = nullptr;
-};
 
 // Publishes `batch` random prompts into slots [0, batch) with the KV blocks of slot i at
 // [i * per, (i + 1) * per).
