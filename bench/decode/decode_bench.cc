@@ -494,7 +494,7 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
                   shape.c_str(), mode.c_str(), probe, beside, p.first_token_ms);
       const std::vector<double>& mixed = p.mixed_step_ms;
       if (!mixed.empty()) {
-        std::printf("; %zu mixed steps of %d rows, median %.3f ms, max %.3f", mixed.size(),
+        std::printf("; %zu mixed steps of up to %d rows, median %.3f ms, max %.3f", mixed.size(),
                     absl::GetFlag(FLAGS_prefill_step_tokens), Quantile(mixed, 0.5),
                     *std::max_element(mixed.begin(), mixed.end()));
       }
