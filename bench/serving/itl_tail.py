@@ -24,6 +24,8 @@ import bisect
 import json
 import sys
 
+from ttft_tail import percentile
+
 
 def load(path):
     """The successful requests with at least two token messages, as dicts of ms values."""
@@ -53,25 +55,9 @@ def intervals(streams):
 
 
 def percentile_weighted(pairs, q):
-    """The q-quantile of values repeated by their weights, interpolated between closest ranks as
-    tailserve-load's summary (numpy's default) does over its ITL samples."""
-    s = sorted(pairs)
-    total = sum(w for _, w in s)
-    if total == 0:
-        return float("nan")
-    pos = q * (total - 1)
-    lo, hi = int(pos), min(int(pos) + 1, total - 1)
-
-    def at(rank):
-        seen = 0
-        for v, w in s:
-            seen += w
-            if rank < seen:
-                return v
-        return s[-1][0]
-
-    a, b = at(lo), at(hi)
-    return a + (b - a) * (pos - lo)
+    """The q-quantile of (value, weight) pairs, each value counted weight times: an interval counts
+    once per token it carries, as tailserve-load's ITL samples do."""
+    return percentile([v for v, w in pairs for _ in range(w)], q)
 
 
 def arrived_during(arrivals, start, end):
