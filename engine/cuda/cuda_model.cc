@@ -167,7 +167,7 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
         attention_ws, k::DecodeAttentionWorkspaceBytes(b, dims.num_heads, dims.head_dim, splits));
   }
   // The prefill's key-split partials follow, apart from the decode part (whose counters must stay
-  // zero); prefill and decode never run at once, both being on the backend's one stream.
+  // zero): a mixed step runs the two attentions at once (EnqueueAttention).
   m->prefill_partials_offset_ = (attention_ws + 255) / 256 * 256;
   attention_ws =
       m->prefill_partials_offset_ +
@@ -224,6 +224,14 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
   TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&m->staging_free_, cudaEventDisableTiming));
   TS_CUDA_RETURN_IF_ERROR(
       cudaEventCreateWithFlags(&m->sample_staging_free_, cudaEventDisableTiming));
+  // The lowest priority: when both attentions are ready, the prefill kernel's CTAs (one an SM at
+  // head_dim 128) are placed first and the decode kernel's fill the other SMs.
+  int least = 0, greatest = 0;
+  TS_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  TS_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithPriority(&m->attention_side_, cudaStreamNonBlocking, least));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&m->attention_fork_, cudaEventDisableTiming));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&m->attention_join_, cudaEventDisableTiming));
   TS_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return m;
 }
@@ -237,6 +245,9 @@ CudaModel::~CudaModel() {
   prefill_logits_.reset();
   if (staging_free_ != nullptr) cudaEventDestroy(staging_free_);
   if (sample_staging_free_ != nullptr) cudaEventDestroy(sample_staging_free_);
+  if (attention_fork_ != nullptr) cudaEventDestroy(attention_fork_);
+  if (attention_join_ != nullptr) cudaEventDestroy(attention_join_);
+  if (attention_side_ != nullptr) cudaStreamDestroy(attention_side_);
   if (arena_ != nullptr) cudaFree(arena_);
   if (feed_base_ != nullptr) cudaFree(feed_base_);
   if (host_block_ != nullptr) cudaFreeHost(host_block_);

@@ -297,7 +297,7 @@ class CudaModel {
   // first_row on.
   absl::Status DecodeAttention(const ForwardBuffers& f, int32_t rows, const LayerBuffers& layer,
                                const Attention& attn, const kernels::DecodeAttentionRope* rope,
-                               cudaStream_t stream) const;
+                               cudaStream_t stream, bool pdl = true) const;
   absl::Status PrefillAttention(const ForwardBuffers& f, int32_t first_row,
                                 const LayerBuffers& layer, const Attention& attn,
                                 cudaStream_t stream) const;
@@ -366,6 +366,11 @@ class CudaModel {
   // Recorded after a first-token sample's staging copies (sample_params, sample_slots,
   // head_row_slots), so staging a sample never waits for the chunk before it to start.
   cudaEvent_t sample_staging_free_ = nullptr;
+  // A mixed step's decode attention runs on attention_side_ beside the prefill attention on the
+  // step's stream (EnqueueAttention): forked after rope_kv, joined before the o GEMM.
+  cudaStream_t attention_side_ = nullptr;
+  cudaEvent_t attention_fork_ = nullptr;
+  cudaEvent_t attention_join_ = nullptr;
 };
 
 }  // namespace ts

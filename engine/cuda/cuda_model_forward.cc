@@ -84,16 +84,25 @@ absl::Status CudaModel::EnqueueAttention(const ForwardBuffers& f, int32_t rows,
                                          cudaStream_t stream) const {
   if (at.decode) return DecodeAttention(f, rows, layer, at, rope, stream);
   if (rope != nullptr) return absl::InternalError("attention: a fused RoPE in a prefill step");
-  if (at.decode_rows > 0) {
-    TS_RETURN_IF_ERROR(DecodeAttention(f, at.decode_rows, layer, at, nullptr, stream));
-  }
-  return PrefillAttention(f, at.decode_rows, layer, at, stream);
+  if (at.decode_rows == 0) return PrefillAttention(f, 0, layer, at, stream);
+  // A mixed step: the decode rows' attention on the side stream, beside the prompt rows'. The
+  // two write disjoint rows of f.attn and disjoint parts of the attention workspace, and only
+  // read the cache. The prefill kernel alone fills under half the SMs at a 256-row step
+  // (bench/results/2026-12-06-h100-mixed-step-trace.txt).
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(attention_fork_, stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(attention_side_, attention_fork_));
+  TS_RETURN_IF_ERROR(PrefillAttention(f, at.decode_rows, layer, at, stream));
+  TS_RETURN_IF_ERROR(
+      DecodeAttention(f, at.decode_rows, layer, at, nullptr, attention_side_, /*pdl=*/false));
+  TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(attention_join_, attention_side_));
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, attention_join_));
+  return absl::OkStatus();
 }
 
 absl::Status CudaModel::DecodeAttention(const ForwardBuffers& f, int32_t rows,
                                         const LayerBuffers& layer, const Attention& at,
-                                        const k::DecodeAttentionRope* rope,
-                                        cudaStream_t stream) const {
+                                        const k::DecodeAttentionRope* rope, cudaStream_t stream,
+                                        bool pdl) const {
   const ModelDims& d = dims();
   const ArenaShape& s = plan_.shape;
   k::DecodeAttentionParams p;
@@ -118,7 +127,7 @@ absl::Status CudaModel::DecodeAttention(const ForwardBuffers& f, int32_t rows,
   p.mode = k::DecodeAttentionMode::kStaticSplit;
   p.max_splits = at.max_splits;
   p.num_splits = at.num_splits;
-  p.pdl = true;
+  p.pdl = pdl;
   // A bucket whose split count is 1 even at the longest context (the large batches) needs no
   // combine node in any regime; decided per bucket, so exec updates never change the nodes.
   p.no_combine = at.max_splits == 1;
