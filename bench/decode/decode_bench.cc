@@ -570,7 +570,8 @@ absl::StatusOr<Probe> ProbePrefill(CudaBackend& b, const Settings& s, int32_t ba
                                    int32_t max_new, int32_t tokens, bool loop) {
   const BackendInfo& info = b.info();
   const int32_t per = (s.prompt_len + max_new + info.kv_block_size - 1) / info.kv_block_size;
-  tokens = std::min(tokens, per * info.kv_block_size - 1);  // the slot's share of the pool
+  // The slot's share of the pool, and one token under max_context for the first token.
+  tokens = std::min({tokens, per * info.kv_block_size - 1, s.prompt_len + max_new - 1});
   if (batch > 0) {
     TS_RETURN_IF_ERROR(PrefillBatch(b, s, batch, max_new, absl::GetFlag(FLAGS_seed) + 7));
     if (loop) {
