@@ -97,6 +97,7 @@ CudaBackend::~CudaBackend() {
   graphs_.reset();
   timer_.reset();
   model_.reset();
+  device_slots_.reset();
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
   if (clock_stream_ != nullptr) cudaStreamDestroy(clock_stream_);
   if (clock_sample_ != nullptr) cudaFree(clock_sample_);
@@ -186,7 +187,7 @@ absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
   slots_.resize(options_.max_slots);
   rows_.reserve(options_.max_slots);
   table_ = std::make_unique<SlotTable>(options_.max_slots, info_.ring_capacity,
-                                       model_->host().rings, model_->host().cancel);
+                                       device_slots_->host().rings, device_slots_->host().cancel);
   TS_ASSIGN_OR_RETURN(timer_, OpTimer::Create(16 * model_->dims().num_layers + 64));
   TS_RETURN_IF_ERROR(CalibrateClock());
 
@@ -314,22 +315,18 @@ void CudaBackend::ResetSlotHost(SlotId slot) {
   // No kernel touches these for a slot that is not ACTIVE on the device, and the slot's staging
   // (which makes it so) is enqueued only after this returns.
   table_->ResetForRequest(slot);
-  std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
+  std::atomic_ref<int32_t>(device_slots_->host().done[slot]).store(0, std::memory_order_relaxed);
   // A cancel for the slot's previous request (one that had finished) must not end this one.
   if (!cancel_pending_.empty()) {
     std::atomic_ref<int32_t>(cancel_pending_[slot]).store(0, std::memory_order_relaxed);
   }
 }
 
-// Writes the slot's table row, block table and prompt mask into staging row `index` and
-// enqueues their copies (plus the output-count reset) to the slot's device rows.
+// The slot's device row from its request, published through staging row `index`
+// (DeviceSlots::Stage).
 absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index, int32_t device_state,
                                     cudaStream_t stream) {
-  const HostLayout& h = model_->host();
-  const DeviceLayout& d = model_->dev();
-  const ArenaShape& s = model_->plan().shape;
-  k::SlotRow& row = h.slot_rows[index];
-  row = k::SlotRow{};
+  k::SlotRow row;
   row.state = device_state;
   row.prompt_len = static_cast<int32_t>(in.prompt.size());
   row.generated = 0;
@@ -344,30 +341,7 @@ absl::Status CudaBackend::StageSlot(const SlotInit& in, int32_t index, int32_t d
   row.deadline_lo = static_cast<uint32_t>(deadline);
   row.deadline_hi = static_cast<uint32_t>(deadline >> 32);
   row.sampling = ToSamplingRow(in.sampling, 0);
-
-  const size_t mb = s.max_blocks_per_seq;
-  int32_t* table = h.slot_block_tables + index * mb;
-  const size_t copy = std::min(in.block_table.size(), mb);
-  std::copy_n(in.block_table.begin(), copy, table);
-  std::fill(table + copy, table + mb, k::kInvalidKvBlock);  // block 0 is someone's live block
-
-  const size_t words = s.mask_words();
-  uint32_t* mask = h.prompt_mask + index * words;
-  std::fill(mask, mask + words, 0u);
-  for (int32_t t : in.prompt) mask[t / 32] |= 1u << (t % 32);
-
-  const size_t slot = static_cast<size_t>(in.slot);
-  TS_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(d.slots + slot, &row, sizeof(k::SlotRow), cudaMemcpyHostToDevice, stream));
-  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.slot_block_tables + slot * mb, table,
-                                          mb * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
-  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.prompt_mask + slot * words, mask,
-                                          words * sizeof(uint32_t), cudaMemcpyHostToDevice,
-                                          stream));
-  TS_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(d.output_counts + slot * s.dims.vocab, 0,
-                      static_cast<size_t>(s.dims.vocab) * sizeof(*d.output_counts), stream));
-  return absl::OkStatus();
+  return device_slots_->Stage(row, in.block_table, in.prompt, in.slot, index, stream);
 }
 
 absl::Status CudaBackend::Prefill(std::span<const SlotInit> inits) {
@@ -498,7 +472,7 @@ absl::Status CudaBackend::Run(RunMode mode) {
 
 void CudaBackend::AfterStep(const std::vector<SlotId>& rows) {
   for (SlotId id : rows) ++slots_[id].generated;
-  int32_t* done = model_->host().done;  // [max_slots] host-mapped, written by postprocess
+  int32_t* done = device_slots_->host().done;  // [max_slots] host-mapped, written by postprocess
   for (SlotId i = 0; i < info_.max_slots; ++i) {
     if (table_->state(i) != SlotState::kActive) continue;
     if (std::atomic_ref<int32_t>(done[i]).load(std::memory_order_acquire) != 0) {
@@ -641,7 +615,7 @@ absl::StatusOr<std::vector<std::vector<float>>> CudaBackend::DecodeLogits(
         return absl::InvalidArgumentError(absl::StrCat("DecodeLogits: prompt ", i, " token ",
                                                        prefill_len + step, " outside the vocab"));
       }
-      TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&model_->dev().slots[i].last_token, &token,
+      TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&device_slots_->dev().slots[i].last_token, &token,
                                               sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     }
     TS_RETURN_IF_ERROR(Run(RunMode::kOneStep));
@@ -706,7 +680,7 @@ void CudaBackend::Release(SlotId slot) {
     std::atomic_ref<int32_t>(cancel_pending_[slot]).store(0, std::memory_order_relaxed);
   }
   table_->ResetForRequest(slot);
-  std::atomic_ref<int32_t>(model_->host().done[slot]).store(0, std::memory_order_relaxed);
+  std::atomic_ref<int32_t>(device_slots_->host().done[slot]).store(0, std::memory_order_relaxed);
   table_->set_state(slot, SlotState::kFree);
 }
 

@@ -159,8 +159,9 @@ class CudaBackend : public Backend {
     return slots_[slot].prefill_started;
   }
 
-  // For benchmarks and tests. model() is the last stage of a pipeline (its slot table).
+  // For benchmarks and tests. model() is the last stage of a pipeline, on slot_table()'s GPU.
   CudaModel& model() { return *model_; }
+  const DeviceSlots& slot_table() const { return *device_slots_; }
   int32_t num_stages() const { return pipeline_ != nullptr ? pipeline_->num_stages() : 1; }
   // Row groups of host-driven decode (CudaBackendOptions::decode_groups as resolved).
   int32_t decode_groups() const {
@@ -332,6 +333,8 @@ class CudaBackend : public Backend {
 
   CudaBackendOptions options_;
   BackendInfo info_;
+  // The slot table on the last stage's GPU; declared before model_, which points at it.
+  std::unique_ptr<DeviceSlots> device_slots_;
   std::unique_ptr<CudaModel> model_;
   std::unique_ptr<graphs::GraphCache> graphs_;
   std::vector<Upstream> upstream_;

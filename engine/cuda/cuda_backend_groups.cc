@@ -88,7 +88,7 @@ absl::Status CudaBackend::CompleteGroup(Group& g) {
   g.in_flight = false;
   TS_RETURN_IF_ERROR(CheckErrorFlag("decode step"));
   // Only this group's rows: another group's step may still be writing its own done flags.
-  int32_t* done = model_->host().done;
+  int32_t* done = device_slots_->host().done;
   for (SlotId id : g.rows) {
     // The engine may have read this step's finishing record and released the slot while the step
     // was still in flight (and the step's done flag may have landed after the release reset it).

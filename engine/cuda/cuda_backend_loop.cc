@@ -70,7 +70,7 @@ absl::Status CudaBackend::InitLoop() {
                                                    p.num_buckets));
   }
   for (int32_t i = 0; i < p.num_buckets; ++i) p.buckets[i] = options_.buckets[i];
-  p.slots = model_->dev().slots;
+  p.slots = device_slots_->dev().slots;
   p.num_slots = options_.max_slots;
   p.row_slots = model_->dev().decode_head.row_slots;
   p.stamps = options_.step_stamps;
@@ -208,7 +208,7 @@ absl::Status CudaBackend::LoopError() {
 }
 
 void CudaBackend::RefreshSlots() {
-  int32_t* done = model_->host().done;
+  int32_t* done = device_slots_->host().done;
   for (SlotId i = 0; i < info_.max_slots; ++i) {
     Slot& s = slots_[i];
     if (table_->state(i) != SlotState::kActive) continue;

@@ -132,8 +132,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Make(const CudaBackend
   }
   TS_ASSIGN_OR_RETURN(graphs::DeviceGuard guard, graphs::DeviceGuard::Set(b->options_.device));
   TS_RETURN_IF_ERROR(b->CreateStream());
-  TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model,
-                      CudaModel::Create(StageModelOptions(o, config, stages.back())));
+  CudaModelOptions last = StageModelOptions(o, config, stages.back());
+  TS_ASSIGN_OR_RETURN(b->device_slots_, DeviceSlots::Create(CudaModel::SlotShapeFor(last)));
+  last.slots = b->device_slots_.get();
+  TS_ASSIGN_OR_RETURN(std::unique_ptr<CudaModel> model, CudaModel::Create(last));
   TS_RETURN_IF_ERROR(load(*model, b->stream_));
   TS_RETURN_IF_ERROR(b->Init(std::move(model)));
   if (!rank_plan.empty()) TS_RETURN_IF_ERROR(b->ConnectRanks(rank_plan));

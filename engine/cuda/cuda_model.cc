@@ -116,6 +116,24 @@ absl::Status UploadVector(const TensorView& t, bf16* dst) {
 
 }  // namespace
 
+SlotShape CudaModel::SlotShapeFor(const CudaModelOptions& o) {
+  const int32_t context = o.max_context > 0 ? o.max_context : o.config.max_position_embeddings;
+  const int32_t block = std::max(o.kv_block_size, 1);
+  return SlotShape{.max_slots = o.max_slots,
+                   .max_blocks_per_seq = (context + block - 1) / block,
+                   .vocab = o.config.vocab_size,
+                   .ring_capacity = o.ring_capacity};
+}
+
+absl::StatusOr<const DeviceSlots*> CudaModel::Slots() const {
+  if (slots_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "the slot table: a pipeline stage without the head holds none, so it cannot prepare, "
+        "sample or postprocess decode rows");
+  }
+  return slots_;
+}
+
 absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOptions& o) {
   TS_RETURN_IF_ERROR(ValidateBuckets(o.buckets));
   if (o.config.eos_token_ids.size() > static_cast<size_t>(k::kMaxEosIds)) {
@@ -127,11 +145,22 @@ absl::StatusOr<std::unique_ptr<CudaModel>> CudaModel::Create(const CudaModelOpti
     return absl::InvalidArgumentError(absl::StrCat("attention_min_split_tokens must be >= 1, got ",
                                                    o.attention_min_split_tokens));
   }
+  const bool head = o.stage.has_head;
+  if (head != (o.slots != nullptr)) {
+    return absl::InvalidArgumentError(
+        head ? "slots: a model that holds the head needs the slot table (DeviceSlots)"
+             : "slots: a stage without the head holds no slot table");
+  }
+  if (head && !(o.slots->shape() == SlotShapeFor(o))) {
+    return absl::InvalidArgumentError(
+        "slots: the slot table's shape is not CudaModel::SlotShapeFor(options)");
+  }
   std::unique_ptr<CudaModel> m(new CudaModel());
   m->config_ = o.config;
   m->attention_min_split_tokens_ = o.attention_min_split_tokens;
   m->capture_observer_ = o.capture_observer;
   m->step_stamps_ = o.step_stamps;
+  m->slots_ = o.slots;
   m->buckets_ = o.buckets;
   m->device_ = o.device;
   m->max_context_ = o.max_context > 0 ? o.max_context : o.config.max_position_embeddings;

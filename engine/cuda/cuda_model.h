@@ -1,6 +1,7 @@
-// CudaModel: a Llama model resident on one GPU (bf16 weights, paged KV pool, activations, slot
-// table and sampling state in one arena; rings in pinned host-mapped memory, see memory_plan.h)
-// and the enqueue of its work on a stream:
+// CudaModel: a Llama model (or one pipeline stage of it) resident on one GPU (bf16 weights, paged
+// KV pool, activations and scratch in one arena, see memory_plan.h; the slot table, which the
+// stage with the head reads and writes, is the caller's DeviceSlots) and the enqueue of its work
+// on a stream:
 //   - EnqueueDecodeStep: one decode step for a bucket, graph-capturable:
 //       prepare (gather step inputs from the slot table for the bucket's rows) -> embed ->
 //       L x (rmsnorm, qkv GEMM, rope + KV write, decode attention + combine, o GEMM, residual
@@ -15,7 +16,8 @@
 //   - EnqueuePrefill + EnqueuePrefillSample: the same layers over a packed, chunked prompt
 //     batch with causal prefill attention (host-launched, not a graph), then the first token of
 //     every prompt through the same sampling and postprocess kernels.
-// The slot table rows are written by the caller (CudaBackend) before the prefill's postprocess.
+// The slot table rows are written by the caller (CudaBackend, DeviceSlots::Stage) before the
+// prefill's postprocess.
 //
 // Row list contract: decode row r of a bucket holds slot row_slots[r] (device buffer
 // dev().decode_head.row_slots, written by the caller before the step), or -1 for a padding row.
@@ -36,6 +38,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "engine/cuda/device_slots.h"
 #include "engine/cuda/memory_plan.h"
 #include "kernels/decode_attention.cuh"
 #include "kernels/gemm.cuh"
@@ -93,6 +96,10 @@ struct CudaModelOptions {
   // Benchmarks only: device timestamps of every decode step (kernels/step_stamps.cuh), written
   // by the captured prepare and postprocess kernels. Owned by the caller; nullptr in production.
   kernels::StepStamps* step_stamps = nullptr;
+  // The slot table a stage with the head prepares decode rows from and samples and postprocesses
+  // into (required there, of shape CudaModel::SlotShapeFor(options); nullptr elsewhere). Owned by
+  // the caller, on this device, and it must outlive the model.
+  const DeviceSlots* slots = nullptr;
 };
 
 // Times each op of a step separately with CUDA events (the --profile mode of tailserve-bench).
@@ -156,6 +163,9 @@ class CudaModel {
   // Plans memory (prints the budget), allocates the arena, the pinned host block and the two
   // cuBLASLt Gemms, and plans every GEMM shape it will launch. Weights are not loaded yet.
   static absl::StatusOr<std::unique_ptr<CudaModel>> Create(const CudaModelOptions& options);
+  // The DeviceSlots shape a model made from `options` needs (options.max_context 0 resolved as
+  // Create resolves it).
+  static SlotShape SlotShapeFor(const CudaModelOptions& options);
   ~CudaModel();
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
@@ -174,6 +184,7 @@ class CudaModel {
   const DeviceLayout& dev() const { return dev_; }
   const HostLayout& host() const { return host_; }          // CPU addresses
   const HostLayout& host_dev() const { return host_dev_; }  // device aliases of the same block
+  const DeviceSlots* slots() const { return slots_; }       // nullptr without the head
   const std::vector<int32_t>& buckets() const { return buckets_; }
   int32_t max_context() const { return max_context_; }
   int32_t num_sms() const { return num_sms_; }
@@ -340,6 +351,9 @@ class CudaModel {
   int32_t attention_min_split_tokens_ = 64;
   OpObserver* capture_observer_ = nullptr;
   kernels::StepStamps* step_stamps_ = nullptr;
+  const DeviceSlots* slots_ = nullptr;
+  // The slot table, or FailedPrecondition on a stage without the head (which holds none).
+  absl::StatusOr<const DeviceSlots*> Slots() const;
   // (token, split) pairs the prefill attention's key-split partials hold (PrefillAttentionSplits).
   static constexpr int32_t kPrefillSplitRows = 2048;
   size_t prefill_partials_offset_ = 0;  // into dev_.attention_workspace

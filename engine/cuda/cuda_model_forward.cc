@@ -437,13 +437,14 @@ absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t ro
                                              OpObserver* observer) const {
   const ModelDims& d = dims();
   const ArenaShape& s = plan_.shape;
+  TS_ASSIGN_OR_RETURN(const DeviceSlots* slots, Slots());
   TS_RETURN_IF_ERROR(RunOp(observer, "sampling", stream, [&] {
     k::SamplingKernelParams p;
     p.logits = head.logits_f32;
     p.params = head.params;
     p.row_slots = head.sample_slots;
-    p.output_counts = dev_.output_counts;
-    p.prompt_mask = dev_.prompt_mask;
+    p.output_counts = slots->dev().output_counts;
+    p.prompt_mask = slots->dev().prompt_mask;
     p.tokens = head.sampled;
     p.error_flag = host_dev_.error_flag;
     p.rows = rows;
@@ -464,11 +465,11 @@ absl::Status CudaModel::EnqueueSampleAndPost(const HeadBuffers& head, int32_t ro
     k::PostprocessParams p;
     p.row_slots = head.row_slots;
     p.tokens = head.sampled;
-    p.slots = dev_.slots;
-    p.cancel = host_dev_.cancel;
-    p.done = host_dev_.done;
-    p.rings = host_dev_.rings;
-    p.output_counts = dev_.output_counts;
+    p.slots = slots->dev().slots;
+    p.cancel = slots->host_dev().cancel;
+    p.done = slots->host_dev().done;
+    p.rings = slots->host_dev().rings;
+    p.output_counts = slots->dev().output_counts;
     p.num_eos = static_cast<int32_t>(config_.eos_token_ids.size());
     for (int32_t i = 0; i < p.num_eos; ++i) p.eos_ids[i] = config_.eos_token_ids[i];
     p.rows = rows;
@@ -498,10 +499,11 @@ CudaModel::RowInputs CudaModel::DecodeInputs(const ForwardBuffers& f) const {
 absl::Status CudaModel::EnqueuePrepare(const RowInputs& in, int32_t rows, k::StepStamps* stamps,
                                        cudaStream_t stream) const {
   const ArenaShape& s = plan_.shape;
+  TS_ASSIGN_OR_RETURN(const DeviceSlots* slots, Slots());
   k::PrepareDecodeParams p;
   p.row_slots = in.row_slots;
-  p.slots = dev_.slots;
-  p.slot_block_tables = dev_.slot_block_tables;
+  p.slots = slots->dev().slots;
+  p.slot_block_tables = slots->dev().block_tables;
   p.tokens = in.tokens;
   p.positions = in.positions;
   p.slot_mapping = in.slot_mapping;

@@ -42,7 +42,7 @@ class Carver {
 };
 
 struct Categories {
-  size_t weights = 0, kv = 0, activations = 0, state = 0, attention = 0, logits_workspace = 0;
+  size_t weights = 0, kv = 0, activations = 0, attention = 0, logits_workspace = 0;
 };
 
 using bf16 = __nv_bfloat16;
@@ -126,12 +126,6 @@ DeviceLayout Carve(const ArenaShape& s, void* base, Categories* cats, size_t* to
   l.prefill_block_tables = c.Take<int32_t>(slots * blocks, &cats->activations);
   l.gather_src = c.Take<int32_t>(mb, &cats->activations);
   l.gather_dst = c.Take<int32_t>(mb, &cats->activations);
-
-  l.slots = c.Take<kernels::SlotRow>(slots, &cats->state);
-  l.slot_block_tables = c.Take<int32_t>(slots * blocks, &cats->state);
-  l.output_counts = c.Take<uint32_t>(static_cast<size_t>(s.count_rows()) * d.vocab, &cats->state);
-  l.prompt_mask =
-      c.Take<uint32_t>(static_cast<size_t>(s.count_rows()) * s.mask_words(), &cats->state);
   l.attention_workspace = c.Take<char>(s.attention_workspace_bytes, &cats->attention);
   l.decode_logits_workspace = c.Take<char>(s.logits_workspace_bytes, &cats->logits_workspace);
   l.prefill_logits_workspace = c.Take<char>(s.logits_workspace_bytes, &cats->logits_workspace);
@@ -146,9 +140,6 @@ HostLayout CarveHostImpl(const ArenaShape& s, void* base, size_t* total) {
   const size_t slots = static_cast<size_t>(s.max_slots);
   const size_t blocks = static_cast<size_t>(s.max_blocks_per_seq);
   const size_t rows = static_cast<size_t>(s.prefill_rows);
-  h.rings = c.Take<RingEntry>(slots * s.ring_capacity, nullptr);
-  h.cancel = c.Take<int32_t>(slots, nullptr);
-  h.done = c.Take<int32_t>(slots, nullptr);
   h.error_flag = c.Take<int32_t>(4, nullptr);
   h.row_slots = c.Take<int32_t>(mb, nullptr);
   h.tokens = c.Take<int32_t>(rows, nullptr);
@@ -162,8 +153,32 @@ HostLayout CarveHostImpl(const ArenaShape& s, void* base, size_t* total) {
   h.sample_params = c.Take<kernels::SamplingRow>(mb, nullptr);
   h.sample_slots = c.Take<int32_t>(mb, nullptr);
   h.head_row_slots = c.Take<int32_t>(mb, nullptr);
+  *total = c.offset();
+  return h;
+}
+
+SlotDeviceLayout CarveSlotDeviceImpl(const SlotShape& s, void* base, size_t* total) {
+  Carver c(base);
+  SlotDeviceLayout l;
+  const size_t slots = static_cast<size_t>(s.max_slots);
+  const size_t rows = static_cast<size_t>(s.count_rows());
+  l.slots = c.Take<kernels::SlotRow>(slots, nullptr);
+  l.block_tables = c.Take<int32_t>(slots * s.max_blocks_per_seq, nullptr);
+  l.output_counts = c.Take<uint32_t>(rows * s.vocab, nullptr);
+  l.prompt_mask = c.Take<uint32_t>(rows * s.mask_words(), nullptr);
+  *total = c.offset();
+  return l;
+}
+
+SlotHostLayout CarveSlotHostImpl(const SlotShape& s, void* base, size_t* total) {
+  Carver c(base);
+  SlotHostLayout h;
+  const size_t slots = static_cast<size_t>(s.max_slots);
+  h.rings = c.Take<RingEntry>(slots * s.ring_capacity, nullptr);
+  h.cancel = c.Take<int32_t>(slots, nullptr);
+  h.done = c.Take<int32_t>(slots, nullptr);
   h.slot_rows = c.Take<kernels::SlotRow>(slots, nullptr);
-  h.slot_block_tables = c.Take<int32_t>(slots * blocks, nullptr);
+  h.block_tables = c.Take<int32_t>(slots * s.max_blocks_per_seq, nullptr);
   h.prompt_mask = c.Take<uint32_t>(slots * s.mask_words(), nullptr);
   *total = c.offset();
   return h;
@@ -234,6 +249,28 @@ DeviceLayout CarveArena(const ArenaShape& shape, void* base) {
 HostLayout CarveHost(const ArenaShape& shape, void* host) {
   size_t total = 0;
   return CarveHostImpl(shape, host, &total);
+}
+
+size_t SlotDeviceBytes(const SlotShape& shape) {
+  size_t total = 0;
+  CarveSlotDeviceImpl(shape, nullptr, &total);
+  return total;
+}
+
+size_t SlotHostBytes(const SlotShape& shape) {
+  size_t total = 0;
+  CarveSlotHostImpl(shape, nullptr, &total);
+  return total;
+}
+
+SlotDeviceLayout CarveSlotDevice(const SlotShape& shape, void* base) {
+  size_t total = 0;
+  return CarveSlotDeviceImpl(shape, base, &total);
+}
+
+SlotHostLayout CarveSlotHost(const SlotShape& shape, void* host) {
+  size_t total = 0;
+  return CarveSlotHostImpl(shape, host, &total);
 }
 
 std::vector<int32_t> PrefillGemmRows(int32_t chunk) {
@@ -314,7 +351,12 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& o) {
   plan.graph_reserve_bytes = o.graph_reserve_bytes;
   plan.budget_bytes = static_cast<size_t>(
       std::floor(o.gpu_memory_fraction * static_cast<double>(o.total_device_bytes)));
-  const size_t fixed = fixed_arena + plan.gemm_workspace_bytes + plan.graph_reserve_bytes;
+  if (stage.has_head) {
+    plan.state_bytes = SlotDeviceBytes(s.slot_shape());
+    plan.slot_host_bytes = SlotHostBytes(s.slot_shape());
+  }
+  const size_t fixed =
+      fixed_arena + plan.state_bytes + plan.gemm_workspace_bytes + plan.graph_reserve_bytes;
   const size_t block_bytes = static_cast<size_t>(stage.num_layers) * 2 * dims.num_kv_heads *
                              o.kv_block_size * dims.head_dim * sizeof(__nv_bfloat16);
   // Per-layer pools are each 256-byte aligned: at most 2 * layers * 256 bytes of padding.
@@ -343,7 +385,6 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& o) {
   plan.weight_bytes = final_cats.weights;
   plan.kv_bytes = final_cats.kv;
   plan.activation_bytes = final_cats.activations;
-  plan.state_bytes = final_cats.state;
   plan.attention_workspace_bytes = final_cats.attention;
   plan.logits_workspace_bytes = final_cats.logits_workspace;
   plan.arena_bytes = arena;
@@ -353,7 +394,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const MemoryPlanOptions& o) {
 
 std::string MemoryPlan::Summary() const {
   const ModelDims& d = shape.dims;
-  const size_t device_total = arena_bytes + gemm_workspace_bytes + graph_reserve_bytes;
+  const size_t device_total =
+      arena_bytes + state_bytes + gemm_workspace_bytes + graph_reserve_bytes;
   std::string out = absl::StrCat("memory plan (budget ", Bytes(budget_bytes), "):\n");
   const ModelStage& st = shape.stage;
   const std::string layers =
@@ -372,15 +414,24 @@ std::string MemoryPlan::Summary() const {
                   " per max-length sequence)\n");
   absl::StrAppend(&out, "  activations  ", Bytes(activation_bytes), " (decode rows ",
                   shape.max_bucket, ", prefill rows ", shape.prefill_rows, ")\n");
-  absl::StrAppend(&out, "  state        ", Bytes(state_bytes), " (slot table, block tables, ",
-                  "uint32 sampling counts and prompt masks for ", shape.max_slots, " slots)\n");
+  if (st.has_head) {
+    absl::StrAppend(&out, "  state        ", Bytes(state_bytes), " (slot table, block tables, ",
+                    "uint32 sampling counts and prompt masks for ", shape.max_slots,
+                    " slots; apart from the arena)\n");
+  } else {
+    absl::StrAppend(&out, "  state        none (the stage with the head holds the slot table)\n");
+  }
   absl::StrAppend(&out, "  workspace    ",
                   Bytes(gemm_workspace_bytes + logits_workspace_bytes + attention_workspace_bytes),
                   " (cuBLASLt ", Bytes(gemm_workspace_bytes + logits_workspace_bytes),
                   ", attention ", Bytes(attention_workspace_bytes), ")\n");
   absl::StrAppend(&out, "  graphs       ", Bytes(graph_reserve_bytes), " reserved\n");
-  absl::StrAppend(&out, "  device total ", Bytes(device_total), "; pinned host ", Bytes(host_bytes),
-                  " (rings ", shape.max_slots, " x ", shape.ring_capacity, ")\n");
+  absl::StrAppend(&out, "  device total ", Bytes(device_total), "; pinned host ",
+                  Bytes(host_bytes + slot_host_bytes));
+  if (st.has_head) {
+    absl::StrAppend(&out, " (rings ", shape.max_slots, " x ", shape.ring_capacity, ")");
+  }
+  absl::StrAppend(&out, "\n");
   return out;
 }
 

@@ -1,15 +1,17 @@
 // The CUDA backend's memory plan (docs/architecture.md, Memory): everything the GPU needs is sized
-// here once, at startup, and then allocated as ONE device arena (weights, KV pool, activations,
-// slot table, sampling state, attention scratch) plus one pinned host-mapped block (token rings,
-// cancel flags, staging). The cuBLASLt workspaces (allocated by each kernels::Gemm) and the graphs
-// are counted in the budget but allocated by their owners. Nothing is allocated during capture or a
-// step.
+// here once, at startup. A model (one stage) is ONE device arena (weights, KV pool, activations,
+// attention scratch) plus one pinned host-mapped block (staging). The slot table is apart from it
+// (DeviceSlots, engine/cuda/device_slots.h: the device slot rows, block tables, sampling counts and
+// prompt masks, and in pinned host-mapped memory the token rings, cancel and done flags and the
+// publish staging), held once, on the GPU of the stage with the head, and counted in that stage's
+// budget. The cuBLASLt workspaces (allocated by each kernels::Gemm) and the graphs are counted in
+// the budget but allocated by their owners. Nothing is allocated during capture or a step.
 //
 // The KV pool gets what is left of gpu_memory_fraction * total device memory after everything
 // else; the plan refuses (FailedPrecondition) when that cannot hold one max_context sequence.
 //
-// One function (the carve in memory_plan.cc) lays out every buffer, both to size the plan and to
-// hand out the pointers, so the budget printed at startup is exactly what is allocated.
+// One function per block (the carves in memory_plan.cc) lays out every buffer, both to size the
+// plan and to hand out the pointers, so the budget printed at startup is exactly what is allocated.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -82,6 +84,19 @@ struct MemoryPlanOptions {
   size_t graph_reserve_bytes = 0;        // estimate for graph execs, cuBLASLt handles
 };
 
+// Sizes that fix the slot table's layout (DeviceSlots).
+struct SlotShape {
+  int32_t max_slots = 0;
+  int32_t max_blocks_per_seq = 0;
+  int32_t vocab = 0;
+  uint32_t ring_capacity = 0;
+  int32_t mask_words() const { return (vocab + 31) / 32; }
+  // Sampling state rows: one per slot plus a scratch row that padding rows of a bucket sample
+  // from, so the sampling kernel never sees an out-of-range slot.
+  int32_t count_rows() const { return max_slots + 1; }
+  bool operator==(const SlotShape&) const = default;
+};
+
 // Sizes that fix the arena's layout.
 struct ArenaShape {
   ModelDims dims;    // the whole model's
@@ -95,10 +110,11 @@ struct ArenaShape {
   uint32_t ring_capacity = 0;
   size_t attention_workspace_bytes = 0;
   size_t logits_workspace_bytes = 0;  // each of the two lm_head GEMM workspaces
-  int32_t mask_words() const { return (dims.vocab + 31) / 32; }
-  // Sampling state rows: one per slot plus a scratch row that padding rows of a bucket sample
-  // from, so the sampling kernel never sees an out-of-range slot.
-  int32_t count_rows() const { return max_slots + 1; }
+  int32_t mask_words() const { return slot_shape().mask_words(); }
+  int32_t count_rows() const { return slot_shape().count_rows(); }
+  SlotShape slot_shape() const {
+    return {max_slots, max_blocks_per_seq, dims.vocab, ring_capacity};
+  }
 };
 
 struct MemoryPlan {
@@ -109,13 +125,16 @@ struct MemoryPlan {
   size_t weight_bytes = 0;
   size_t kv_bytes = 0;
   size_t activation_bytes = 0;  // forward buffers, logits, step inputs
-  size_t state_bytes = 0;       // slot table, block tables, sampling counts and prompt masks
+  // The slot table's device block (SlotDeviceBytes), outside the arena; 0 for a stage without
+  // the head, which holds none.
+  size_t state_bytes = 0;
   size_t attention_workspace_bytes = 0;
   size_t logits_workspace_bytes = 0;  // both lm_head GEMM workspaces (in the arena)
   size_t gemm_workspace_bytes = 0;    // the two kernels::Gemm objects (outside the arena)
   size_t graph_reserve_bytes = 0;
   size_t arena_bytes = 0;
-  size_t host_bytes = 0;  // pinned host-mapped block
+  size_t host_bytes = 0;       // the model's pinned host-mapped block
+  size_t slot_host_bytes = 0;  // the slot table's (SlotHostBytes); 0 without the head
   int64_t kv_tokens() const {
     return static_cast<int64_t>(shape.num_kv_blocks) * shape.kv_block_size;
   }
@@ -204,21 +223,14 @@ struct DeviceLayout {
   int32_t* gather_src = nullptr;            // [max_bucket] rows of prefill.h
   int32_t* gather_dst = nullptr;            // [max_bucket] rows of prefill_head.hidden
 
-  kernels::SlotRow* slots = nullptr;         // [max_slots]
-  int32_t* slot_block_tables = nullptr;      // [max_slots, max_blocks_per_seq]
-  uint32_t* output_counts = nullptr;         // [max_slots + 1, vocab]
-  uint32_t* prompt_mask = nullptr;           // [max_slots + 1, mask_words]
   void* attention_workspace = nullptr;       // [attention_workspace_bytes], 256-B aligned
   void* decode_logits_workspace = nullptr;   // [logits_workspace_bytes] cuBLASLt, lm_head
   void* prefill_logits_workspace = nullptr;  // [logits_workspace_bytes]
 };
 
 // Pinned host memory, allocated cudaHostAllocMapped | cudaHostAllocPortable: the GPU writes the
-// rings and done flags and reads the cancel flags through their device aliases.
+// error flags through their device aliases.
 struct HostLayout {
-  RingEntry* rings = nullptr;     // [max_slots][ring_capacity] (common/ring.h)
-  int32_t* cancel = nullptr;      // [max_slots]
-  int32_t* done = nullptr;        // [max_slots]
   int32_t* error_flag = nullptr;  // [4]; kernels store 1 on an upstream bug
   int32_t* row_slots = nullptr;   // [max_bucket] decode row list staging
   // Prefill staging, copied to the device per chunk.
@@ -233,9 +245,25 @@ struct HostLayout {
   kernels::SamplingRow* sample_params = nullptr;  // [max_bucket]
   int32_t* sample_slots = nullptr;                // [max_bucket]
   int32_t* head_row_slots = nullptr;              // [max_bucket]
-  kernels::SlotRow* slot_rows = nullptr;          // [max_slots] publish staging
-  int32_t* slot_block_tables = nullptr;           // [max_slots, max_blocks_per_seq]
-  uint32_t* prompt_mask = nullptr;                // [max_slots, mask_words]
+};
+
+// The slot table on the device: what the step kernels read and write per slot.
+struct SlotDeviceLayout {
+  kernels::SlotRow* slots = nullptr;  // [max_slots]
+  int32_t* block_tables = nullptr;    // [max_slots, max_blocks_per_seq]
+  uint32_t* output_counts = nullptr;  // [max_slots + 1, vocab]
+  uint32_t* prompt_mask = nullptr;    // [max_slots + 1, mask_words]
+};
+
+// The slot table's pinned host-mapped part: the GPU writes the rings and done flags and reads the
+// cancel flags through their device aliases; the host stages a slot's rows for their copies.
+struct SlotHostLayout {
+  RingEntry* rings = nullptr;             // [max_slots][ring_capacity] (common/ring.h)
+  int32_t* cancel = nullptr;              // [max_slots]
+  int32_t* done = nullptr;                // [max_slots]
+  kernels::SlotRow* slot_rows = nullptr;  // [max_slots] publish staging
+  int32_t* block_tables = nullptr;        // [max_slots, max_blocks_per_seq]
+  uint32_t* prompt_mask = nullptr;        // [max_slots, mask_words]
 };
 
 // Byte sizes of the two blocks for `shape` (also what PlanMemory reports).
@@ -246,5 +274,11 @@ size_t HostBytes(const ArenaShape& shape);
 // CPU touches) and once at cudaHostGetDevicePointer's alias (what kernels are given).
 DeviceLayout CarveArena(const ArenaShape& shape, void* base);
 HostLayout CarveHost(const ArenaShape& shape, void* host);
+
+// The same for the slot table's two blocks.
+size_t SlotDeviceBytes(const SlotShape& shape);
+size_t SlotHostBytes(const SlotShape& shape);
+SlotDeviceLayout CarveSlotDevice(const SlotShape& shape, void* base);
+SlotHostLayout CarveSlotHost(const SlotShape& shape, void* host);
 
 }  // namespace ts

@@ -493,8 +493,10 @@ TEST(CudaBackendTest, OnDeviceOneRunsFromAThreadOnDeviceZero) {
   ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
   EXPECT_EQ(current, 0) << "Create left the caller's current device changed";
   cudaPointerAttributes attr{};
-  ASSERT_EQ(cudaPointerGetAttributes(&attr, backend->model().dev().slots), cudaSuccess);
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, backend->model().dev().decode.h), cudaSuccess);
   EXPECT_EQ(attr.device, 1) << "the arena is not on device 1";
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, backend->slot_table().dev().slots), cudaSuccess);
+  EXPECT_EQ(attr.device, 1) << "the slot table is not on device 1";
 
   std::vector<DriverRequest> reqs;
   for (const auto& p : ref.prompts) reqs.push_back(GreedyRequest(p, 32));

@@ -50,6 +50,43 @@ TEST(CudaModelOptionsTest, RejectsBadDecodeOptionsBeforeTouchingTheGpu) {
   ASSERT_FALSE(m.ok());
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(m.status().message().find("attention_min_split_tokens"), std::string::npos);
+  // The head samples into the slot table, so a model with it must be given one; a stage without
+  // it must not.
+  o.attention_min_split_tokens = 64;
+  m = CudaModel::Create(o);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("slots: a model that holds the head"), std::string::npos)
+      << m.status();
+}
+
+// The slot table's shape as a model resolves its options: max_context 0 is the config's
+// max_position_embeddings, and the block tables cover it in whole blocks.
+TEST(CudaModelOptionsTest, SlotShapeForResolvesTheContext) {
+  CudaModelOptions o;
+  o.config = Llama1bShape();
+  o.max_slots = 8;
+  o.kv_block_size = 16;
+  o.ring_capacity = 300;
+  o.max_context = 1000;
+  SlotShape s = CudaModel::SlotShapeFor(o);
+  EXPECT_EQ(s.max_slots, 8);
+  EXPECT_EQ(s.max_blocks_per_seq, 63);
+  EXPECT_EQ(s.vocab, 128256);
+  EXPECT_EQ(s.ring_capacity, 300u);
+  o.max_context = 0;
+  s = CudaModel::SlotShapeFor(o);
+  EXPECT_EQ(s.max_blocks_per_seq, (o.config.max_position_embeddings + 15) / 16);
+  // What the memory plan of those options sizes: the same shape.
+  MemoryPlanOptions p = Options(o.config);
+  p.max_slots = 8;
+  p.buckets = {1, 8};
+  p.max_context = 1000;
+  p.ring_capacity = 300;
+  auto plan = PlanMemory(p);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  o.max_context = 1000;
+  EXPECT_TRUE(plan->shape.slot_shape() == CudaModel::SlotShapeFor(o));
 }
 
 // The planned prefill GEMM rows: ascending, ending at the chunk, and no row count pads by more
@@ -94,7 +131,8 @@ TEST(CudaMemoryPlanTest, WeightsAndKvFollowTheShape) {
   EXPECT_EQ(plan->shape.num_kv_blocks, 64 * 512);
   EXPECT_GT(plan->kv_blocks_in_budget, plan->shape.num_kv_blocks);
   // The whole device footprint stays inside the budget.
-  EXPECT_LE(plan->arena_bytes + plan->gemm_workspace_bytes + plan->graph_reserve_bytes,
+  EXPECT_LE(plan->arena_bytes + plan->state_bytes + plan->gemm_workspace_bytes +
+                plan->graph_reserve_bytes,
             plan->budget_bytes);
   EXPECT_EQ(plan->arena_bytes, ArenaBytes(plan->shape));
   EXPECT_FALSE(plan->Summary().empty());
@@ -102,7 +140,8 @@ TEST(CudaMemoryPlanTest, WeightsAndKvFollowTheShape) {
 
 // The state category, byte for byte: the slot table, the block tables, and per slot (plus the
 // padding rows' scratch slot) a 4-byte count per token and a prompt bit per token. Counts were
-// uint16 once and saturated at 65535, so long generations' penalties diverged from the CPU's.
+// uint16 once and saturated at 65535, so long generations' penalties diverged from the CPU's. The
+// slot table is its own block (DeviceSlots), outside the arena, and counts in the budget.
 TEST(CudaMemoryPlanTest, StateHoldsUint32CountsPerSlot) {
   const ModelConfig c = Llama1bShape();
   auto plan = PlanMemory(Options(c));
@@ -115,12 +154,41 @@ TEST(CudaMemoryPlanTest, StateHoldsUint32CountsPerSlot) {
   const size_t masks = padded(count_rows * ((vocab + 31) / 32) * 4);
   EXPECT_EQ(plan->state_bytes, slot_table + block_tables + counts + masks)
       << "counts alone should take " << counts << " bytes";
+  EXPECT_EQ(SlotDeviceBytes(plan->shape.slot_shape()), plan->state_bytes);
   // The counts are the bulk of it: 65 x 128256 x 4 = 33.3 MB.
   EXPECT_EQ(counts, 33346560u);
-  const DeviceLayout l = CarveArena(plan->shape, reinterpret_cast<char*>(uintptr_t{1} << 40));
+  char* base = reinterpret_cast<char*>(uintptr_t{1} << 40);
+  const SlotDeviceLayout l = CarveSlotDevice(plan->shape.slot_shape(), base);
+  EXPECT_EQ(reinterpret_cast<char*>(l.slots), base);
   EXPECT_EQ(
       reinterpret_cast<const char*>(l.prompt_mask) - reinterpret_cast<const char*>(l.output_counts),
       static_cast<std::ptrdiff_t>(counts));
+  EXPECT_EQ(reinterpret_cast<const char*>(l.prompt_mask) + masks, base + plan->state_bytes);
+  // Outside the arena, inside the budget.
+  EXPECT_EQ(plan->arena_bytes, ArenaBytes(plan->shape));
+  EXPECT_LE(plan->arena_bytes + plan->state_bytes + plan->gemm_workspace_bytes +
+                plan->graph_reserve_bytes,
+            plan->budget_bytes);
+}
+
+// A stage without the head holds no slot table (the last stage's is the pipeline's only one),
+// and its KV pool gets those bytes: 33 MB of sampling counts for a 128K vocabulary.
+TEST(CudaMemoryPlanTest, OnlyTheStageWithTheHeadHoldsTheSlotTable) {
+  ModelConfig c = Llama1bShape();
+  MemoryPlanOptions o = Options(c);
+  o.max_context = 131072;  // the budget sizes the pool
+  o.stage = {.first_layer = 0, .num_layers = 8, .has_embedding = true, .has_head = false};
+  auto first = PlanMemory(o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->state_bytes, 0u);
+  EXPECT_EQ(first->slot_host_bytes, 0u);
+  EXPECT_NE(first->Summary().find("state        none"), std::string::npos) << first->Summary();
+  o.stage = {.first_layer = 8, .num_layers = -1, .has_embedding = false, .has_head = true};
+  auto last = PlanMemory(o);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->state_bytes, SlotDeviceBytes(last->shape.slot_shape()));
+  EXPECT_EQ(last->slot_host_bytes, SlotHostBytes(last->shape.slot_shape()));
+  EXPECT_GT(last->state_bytes, size_t{33} << 20);
 }
 
 TEST(CudaMemoryPlanTest, KvPoolTakesWhatTheBudgetLeaves) {
@@ -129,7 +197,8 @@ TEST(CudaMemoryPlanTest, KvPoolTakesWhatTheBudgetLeaves) {
   auto plan = PlanMemory(o);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->shape.num_kv_blocks, plan->kv_blocks_in_budget);
-  const size_t used = plan->arena_bytes + plan->gemm_workspace_bytes + plan->graph_reserve_bytes;
+  const size_t used = plan->arena_bytes + plan->state_bytes + plan->gemm_workspace_bytes +
+                      plan->graph_reserve_bytes;
   EXPECT_LE(used, plan->budget_bytes);
   // Less than one more block would fit.
   const size_t block = 16 * 2 * 8 * 64 * 2 * 16;
@@ -262,7 +331,6 @@ TEST(CudaMemoryPlanTest, CarvedBuffersAreAlignedDisjointAndInside) {
       {l.decode.h, size_t(plan->shape.max_bucket) * d.hidden * bf},
       {l.prefill.gate_up, size_t(plan->shape.prefill_rows) * 2 * d.intermediate_padded * bf},
       {l.decode_head.logits_f32, size_t(plan->shape.max_bucket) * d.vocab * 4},
-      {l.output_counts, size_t(plan->shape.count_rows()) * d.vocab * 4},
       {l.attention_workspace, plan->attention_workspace_bytes},
       {l.decode_logits_workspace, plan->shape.logits_workspace_bytes},
       {l.prefill_logits_workspace, plan->shape.logits_workspace_bytes}};
@@ -281,12 +349,24 @@ TEST(CudaMemoryPlanTest, CarvedBuffersAreAlignedDisjointAndInside) {
       EXPECT_LE(p + spans[i].second, static_cast<const char*>(spans[i + 1].first)) << i;
     }
   }
-  // Host block: rings first, then flags and staging, all inside HostBytes.
+  // Host block: flags first, then staging, all inside HostBytes.
   char* host = reinterpret_cast<char*>(uintptr_t{1} << 41);
   const HostLayout h = CarveHost(plan->shape, host);
-  EXPECT_EQ(reinterpret_cast<char*>(h.rings), host);
-  EXPECT_LE(reinterpret_cast<char*>(h.prompt_mask + size_t(64) * plan->shape.mask_words()),
+  EXPECT_EQ(reinterpret_cast<char*>(h.error_flag), host);
+  EXPECT_LE(reinterpret_cast<char*>(h.head_row_slots + plan->shape.max_bucket),
             host + plan->host_bytes);
+  // The slot table's blocks: rings first in the host one, each buffer inside its block.
+  const SlotShape ss = plan->shape.slot_shape();
+  const SlotHostLayout sh = CarveSlotHost(ss, host);
+  EXPECT_EQ(reinterpret_cast<char*>(sh.rings), host);
+  EXPECT_LE(reinterpret_cast<char*>(sh.rings + size_t(64) * ss.ring_capacity),
+            reinterpret_cast<char*>(sh.cancel));
+  EXPECT_LE(reinterpret_cast<char*>(sh.prompt_mask + size_t(64) * ss.mask_words()),
+            host + plan->slot_host_bytes);
+  const SlotDeviceLayout sd = CarveSlotDevice(ss, base);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(sd.output_counts) % 256, 0u);
+  EXPECT_LE(reinterpret_cast<char*>(sd.prompt_mask + size_t(ss.count_rows()) * ss.mask_words()),
+            base + plan->state_bytes);
 }
 
 // A pipeline's stages must tile the model's layers in order, with the embedding first and the

@@ -69,7 +69,15 @@ class Models {
          const std::function<absl::Status(CudaModel&, cudaStream_t)>& load) {
     EXPECT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
     for (const ModelStage& st : stages) {
-      auto m = CudaModel::Create(Options(c, st));
+      CudaModelOptions o = Options(c, st);
+      if (st.has_head) {  // the stage that samples holds the slot table
+        auto slots = DeviceSlots::Create(CudaModel::SlotShapeFor(o));
+        EXPECT_TRUE(slots.ok()) << slots.status();
+        if (!slots.ok()) return;
+        slots_ = std::move(*slots);
+        o.slots = slots_.get();
+      }
+      auto m = CudaModel::Create(o);
       EXPECT_TRUE(m.ok()) << m.status();
       if (!m.ok()) return;
       const absl::Status s = load(**m, stream_);
@@ -107,10 +115,10 @@ class Models {
       row.sampling = ToSamplingRow(sampling[i], 0);
       std::vector<uint32_t> mask(sh.mask_words(), 0u);
       for (int32_t t : prompts[i]) mask[t / 32] |= 1u << (t % 32);
-      const DeviceLayout& d = last.dev();
+      const SlotDeviceLayout& d = slots_->dev();
       EXPECT_EQ(cudaMemcpy(d.slots + i, &row, sizeof(row), cudaMemcpyHostToDevice), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(d.slot_block_tables + i * blocks, tables_[i].data(),
-                           blocks * sizeof(int32_t), cudaMemcpyHostToDevice),
+      EXPECT_EQ(cudaMemcpy(d.block_tables + i * blocks, tables_[i].data(), blocks * sizeof(int32_t),
+                           cudaMemcpyHostToDevice),
                 cudaSuccess);
       EXPECT_EQ(cudaMemcpy(d.prompt_mask + i * mask.size(), mask.data(),
                            mask.size() * sizeof(uint32_t), cudaMemcpyHostToDevice),
@@ -211,6 +219,7 @@ class Models {
   }
 
   cudaStream_t stream_ = nullptr;
+  std::unique_ptr<DeviceSlots> slots_;  // declared first: the last model points at it
   std::vector<std::unique_ptr<CudaModel>> models_;
   std::vector<std::vector<int32_t>> tables_;  // the prefilled slots' block tables
 };
