@@ -184,7 +184,6 @@ class CudaModel {
   const DeviceLayout& dev() const { return dev_; }
   const HostLayout& host() const { return host_; }          // CPU addresses
   const HostLayout& host_dev() const { return host_dev_; }  // device aliases of the same block
-  const DeviceSlots* slots() const { return slots_; }       // nullptr without the head
   const std::vector<int32_t>& buckets() const { return buckets_; }
   int32_t max_context() const { return max_context_; }
   int32_t num_sms() const { return num_sms_; }
