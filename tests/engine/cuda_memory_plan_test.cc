@@ -1,8 +1,8 @@
 // The CUDA backend's memory plan, on the host only (no GPU needed): byte counts from the model
 // shape computed independently here, the KV pool from the budget, the refusal when one
 // max-length sequence does not fit, the padding of GEMM dimensions, and a carve whose buffers are
-// aligned, disjoint and inside the arena. Also CudaModel's option checks, which run before it
-// touches a GPU.
+// aligned, disjoint and inside the arena (and the slot table's blocks). Also CudaModel's and
+// DeviceSlots' option checks, which run before they touch a GPU.
 #include "engine/cuda/memory_plan.h"
 
 #include <gtest/gtest.h>
@@ -16,6 +16,7 @@
 
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_model.h"
+#include "engine/cuda/device_slots.h"
 #include "models/llama_shapes.h"
 
 namespace ts {
@@ -58,6 +59,23 @@ TEST(CudaModelOptionsTest, RejectsBadDecodeOptionsBeforeTouchingTheGpu) {
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(m.status().message().find("slots: a model that holds the head"), std::string::npos)
       << m.status();
+}
+
+// A slot table with no slots, blocks or vocabulary, or a ring that cannot hold a record and its
+// successor, is refused before anything is allocated.
+TEST(DeviceSlotsTest, RefusesAnEmptyShapeBeforeTouchingTheGpu) {
+  const SlotShape good{.max_slots = 4, .max_blocks_per_seq = 8, .vocab = 1000, .ring_capacity = 16};
+  std::vector<SlotShape> bad(4, good);
+  bad[0].max_slots = 0;
+  bad[1].max_blocks_per_seq = 0;
+  bad[2].vocab = 0;
+  bad[3].ring_capacity = 1;
+  for (const SlotShape& shape : bad) {
+    auto s = DeviceSlots::Create(shape);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+    EXPECT_NE(s.status().message().find("DeviceSlots"), std::string::npos) << s.status();
+  }
 }
 
 // The slot table's shape as a model resolves its options: max_context 0 is the config's
