@@ -107,7 +107,8 @@ ABSL_FLAG(std::string, pipeline_devices, "",
           "linked by device copies (each stage then gets --gpu_memory_fraction / stages)");
 ABSL_FLAG(int32_t, probe_tokens, 0,
           "also time one more prompt of this many tokens from Prefill to its first token, with "
-          "nothing decoding and beside each batch below the largest (0 = off)");
+          "nothing decoding and beside each batch below the largest (0 = off); at most "
+          "--prompt_len + --new_tokens, one under the slots' max_context");
 ABSL_FLAG(int32_t, prefill_step_tokens, 256,
           "mode loop: the rows of a mixed step, decode and prompt (tailserve's "
           "--prefill_step_tokens); what --probe_tokens' mixed steps hold");
