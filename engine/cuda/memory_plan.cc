@@ -184,6 +184,20 @@ SlotHostLayout CarveSlotHostImpl(const SlotShape& s, void* base, size_t* total) 
   return h;
 }
 
+// A carve's byte count (a dry run at no base) and its layout at `base`, for the carves whose
+// running total nobody else reads.
+template <typename Layout, typename Shape>
+size_t BytesOf(Layout (*carve)(const Shape&, void*, size_t*), const Shape& shape) {
+  size_t total = 0;
+  carve(shape, nullptr, &total);
+  return total;
+}
+template <typename Layout, typename Shape>
+Layout CarveAt(Layout (*carve)(const Shape&, void*, size_t*), const Shape& shape, void* base) {
+  size_t total = 0;
+  return carve(shape, base, &total);
+}
+
 std::string Bytes(size_t b) {
   const double mib = static_cast<double>(b) / (1 << 20);
   if (mib >= 1024) return absl::StrFormat("%.2f GiB", mib / 1024);
@@ -235,9 +249,7 @@ size_t ArenaBytes(const ArenaShape& shape) {
 }
 
 size_t HostBytes(const ArenaShape& shape) {
-  size_t total = 0;
-  CarveHostImpl(shape, nullptr, &total);
-  return total;
+  return BytesOf(CarveHostImpl, shape);
 }
 
 DeviceLayout CarveArena(const ArenaShape& shape, void* base) {
@@ -247,30 +259,23 @@ DeviceLayout CarveArena(const ArenaShape& shape, void* base) {
 }
 
 HostLayout CarveHost(const ArenaShape& shape, void* host) {
-  size_t total = 0;
-  return CarveHostImpl(shape, host, &total);
+  return CarveAt(CarveHostImpl, shape, host);
 }
 
 size_t SlotDeviceBytes(const SlotShape& shape) {
-  size_t total = 0;
-  CarveSlotDeviceImpl(shape, nullptr, &total);
-  return total;
+  return BytesOf(CarveSlotDeviceImpl, shape);
 }
 
 size_t SlotHostBytes(const SlotShape& shape) {
-  size_t total = 0;
-  CarveSlotHostImpl(shape, nullptr, &total);
-  return total;
+  return BytesOf(CarveSlotHostImpl, shape);
 }
 
 SlotDeviceLayout CarveSlotDevice(const SlotShape& shape, void* base) {
-  size_t total = 0;
-  return CarveSlotDeviceImpl(shape, base, &total);
+  return CarveAt(CarveSlotDeviceImpl, shape, base);
 }
 
 SlotHostLayout CarveSlotHost(const SlotShape& shape, void* host) {
-  size_t total = 0;
-  return CarveSlotHostImpl(shape, host, &total);
+  return CarveAt(CarveSlotHostImpl, shape, host);
 }
 
 std::vector<int32_t> PrefillGemmRows(int32_t chunk) {
