@@ -70,15 +70,15 @@ inline cublasStatus_t CreateLayouts(const Projection& p, int m, cublasLtMatrixLa
   return s;
 }
 
-// The heuristic's preference as kernels/gemm.cu asks: `workspace` bytes at most, 16-byte
-// aligned operands.
-inline cublasStatus_t CreatePreference(size_t workspace, cublasLtMatmulPreference_t* pref) {
+// The heuristic's preference as kernels/gemm.cu asks: `workspace` bytes at most, operands aligned
+// to `align` bytes (kernels/gemm.cu asks 16).
+inline cublasStatus_t CreatePreference(size_t workspace, cublasLtMatmulPreference_t* pref,
+                                       uint32_t align = 16) {
   cublasStatus_t s = cublasLtMatmulPreferenceCreate(pref);
   if (s == CUBLAS_STATUS_SUCCESS) {
     s = cublasLtMatmulPreferenceSetAttribute(*pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                              &workspace, sizeof(workspace));
   }
-  const uint32_t align = 16;
   for (auto attr :
        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
