@@ -4,7 +4,9 @@
 //   cluster     132 CTAs in clusters of 2, no work
 //   wide        132 CTAs, no shared memory, no work (what big_smem and cluster add beyond a node)
 //   sys_fence   one CTA: three stores to host-mapped memory with two __threadfence_system()
-//               between them, as the postprocess kernel writes a ring entry
+//               (fence.sc.sys) between them, as the postprocess kernel writes a ring entry
+//   sys_acqrel  the same with fence.acq_rel.sys, which is all the ring's ordering needs
+//   sys_nofence the three stores alone
 // Each graph runs as host launches back to back (no sync) and as a device tail-launch loop (a
 // one-CTA node at the end relaunches the running graph, as graphs/device_loop.cu's scheduler
 // does). Per step: the median over 7 timed runs of --steps steps, with the kernels' preferred
@@ -54,12 +56,24 @@ __global__ void Wide(int* counter) {
   if (threadIdx.x == 0 && blockIdx.x == kWideCtas) atomicAdd(counter, 1);  // never
 }
 
-__global__ void SysFence(volatile int* host /* [3] host-mapped */, const int* counter) {
+enum class Fence { kSc, kAcqRel, kNone };
+
+template <Fence kFence>
+__device__ __forceinline__ void SystemFence() {
+  if constexpr (kFence == Fence::kSc) {
+    __threadfence_system();
+  } else if constexpr (kFence == Fence::kAcqRel) {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+  }
+}
+
+template <Fence kFence>
+__global__ void SysStores(volatile int* host /* [3] host-mapped */, const int* counter) {
   if (threadIdx.x == 0) {
     host[0] = 0;
-    __threadfence_system();
+    SystemFence<kFence>();
     host[1] = *counter;
-    __threadfence_system();
+    SystemFence<kFence>();
     host[2] = 1;
   }
 }
@@ -72,8 +86,9 @@ __global__ void Relaunch() {
   }
 }
 
-enum Variant { kBase, kBigSmem, kCluster, kWide, kSysFence, kNumVariants };
-const char* const kNames[] = {"base", "big_smem", "cluster", "wide", "sys_fence"};
+enum Variant { kBase, kBigSmem, kCluster, kWide, kSysFence, kSysAcqRel, kSysNoFence, kNumVariants };
+const char* const kNames[] = {"base",      "big_smem",   "cluster",    "wide",
+                              "sys_fence", "sys_acqrel", "sys_nofence"};
 
 struct Env {
   cudaStream_t stream;
@@ -96,7 +111,13 @@ void Capture(const Env& env, Variant v, bool loop, cudaGraph_t* graph) {
       Wide<<<kWideCtas, 128, 0, env.stream>>>(env.counter);
       break;
     case kSysFence:
-      SysFence<<<1, 32, 0, env.stream>>>(env.host_dev, env.counter);
+      SysStores<Fence::kSc><<<1, 32, 0, env.stream>>>(env.host_dev, env.counter);
+      break;
+    case kSysAcqRel:
+      SysStores<Fence::kAcqRel><<<1, 32, 0, env.stream>>>(env.host_dev, env.counter);
+      break;
+    case kSysNoFence:
+      SysStores<Fence::kNone><<<1, 32, 0, env.stream>>>(env.host_dev, env.counter);
       break;
     default:
       break;
@@ -159,9 +180,11 @@ int main(int argc, char** argv) {
   CHECK(cudaFuncSetAttribute(BigSmem, cudaFuncAttributeMaxDynamicSharedMemorySize, kBigSmemBytes));
   std::printf("%-10s %9s %12s %12s\n", "variant", "carveout", "host_us", "loop_us");
   for (int carveout : {-1, 100}) {  // -1: the driver's choice; 100: the most shared memory
-    for (const void* fn :
-         {reinterpret_cast<const void*>(Tiny), reinterpret_cast<const void*>(Wide),
-          reinterpret_cast<const void*>(SysFence), reinterpret_cast<const void*>(Relaunch)}) {
+    for (const void* fn : {reinterpret_cast<const void*>(Tiny), reinterpret_cast<const void*>(Wide),
+                           reinterpret_cast<const void*>(SysStores<Fence::kSc>),
+                           reinterpret_cast<const void*>(SysStores<Fence::kAcqRel>),
+                           reinterpret_cast<const void*>(SysStores<Fence::kNone>),
+                           reinterpret_cast<const void*>(Relaunch)}) {
       CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
     }
     for (int v = 0; v < kNumVariants; ++v) {
