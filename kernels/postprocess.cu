@@ -9,6 +9,15 @@ namespace {
 
 constexpr int kThreads = 128;
 
+// Orders this thread's earlier stores before its later ones for every observer, the host's ring
+// reader included: the release the ring's seqlock needs (engine/backend.cc, TokenRing).
+// __threadfence_system() is fence.sc.sys, which also joins one total order of sc fences. With
+// the cancel read below moved first, the 1B loop's step was 2-3 us shorter at batch 1 and 5-9 us
+// at 64 rows; the moved read alone, 0-1 and 0-6 (bench/results/2026-12-06e-h100.md).
+__device__ __forceinline__ void SystemRelease() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
 // The stop rule of ts::CheckStop (engine/backend.cc), token by token the same decisions.
 __device__ FinishReason StopReason(const SlotRow& s, const PostprocessParams& p, int32_t token,
                                    int32_t index) {
@@ -31,10 +40,12 @@ __device__ void PostprocessRow(const PostprocessParams& p, int32_t row) {
   if (row >= p.rows) return;
   const int32_t slot = p.row_slots[row];
   if (slot < 0 || slot >= p.num_slots) return;  // padding row: touches nothing
+  // The cancel flag is host memory: its read goes first, so that its PCIe round trip overlaps the
+  // slot row's load instead of following it (this kernel is on every step's critical path).
+  const bool cancelled = *static_cast<const volatile int32_t*>(p.cancel + slot) != 0;
   SlotRow& s = p.slots[slot];
   if (s.state != p.from_state) return;
 
-  const bool cancelled = *static_cast<const volatile int32_t*>(p.cancel + slot) != 0;
   const uint64_t deadline = static_cast<uint64_t>(s.deadline_hi) << 32 | s.deadline_lo;
   const bool expired = !cancelled && deadline != 0 && GlobalTimerNs() >= deadline;
   int32_t token = p.tokens[row];
@@ -59,10 +70,10 @@ __device__ void PostprocessRow(const PostprocessParams& p, int32_t row) {
   volatile RingEntry* e =
       p.rings + static_cast<int64_t>(slot) * p.ring_capacity + (seq - 1) % p.ring_capacity;
   e->seq = 0;
-  __threadfence_system();
+  SystemRelease();
   e->token = token;
   e->flags = RingFlags(reason);
-  __threadfence_system();
+  SystemRelease();
   e->seq = seq;
   if (reason == FinishReason::kNone) {
     if (p.to_state != p.from_state) {
@@ -72,7 +83,7 @@ __device__ void PostprocessRow(const PostprocessParams& p, int32_t row) {
   } else {
     s.state = kSlotFinished;
     if (p.done != nullptr) {
-      __threadfence_system();
+      SystemRelease();
       *static_cast<volatile int32_t*>(p.done + slot) = 1;
     }
   }

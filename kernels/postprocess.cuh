@@ -8,7 +8,7 @@
 // The kernel knows slots and stop parameters, not requests: the slot table row (SlotRow) is the
 // device-side contract shared with the step's prepare kernel and the host that publishes slots.
 // Ring records are written as a seqlock, like ts::TokenRing::Push: seq = 0, fence, payload, fence,
-// seq. __threadfence_system() orders the stores for the host reader over PCIe/NVLink.
+// seq. A system-scope release fence orders the stores for the host reader over PCIe/NVLink.
 #pragma once
 
 #include <cuda_runtime.h>
