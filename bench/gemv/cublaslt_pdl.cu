@@ -103,34 +103,24 @@ std::string NodeName(cudaGraphNode_t node) {
   return name != nullptr ? std::string(name).substr(0, 64) : "?";
 }
 
+// The timed GEMM, plus A's values apart from the buffer it reads, for the late producer.
 struct Problem {
-  cublasLtHandle_t h = nullptr;
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t wl = nullptr, al = nullptr, cl = nullptr;
-  const __nv_bfloat16* w = nullptr;  // [copies][n, k]
-  size_t w_elems = 0;
-  int copies = 0;
+  ts::bench::TimedGemm g;                // g.a aliases `a`
   const __nv_bfloat16* a_src = nullptr;  // [m, k]: A's values
   __nv_bfloat16* a = nullptr;            // [m, k]: what the GEMM reads
-  __nv_bfloat16* c = nullptr;            // [m, n]
   size_t a_elems = 0, c_elems = 0;
-  void* ws = nullptr;
-  cudaStream_t stream = nullptr;
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
 };
 
-cublasStatus_t Launch(const Problem& p, const cublasLtMatmulAlgo_t& algo, int copy) {
-  const float alpha = 1.f, beta = 0.f;
-  return cublasLtMatmul(p.h, p.desc, &alpha, p.w + size_t(copy % p.copies) * p.w_elems, p.wl, p.a,
-                        p.al, &beta, p.c, p.cl, p.c, p.cl, &algo, p.ws, kWorkspaceBytes, p.stream);
+cublasStatus_t Launch(const Problem& p, const cublasLtMatmulAlgo_t& algo) {
+  return ts::bench::LaunchCopy(p.g, algo, 0);
 }
 
 // The kernels of one captured launch, or "" when cuBLASLt refuses it.
 std::string Kernels(const Problem& p, const cublasLtMatmulAlgo_t& algo) {
   cudaGraph_t g;
-  CHECK(cudaStreamBeginCapture(p.stream, cudaStreamCaptureModeThreadLocal));
-  const cublasStatus_t st = Launch(p, algo, 0);
-  CHECK(cudaStreamEndCapture(p.stream, &g));
+  CHECK(cudaStreamBeginCapture(p.g.stream, cudaStreamCaptureModeThreadLocal));
+  const cublasStatus_t st = Launch(p, algo);
+  CHECK(cudaStreamEndCapture(p.g.stream, &g));
   std::string names;
   if (st == CUBLAS_STATUS_SUCCESS) {
     size_t n = 0;
@@ -146,34 +136,11 @@ std::string Kernels(const Problem& p, const cublasLtMatmulAlgo_t& algo) {
   return names;
 }
 
-float GraphUs(const Problem& p, const cublasLtMatmulAlgo_t& algo) {
-  cudaGraph_t g;
-  CHECK(cudaStreamBeginCapture(p.stream, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < kLaunches; ++i) CHECK(Launch(p, algo, i));
-  CHECK(cudaStreamEndCapture(p.stream, &g));
-  cudaGraphExec_t exec;
-  CHECK(cudaGraphInstantiate(&exec, g, 0));
-  std::vector<float> us;
-  for (int rep = 0; rep < 9; ++rep) {
-    CHECK(cudaEventRecord(p.e0, p.stream));
-    CHECK(cudaGraphLaunch(exec, p.stream));
-    CHECK(cudaEventRecord(p.e1, p.stream));
-    CHECK(cudaEventSynchronize(p.e1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, p.e0, p.e1));
-    if (rep >= 2) us.push_back(ms * 1000 / kLaunches);
-  }
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(g));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
-}
-
 std::vector<float> Download(const Problem& p) {
   std::vector<__nv_bfloat16> raw(p.c_elems);
-  CHECK(cudaMemcpyAsync(raw.data(), p.c, p.c_elems * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost,
-                        p.stream));
-  CHECK(cudaStreamSynchronize(p.stream));
+  CHECK(cudaMemcpyAsync(raw.data(), p.g.c, p.c_elems * sizeof(__nv_bfloat16),
+                        cudaMemcpyDeviceToHost, p.g.stream));
+  CHECK(cudaStreamSynchronize(p.g.stream));
   std::vector<float> out(p.c_elems);
   for (size_t i = 0; i < p.c_elems; ++i) out[i] = __bfloat162float(raw[i]);
   return out;
@@ -182,19 +149,19 @@ std::vector<float> Download(const Problem& p) {
 // Whether the output is right behind the late producer on a programmatic edge, in three replays.
 bool Waits(const Problem& p, const cublasLtMatmulAlgo_t& algo) {
   CHECK(cudaMemcpyAsync(p.a, p.a_src, p.a_elems * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice,
-                        p.stream));
-  CHECK(Launch(p, algo, 0));
+                        p.g.stream));
+  CHECK(Launch(p, algo));
   const std::vector<float> ref = Download(p);
   double max_ref = 0;
   for (float v : ref) max_ref = std::max(max_ref, std::fabs(double(v)));
   cudaGraph_t g;
-  CHECK(cudaStreamBeginCapture(p.stream, cudaStreamCaptureModeThreadLocal));
-  LateCopy<<<64, 256, 0, p.stream>>>(p.a_src, p.a, p.a_elems, kProducerDelayNs);
+  CHECK(cudaStreamBeginCapture(p.g.stream, cudaStreamCaptureModeThreadLocal));
+  LateCopy<<<64, 256, 0, p.g.stream>>>(p.a_src, p.a, p.a_elems, kProducerDelayNs);
   CHECK(cudaGetLastError());
   cudaStreamCaptureStatus status;
   const cudaGraphNode_t* deps = nullptr;
   size_t num_deps = 0;
-  CHECK(cudaStreamGetCaptureInfo(p.stream, &status, nullptr, nullptr, &deps, nullptr, &num_deps));
+  CHECK(cudaStreamGetCaptureInfo(p.g.stream, &status, nullptr, nullptr, &deps, nullptr, &num_deps));
   std::vector<cudaGraphNode_t> nodes(deps, deps + num_deps);
   std::vector<cudaGraphEdgeData> edges(num_deps);
   for (cudaGraphEdgeData& e : edges) {
@@ -202,17 +169,17 @@ bool Waits(const Problem& p, const cublasLtMatmulAlgo_t& algo) {
     e.from_port = cudaGraphKernelNodePortProgrammatic;
     e.type = cudaGraphDependencyTypeProgrammatic;
   }
-  CHECK(cudaStreamUpdateCaptureDependencies(p.stream, nodes.data(), edges.data(), num_deps,
+  CHECK(cudaStreamUpdateCaptureDependencies(p.g.stream, nodes.data(), edges.data(), num_deps,
                                             cudaStreamSetCaptureDependencies));
-  CHECK(Launch(p, algo, 0));
-  CHECK(cudaStreamEndCapture(p.stream, &g));
+  CHECK(Launch(p, algo));
+  CHECK(cudaStreamEndCapture(p.g.stream, &g));
   cudaGraphExec_t exec;
   CHECK(cudaGraphInstantiate(&exec, g, 0));
   bool ok = true;
   for (int replay = 0; replay < 3; ++replay) {
-    CHECK(cudaMemsetAsync(p.a, 0, p.a_elems * sizeof(__nv_bfloat16), p.stream));
-    CHECK(cudaMemsetAsync(p.c, 0, p.c_elems * sizeof(__nv_bfloat16), p.stream));
-    CHECK(cudaGraphLaunch(exec, p.stream));
+    CHECK(cudaMemsetAsync(p.a, 0, p.a_elems * sizeof(__nv_bfloat16), p.g.stream));
+    CHECK(cudaMemsetAsync(p.g.c, 0, p.c_elems * sizeof(__nv_bfloat16), p.g.stream));
+    CHECK(cudaGraphLaunch(exec, p.g.stream));
     const std::vector<float> got = Download(p);
     for (size_t i = 0; i < got.size() && ok; ++i) {
       ok = std::fabs(double(got[i]) - ref[i]) <= 1e-2 * max_ref;
@@ -250,34 +217,35 @@ int main(int argc, char** argv) {
   const size_t max_w = ext.w, max_k = ext.k, max_n = ext.n;
 
   Problem p;
-  CHECK(cublasLtCreate(&p.h));
-  CHECK(ts::bench::CreateRowMajorDesc(&p.desc));
-  CHECK(cudaStreamCreateWithFlags(&p.stream, cudaStreamNonBlocking));
-  CHECK(cudaEventCreate(&p.e0));
-  CHECK(cudaEventCreate(&p.e1));
+  CHECK(cublasLtCreate(&p.g.h));
+  CHECK(ts::bench::CreateRowMajorDesc(&p.g.desc));
+  CHECK(cudaStreamCreateWithFlags(&p.g.stream, cudaStreamNonBlocking));
+  CHECK(cudaEventCreate(&p.g.e0));
+  CHECK(cudaEventCreate(&p.g.e1));
   const size_t w_total = std::max(kRotateBytes / sizeof(__nv_bfloat16), 2 * max_w);
   __nv_bfloat16 *w, *a_src;
   CHECK(cudaMalloc(&w, w_total * sizeof(__nv_bfloat16)));
   CHECK(cudaMalloc(&a_src, size_t(max_m) * max_k * sizeof(__nv_bfloat16)));
   CHECK(cudaMalloc(&p.a, size_t(max_m) * max_k * sizeof(__nv_bfloat16)));
-  CHECK(cudaMalloc(&p.c, size_t(max_m) * max_n * sizeof(__nv_bfloat16)));
-  CHECK(cudaMalloc(&p.ws, kWorkspaceBytes));
-  CHECK(cudaMemset(p.ws, 0, kWorkspaceBytes));
-  Fill<<<1024, 256, 0, p.stream>>>(w, w_total, 1, 0.05f);
-  Fill<<<1024, 256, 0, p.stream>>>(a_src, size_t(max_m) * max_k, 2, 1.f);
+  CHECK(cudaMalloc(&p.g.c, size_t(max_m) * max_n * sizeof(__nv_bfloat16)));
+  CHECK(cudaMalloc(&p.g.ws, kWorkspaceBytes));
+  CHECK(cudaMemset(p.g.ws, 0, kWorkspaceBytes));
+  p.g.ws_bytes = kWorkspaceBytes;
+  Fill<<<1024, 256, 0, p.g.stream>>>(w, w_total, 1, 0.05f);
+  Fill<<<1024, 256, 0, p.g.stream>>>(a_src, size_t(max_m) * max_k, 2, 1.f);
   CHECK(cudaGetLastError());
-  CHECK(cudaStreamSynchronize(p.stream));
-  p.w = w;
+  CHECK(cudaStreamSynchronize(p.g.stream));
+  p.g.w = w;
+  p.g.a = p.a;
   p.a_src = a_src;
 
   std::printf("%-11s %4s %5s %3s %8s %6s %s\n", "shape", "m", "align", "#", "us", "waits",
               "kernels");
   for (const Projection& s : ts::bench::kProjections) {
     for (int m : ms) {
-      CHECK(ts::bench::CreateLayouts(s, m, &p.wl, &p.al, &p.cl));
-      p.w_elems = size_t(s.n) * s.k;
-      p.copies = static_cast<int>(std::max<size_t>(2, w_total / p.w_elems));
-      p.copies = static_cast<int>(std::min<size_t>(p.copies, w_total / p.w_elems));
+      CHECK(ts::bench::CreateLayouts(s, m, &p.g.wl, &p.g.al, &p.g.cl));
+      p.g.w_elems = size_t(s.n) * s.k;
+      p.g.copies = static_cast<int>(w_total / p.g.w_elems);  // >= 2: w_total >= 2 max_w
       p.a_elems = size_t(m) * s.k;
       p.c_elems = size_t(m) * s.n;
       for (uint32_t align : {16u, 256u}) {
@@ -285,22 +253,23 @@ int main(int argc, char** argv) {
         CHECK(ts::bench::CreatePreference(kWorkspaceBytes, &pref, align));
         cublasLtMatmulHeuristicResult_t res[kMaxResults];
         int found = 0;
-        CHECK(cublasLtMatmulAlgoGetHeuristic(p.h, p.desc, p.wl, p.al, p.cl, p.cl, pref, results,
-                                             res, &found));
+        CHECK(cublasLtMatmulAlgoGetHeuristic(p.g.h, p.g.desc, p.g.wl, p.g.al, p.g.cl, p.g.cl, pref,
+                                             results, res, &found));
         cublasLtMatmulPreferenceDestroy(pref);
         for (int r = 0; r < found; ++r) {
           if (res[r].state != CUBLAS_STATUS_SUCCESS) continue;
           const std::string kernels = Kernels(p, res[r].algo);
           if (kernels.empty()) continue;  // accepted by the heuristic, refused at launch
-          std::printf("%-11s %4d %5u %3d %8.2f %6s %s\n", s.name, m, align, r,
-                      GraphUs(p, res[r].algo), Waits(p, res[r].algo) ? "yes" : "RACE",
-                      kernels.c_str());
+          std::printf(
+              "%-11s %4d %5u %3d %8.2f %6s %s\n", s.name, m, align, r,
+              ts::bench::GraphUsPerLaunch("tailserve-cublaslt-pdl", p.g, res[r].algo, kLaunches),
+              Waits(p, res[r].algo) ? "yes" : "RACE", kernels.c_str());
           std::fflush(stdout);
         }
       }
-      cublasLtMatrixLayoutDestroy(p.wl);
-      cublasLtMatrixLayoutDestroy(p.al);
-      cublasLtMatrixLayoutDestroy(p.cl);
+      cublasLtMatrixLayoutDestroy(p.g.wl);
+      cublasLtMatrixLayoutDestroy(p.g.al);
+      cublasLtMatrixLayoutDestroy(p.g.cl);
     }
   }
   return 0;

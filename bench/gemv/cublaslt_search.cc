@@ -175,25 +175,7 @@ std::vector<cublasLtMatmulAlgo_t> Expand(cublasLtHandle_t h, cublasLtMatmulDesc_
   return out;
 }
 
-struct Problem {
-  cublasLtHandle_t h = nullptr;
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t wl = nullptr, al = nullptr, cl = nullptr;
-  const __nv_bfloat16* w = nullptr;  // [copies][n, k]
-  size_t w_elems = 0;
-  int copies = 0;
-  const __nv_bfloat16* a = nullptr;  // [m, k]
-  __nv_bfloat16* c = nullptr;        // [m, n]
-  void* ws = nullptr;
-  cudaStream_t stream = nullptr;
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-};
-
-cublasStatus_t Launch(const Problem& p, const cublasLtMatmulAlgo_t& algo, int rep) {
-  const float alpha = 1.f, beta = 0.f;
-  return cublasLtMatmul(p.h, p.desc, &alpha, p.w + size_t(rep % p.copies) * p.w_elems, p.wl, p.a,
-                        p.al, &beta, p.c, p.cl, p.c, p.cl, &algo, p.ws, kWorkspaceBytes, p.stream);
-}
+using Problem = ts::bench::TimedGemm;
 
 float Elapsed(const Problem& p) {
   float ms = 0;
@@ -206,7 +188,7 @@ float QuickUs(const Problem& p, const cublasLtMatmulAlgo_t& algo) {
   float us[4];
   for (int rep = 0; rep < 4; ++rep) {
     CHECK(cudaEventRecord(p.e0, p.stream));
-    if (Launch(p, algo, rep) != CUBLAS_STATUS_SUCCESS) {
+    if (ts::bench::LaunchCopy(p, algo, rep) != CUBLAS_STATUS_SUCCESS) {
       CHECK(cudaStreamSynchronize(p.stream));
       return 0.f;
     }
@@ -220,33 +202,11 @@ float QuickUs(const Problem& p, const cublasLtMatmulAlgo_t& algo) {
 
 // Step 2: us per launch in a graph of kLaunches back-to-back launches, median of 7 replays.
 float GraphUs(const Problem& p, const cublasLtMatmulAlgo_t& algo) {
-  cudaGraph_t graph;
-  CHECK(cudaStreamBeginCapture(p.stream, cudaStreamCaptureModeThreadLocal));
-  bool ok = true;
-  for (int i = 0; i < kLaunches && ok; ++i) ok = Launch(p, algo, i) == CUBLAS_STATUS_SUCCESS;
-  CHECK(cudaStreamEndCapture(p.stream, &graph));
-  if (!ok) {
-    CHECK(cudaGraphDestroy(graph));
-    return 0.f;
-  }
-  cudaGraphExec_t exec;
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  std::vector<float> us;
-  for (int rep = 0; rep < 9; ++rep) {
-    CHECK(cudaEventRecord(p.e0, p.stream));
-    CHECK(cudaGraphLaunch(exec, p.stream));
-    CHECK(cudaEventRecord(p.e1, p.stream));
-    CHECK(cudaEventSynchronize(p.e1));
-    if (rep >= 2) us.push_back(Elapsed(p) / kLaunches);
-  }
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+  return ts::bench::GraphUsPerLaunch("tailserve-cublaslt-search", p, algo, kLaunches);
 }
 
 std::vector<float> Output(const Problem& p, const cublasLtMatmulAlgo_t& algo, size_t elems) {
-  CHECK(Launch(p, algo, 0));
+  CHECK(ts::bench::LaunchCopy(p, algo, 0));
   std::vector<__nv_bfloat16> host(elems);
   CHECK(cudaMemcpyAsync(host.data(), p.c, elems * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost,
                         p.stream));
@@ -323,7 +283,7 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&c, max_m * max_n * sizeof(__nv_bfloat16)));
   Fill(w, w_bytes_all / sizeof(__nv_bfloat16), 1u, 0.05f);
   Fill(a, max_m * max_k, 2u, 1.f);
-  Problem p{.h = h, .desc = desc, .w = w, .a = a, .c = c, .ws = ws};
+  Problem p{.h = h, .desc = desc, .w = w, .a = a, .c = c, .ws = ws, .ws_bytes = kWorkspaceBytes};
   CHECK(cudaStreamCreate(&p.stream));
   CHECK(cudaEventCreate(&p.e0));
   CHECK(cudaEventCreate(&p.e1));

@@ -1,15 +1,19 @@
-// What tailserve-cublaslt-sweep and tailserve-cublaslt-search share: the Llama projections they
-// time, and the cuBLASLt problem set up as kernels/gemm.cu sets it up, so that both tools time
-// the GEMMs the decode step runs.
+// What tailserve-cublaslt-sweep, -search and -pdl share: the Llama projections they time, the
+// cuBLASLt problem set up as kernels/gemm.cu sets it up, so that the tools time the GEMMs the
+// decode step runs, and the timing of one configuration in a graph.
 #pragma once
 
 #include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <span>
+#include <vector>
 
 namespace ts::bench {
 
@@ -87,6 +91,65 @@ inline cublasStatus_t CreatePreference(size_t workspace, cublasLtMatmulPreferenc
     }
   }
   return s;
+}
+
+// One GEMM as the tools time it; W rotates over `copies` copies so that L2 never holds it.
+struct TimedGemm {
+  cublasLtHandle_t h = nullptr;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t wl = nullptr, al = nullptr, cl = nullptr;
+  const __nv_bfloat16* w = nullptr;  // [copies][n, k]
+  size_t w_elems = 0;                // n * k
+  int copies = 0;
+  const __nv_bfloat16* a = nullptr;  // [m, k]
+  __nv_bfloat16* c = nullptr;        // [m, n]
+  void* ws = nullptr;                // [ws_bytes]
+  size_t ws_bytes = 0;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+};
+
+// One launch of `algo` on W copy `copy % copies`.
+inline cublasStatus_t LaunchCopy(const TimedGemm& p, const cublasLtMatmulAlgo_t& algo, int copy) {
+  const float alpha = 1.f, beta = 0.f;
+  return cublasLtMatmul(p.h, p.desc, &alpha, p.w + size_t(copy % p.copies) * p.w_elems, p.wl, p.a,
+                        p.al, &beta, p.c, p.cl, p.c, p.cl, &algo, p.ws, p.ws_bytes, p.stream);
+}
+
+// us per launch in a graph of `launches` back-to-back launches (launch latency hidden, as in a
+// decode step), median of 7 replays after 2; 0 when cuBLASLt refuses the launch. A failed CUDA
+// call exits, naming `tool`.
+inline float GraphUsPerLaunch(const char* tool, const TimedGemm& p,
+                              const cublasLtMatmulAlgo_t& algo, int launches) {
+  auto check = [tool](cudaError_t rc, const char* what, int line) {
+    CheckOrExit(tool, static_cast<int>(rc), what, line);
+  };
+  cudaGraph_t graph;
+  check(cudaStreamBeginCapture(p.stream, cudaStreamCaptureModeThreadLocal), "begin capture",
+        __LINE__);
+  bool ok = true;
+  for (int i = 0; i < launches && ok; ++i) ok = LaunchCopy(p, algo, i) == CUBLAS_STATUS_SUCCESS;
+  check(cudaStreamEndCapture(p.stream, &graph), "end capture", __LINE__);
+  if (!ok) {
+    check(cudaGraphDestroy(graph), "graph destroy", __LINE__);
+    return 0.f;
+  }
+  cudaGraphExec_t exec;
+  check(cudaGraphInstantiate(&exec, graph, 0), "instantiate", __LINE__);
+  std::vector<float> us;
+  for (int rep = 0; rep < 9; ++rep) {
+    check(cudaEventRecord(p.e0, p.stream), "event record", __LINE__);
+    check(cudaGraphLaunch(exec, p.stream), "graph launch", __LINE__);
+    check(cudaEventRecord(p.e1, p.stream), "event record", __LINE__);
+    check(cudaEventSynchronize(p.e1), "event sync", __LINE__);
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, p.e0, p.e1), "elapsed", __LINE__);
+    if (rep >= 2) us.push_back(ms * 1000 / launches);
+  }
+  check(cudaGraphExecDestroy(exec), "exec destroy", __LINE__);
+  check(cudaGraphDestroy(graph), "graph destroy", __LINE__);
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
 }
 
 }  // namespace ts::bench
