@@ -196,6 +196,15 @@ int main(int argc, char** argv) {
   int results = 16;
   std::vector<int> ms;
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::printf(
+          "usage: tailserve-cublaslt-pdl [--results=16] [M (1..4096) ...]   (default M: 32 64 "
+          "128)\n"
+          "  cuBLASLt's heuristic candidates for the Llama projections, their kernels, us per\n"
+          "  launch in a graph, and whether each waits behind a programmatic edge\n"
+          "  (bench/gemv/README.md).\n");
+      return 0;
+    }
     if (std::strncmp(argv[i], "--results=", 10) == 0) {
       results = std::atoi(argv[i] + 10);
       if (results < 1 || results > kMaxResults) {

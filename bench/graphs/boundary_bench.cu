@@ -162,6 +162,13 @@ float UsPerStep(const Env& env, Variant v, bool loop, int steps) {
 int main(int argc, char** argv) {
   int steps = 400;
   for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::printf(
+          "usage: tailserve-boundary-bench [--steps=N (>= 2, default 400)]\n"
+          "  us per step of a two-kernel graph with one more node kind between its kernels,\n"
+          "  host-launched back to back and tail-launched (docs/device-loop.md, The gap).\n");
+      return 0;
+    }
     if (std::strncmp(argv[i], "--steps=", 8) == 0 && std::atoi(argv[i] + 8) >= 2) {
       steps = std::atoi(argv[i] + 8);
     } else {
