@@ -109,6 +109,10 @@ ABSL_FLAG(int32_t, probe_tokens, 0,
           "also time one more prompt of this many tokens from Prefill to its first token, with "
           "nothing decoding and beside each batch below the largest (0 = off); at most "
           "--prompt_len + --new_tokens, one under the slots' max_context");
+ABSL_FLAG(int32_t, max_context, 0,
+          "the slots' max_context (0: --prompt_len + --new_tokens + 1). A server's is the "
+          "model's, far longer, and then every bucket's graph holds an attention combine node a "
+          "layer that regimes of one split disable (docs/architecture.md, Graph updates)");
 ABSL_FLAG(int32_t, prefill_step_tokens, 256,
           "mode loop: the rows of a mixed step, decode and prompt (tailserve's "
           "--prefill_step_tokens); what --probe_tokens' mixed steps hold");
@@ -210,6 +214,7 @@ struct Settings {
   std::vector<int32_t> loads;  // busy threads per core
   std::vector<int32_t> batches;
   int32_t prompt_len = 0, new_tokens = 0;
+  int32_t max_context = 0;  // 0: prompt_len + new_tokens + 1
   float temperature = 0.0f, top_p = 1.0f, min_p = 0.0f;
   int32_t top_k = 0;
   double copy_gbps = 0;
@@ -340,7 +345,7 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
   o.max_slots = s.batches.back();
   o.buckets = s.batches;
   o.kv_block_size = 16;
-  o.max_context = s.prompt_len + max_new;
+  o.max_context = std::max(s.max_context, s.prompt_len + max_new);
   o.gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction);
   o.device = absl::GetFlag(FLAGS_device);
   o.ring_capacity = static_cast<uint32_t>(max_new + 8);
@@ -471,7 +476,8 @@ absl::Status RunShape(const std::string& shape, const std::string& mode, const S
                                             b->graph_cache().BucketIndexFor(batch).value_or(0))},
                         {"regime_updates", b->graph_cache().update_count() - updates0},
                         {"timing_skip", absl::GetFlag(FLAGS_timing_skip)},
-                        {"attn_min_split_tokens", absl::GetFlag(FLAGS_attn_min_split_tokens)}};
+                        {"attn_min_split_tokens", absl::GetFlag(FLAGS_attn_min_split_tokens)},
+                        {"max_context", o.max_context}};
       std::printf(
           "%-4s %-5s %6d %5d %10.3f %10.3f %10.3f %10.3f %9.2f %9.2f %9.2f %12.0f %9.0f %7.1f%%\n",
           shape.c_str(), mode.c_str(), batch, load, med, Quantile(period_ms, 0.9),
@@ -686,8 +692,14 @@ int Main() {
   }
   s.prompt_len = absl::GetFlag(FLAGS_prompt_len);
   s.new_tokens = absl::GetFlag(FLAGS_new_tokens);
+  s.max_context = absl::GetFlag(FLAGS_max_context);
   if (s.prompt_len < 1 || s.new_tokens < 1 || s.shapes.empty()) {
     std::fprintf(stderr, "--prompt_len and --new_tokens must be >= 1, --shapes non-empty\n");
+    return 2;
+  }
+  if (s.max_context != 0 && s.max_context <= s.prompt_len + s.new_tokens) {
+    std::fprintf(stderr, "--max_context must be 0 or above --prompt_len + --new_tokens (%d)\n",
+                 s.prompt_len + s.new_tokens);
     return 2;
   }
   s.temperature = absl::GetFlag(FLAGS_temperature);
