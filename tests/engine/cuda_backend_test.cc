@@ -413,12 +413,18 @@ std::filesystem::path LongContextCopy(int32_t max_positions) {
   return dst;
 }
 
-TEST(CudaBackendTest, RegimeShrinksWhenTheLongRequestFinishes) {
+// The regime grows for a long request and shrinks when it finishes, and the short request beside
+// it decodes exactly throughout. With min_split_tokens 4096 the 128-token regime runs one split
+// and the 1024-token one eight (of up to 16 at this max_context): the decode graphs' attention
+// combine nodes are disabled, enabled, then disabled again (graphs::RecordOptionalNode), and a
+// combine left disabled at eight splits would leave the short request's attention unmerged.
+void RegimeShrinksWhenTheLongRequestFinishes(int32_t min_split_tokens) {
   constexpr int32_t kLong = 2048;
   const Reference ref = LoadReference("tiny-gqa-untied");
   CudaBackendOptions o = Options("tiny-gqa-untied", 8);
   o.model_dir = LongContextCopy(kLong);
   o.max_context = kLong;
+  o.attention_min_split_tokens = min_split_tokens;
   auto created = CudaBackend::Create(o);
   ASSERT_TRUE(created.ok()) << created.status();
   CudaBackend& backend = **created;
@@ -453,6 +459,14 @@ TEST(CudaBackendTest, RegimeShrinksWhenTheLongRequestFinishes) {
   EXPECT_EQ(cache.update_count() - updates, 2) << "one grow and one shrink";
   EXPECT_EQ(cache.instantiation_count(), inst);
   EXPECT_EQ(backend.max_active_context(), 0);
+}
+
+TEST(CudaBackendTest, RegimeShrinksWhenTheLongRequestFinishes) {
+  RegimeShrinksWhenTheLongRequestFinishes(64);
+}
+
+TEST(CudaBackendTest, RegimeShrinksThroughOneSplitAndBack) {
+  RegimeShrinksWhenTheLongRequestFinishes(4096);
 }
 
 // The engine decodes on its own thread, not the one that created the backend (docs/architecture.md,
