@@ -138,27 +138,6 @@ std::string RegimeDebugString(const Regime& r) {
                          r.max_context_len);
 }
 
-absl::Status RecordOptionalNode(cudaStream_t stream, bool enabled,
-                                std::vector<OptionalNode>* optional_nodes) {
-  if (optional_nodes == nullptr) {
-    return absl::InvalidArgumentError("RecordOptionalNode: optional_nodes is null");
-  }
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  const cudaGraphNode_t* deps = nullptr;
-  size_t num_deps = 0;
-  TS_CUDA_RETURN_IF_ERROR(
-      cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &num_deps));
-  if (status != cudaStreamCaptureStatusActive) {
-    return absl::FailedPreconditionError("RecordOptionalNode: the stream is not capturing");
-  }
-  if (num_deps != 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "RecordOptionalNode: the stream's last operation left ", num_deps, " nodes, not one"));
-  }
-  optional_nodes->push_back({deps[0], enabled});
-  return absl::OkStatus();
-}
-
 GraphCache::GraphCache(GraphCacheOptions options)
     : options_(std::move(options)), regime_(options_.initial_regime) {}
 
@@ -172,8 +151,6 @@ GraphCache::~GraphCache() {
       if (e != nullptr) (void)cudaGraphExecDestroy(e);
       e = nullptr;
     }
-    if (b.graph != nullptr) (void)cudaGraphDestroy(b.graph);
-    b.graph = nullptr;
   }
   if (flip_event_ != nullptr) (void)cudaEventDestroy(flip_event_);
   if (prepared_event_ != nullptr) (void)cudaEventDestroy(prepared_event_);
@@ -303,31 +280,18 @@ absl::StatusOr<CapturedGraph> CaptureOne(const CaptureFn& capture, const Capture
 
 }  // namespace
 
-absl::StatusOr<cudaGraph_t> GraphCache::Capture(int32_t bucket_index, const Regime& regime,
-                                                std::vector<OptionalNode>* optional) {
-  optional->clear();
-  const CaptureContext ctx{options_.buckets[bucket_index], bucket_index, regime, optional};
+absl::StatusOr<cudaGraph_t> GraphCache::Capture(int32_t bucket_index, const Regime& regime) {
+  const CaptureContext ctx{options_.buckets[bucket_index], bucket_index, regime};
   TS_ASSIGN_OR_RETURN(CapturedGraph g, CaptureOne(options_.capture, ctx, capture_stream_));
   return g.graph.release();
-}
-
-absl::Status GraphCache::ApplyOptional(const Bucket& b, cudaGraphExec_t exec,
-                                       const std::vector<OptionalNode>& optional) const {
-  for (size_t i = 0; i < b.optional.size(); ++i) {
-    TS_CUDA_RETURN_IF_ERROR(
-        cudaGraphNodeSetEnabled(exec, b.optional[i], optional[i].enabled ? 1 : 0));
-  }
-  return absl::OkStatus();
 }
 
 absl::Status GraphCache::BuildBucket(int32_t bucket_index, cudaStream_t stream) {
   Bucket& b = buckets_[bucket_index];
   const int32_t bucket = options_.buckets[bucket_index];
   const auto t_capture = Clock::now();
-  std::vector<OptionalNode> optional;
-  TS_ASSIGN_OR_RETURN(cudaGraph_t raw, Capture(bucket_index, regime_, &optional));
-  b.graph = raw;  // destroyed with the cache
-  for (const OptionalNode& o : optional) b.optional.push_back(o.node);
+  TS_ASSIGN_OR_RETURN(cudaGraph_t raw, Capture(bucket_index, regime_));
+  GraphPtr graph(raw);
   const double capture_ms = MsSince(t_capture);
   size_t n = 0;
   TS_CUDA_RETURN_IF_ERROR(cudaGraphGetNodes(raw, nullptr, &n));
@@ -347,7 +311,6 @@ absl::Status GraphCache::BuildBucket(int32_t bucket_index, cudaStream_t stream) 
           NodeDescription(params.errNode_out)));
     }
     ++instantiation_count_;
-    TS_RETURN_IF_ERROR(ApplyOptional(b, b.execs[slot], optional));
   }
   const double inst_ms = MsSince(t_inst);
   // A device graph must be uploaded before a kernel may launch it (a host launch would do it
@@ -426,20 +389,12 @@ absl::Status GraphCache::Launch(int32_t bucket_index, cudaStream_t stream) {
   return absl::OkStatus();
 }
 
-absl::Status GraphCache::UpdateIdleExec(int32_t bucket_index, cudaGraph_t graph,
-                                        const std::vector<OptionalNode>& optional) {
+absl::Status GraphCache::UpdateIdleExec(int32_t bucket_index, cudaGraph_t graph) {
   const Bucket& b = buckets_[bucket_index];
-  if (optional.size() != b.optional.size()) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "%s: the capture recorded %d optional nodes, the bucket's graph %d. Every regime of a "
-        "bucket must record the same optional nodes (the capture contract); no bucket was flipped",
-        BucketLabel(options_.buckets[bucket_index], regime_), static_cast<int64_t>(optional.size()),
-        static_cast<int64_t>(b.optional.size())));
-  }
   cudaGraphExec_t idle = b.execs[b.current ^ 1];
   cudaGraphExecUpdateResultInfo info{};
   const cudaError_t e = cudaGraphExecUpdate(idle, graph, &info);
-  if (e == cudaSuccess) return ApplyOptional(b, idle, optional);
+  if (e == cudaSuccess) return absl::OkStatus();
   (void)cudaGetLastError();  // not sticky: keep it out of the caller's next error check
   if (e != cudaErrorGraphExecUpdateFailure) {
     return kernels::CudaErrorToStatus(e, "cudaGraphExecUpdate", __FILE__, __LINE__);
@@ -479,10 +434,9 @@ absl::Status GraphCache::UpdateIdleExecs(const Regime& regime, UpdateStats* st) 
   t = Clock::now();
   const int32_t n = num_buckets();
   std::vector<GraphPtr> graphs;
-  std::vector<std::vector<OptionalNode>> optional(n);
   graphs.reserve(n);
   for (int32_t i = 0; i < n; ++i) {
-    TS_ASSIGN_OR_RETURN(cudaGraph_t g, Capture(i, regime, &optional[i]));
+    TS_ASSIGN_OR_RETURN(cudaGraph_t g, Capture(i, regime));
     graphs.emplace_back(g);
   }
   st->capture_us = UsSince(t);
@@ -492,9 +446,7 @@ absl::Status GraphCache::UpdateIdleExecs(const Regime& regime, UpdateStats* st) 
   prepared_.reset();
   preparing_.reset();
   t = Clock::now();
-  for (int32_t i = 0; i < n; ++i) {
-    TS_RETURN_IF_ERROR(UpdateIdleExec(i, graphs[i].get(), optional[i]));
-  }
+  for (int32_t i = 0; i < n; ++i) TS_RETURN_IF_ERROR(UpdateIdleExec(i, graphs[i].get()));
   st->exec_update_us = UsSince(t);
   return absl::OkStatus();
 }
@@ -520,10 +472,9 @@ absl::StatusOr<bool> GraphCache::PrepareRegimeStep(const Regime& regime) {
   }
   const int32_t i = prepare_next_;
   absl::Status s = [&]() -> absl::Status {
-    std::vector<OptionalNode> optional;
-    TS_ASSIGN_OR_RETURN(cudaGraph_t g, Capture(i, regime, &optional));
+    TS_ASSIGN_OR_RETURN(cudaGraph_t g, Capture(i, regime));
     GraphPtr graph(g);
-    TS_RETURN_IF_ERROR(UpdateIdleExec(i, graph.get(), optional));
+    TS_RETURN_IF_ERROR(UpdateIdleExec(i, graph.get()));
     // On the private stream, beside whatever runs the current execs; UpdateRegime orders its
     // flip after these uploads through prepared_event_.
     TS_CUDA_RETURN_IF_ERROR(

@@ -18,11 +18,8 @@
 // capture; cudaMallocAsync would record an allocation node, which device-launchable graphs cannot
 // hold and Build/UpdateRegime reject), synchronise, or enqueue host callbacks. It must produce
 // the same graph topology for every regime of a bucket: a regime may change kernel arguments and
-// grid sizes, never the number or order of nodes. Work a regime does not need stays in the graph
-// as an optional node (RecordOptionalNode, e.g. the attention combine kernel when num_splits ==
-// 1), which the cache disables in that regime's execs: a disabled node runs as an empty node, so
-// the kernel after it does not wait for a pass-through launch. Every regime of a bucket must
-// record the same optional nodes in the same order. A topology change makes UpdateRegime fail
+// grid sizes, never the number or order of nodes (e.g. keep the attention combine kernel in the
+// graph and let it pass through when num_splits == 1). A topology change makes UpdateRegime fail
 // with FailedPrecondition; the cache never re-instantiates behind the caller's back.
 //
 // Threading: one owner thread. Not copyable or movable (the device table address is handed out).
@@ -57,28 +54,12 @@ struct Regime {
 };
 std::string RegimeDebugString(const Regime& r);
 
-// A node of a captured graph that a regime may leave out: disabled in the execs
-// (cudaGraphNodeSetEnabled), it runs as an empty node until a regime enables it again.
-struct OptionalNode {
-  cudaGraphNode_t node = nullptr;
-  bool enabled = true;  // whether this capture's regime runs it
-};
-
 // What the capture callback is building.
 struct CaptureContext {
   int32_t bucket = 0;        // batch size of this graph (options.buckets[bucket_index])
   int32_t bucket_index = 0;  // index into options.buckets and into the device table
   Regime regime;
-  // Where RecordOptionalNode appends; set by the cache for every capture.
-  std::vector<OptionalNode>* optional_nodes = nullptr;
 };
-
-// For a capture callback: records the node last captured on `stream` (the one node the next
-// operation on it would depend on, such as a kernel just launched) as optional, run in this
-// regime iff `enabled`. FailedPrecondition when `stream` is not capturing or the last operation
-// left several nodes (a join) or none.
-absl::Status RecordOptionalNode(cudaStream_t stream, bool enabled,
-                                std::vector<OptionalNode>* optional_nodes);
 
 using CaptureFn = std::function<absl::Status(const CaptureContext& ctx, cudaStream_t stream)>;
 
@@ -186,10 +167,6 @@ class GraphCache {
     std::array<cudaGraphExec_t, 2> execs{nullptr, nullptr};
     int32_t current = 0;
     int64_t nodes = 0;
-    // The graph both execs were instantiated from, kept because cudaGraphNodeSetEnabled names
-    // an exec's nodes by that graph's handles, and its optional nodes in capture order.
-    cudaGraph_t graph = nullptr;
-    std::vector<cudaGraphNode_t> optional;
   };
 
   absl::Status ValidateOptions() const;
@@ -199,18 +176,11 @@ class GraphCache {
   // exec in place (UpdateRegime's and PrepareRegime's common part; no upload, no flip).
   absl::Status UpdateIdleExecs(const Regime& regime, UpdateStats* st);
   absl::Status CheckBucketIndex(int32_t bucket_index) const;
-  // Captures options_.capture for one bucket into a new graph the caller owns, and the optional
-  // nodes the callback recorded.
-  absl::StatusOr<cudaGraph_t> Capture(int32_t bucket_index, const Regime& regime,
-                                      std::vector<OptionalNode>* optional);
+  // Captures options_.capture for one bucket into a new graph the caller owns.
+  absl::StatusOr<cudaGraph_t> Capture(int32_t bucket_index, const Regime& regime);
   absl::Status BuildBucket(int32_t bucket_index, cudaStream_t stream);
-  // Updates bucket `bucket_index`'s idle exec from `graph` and enables its optional nodes as
-  // `optional` (that capture's) says; never instantiates.
-  absl::Status UpdateIdleExec(int32_t bucket_index, cudaGraph_t graph,
-                              const std::vector<OptionalNode>& optional);
-  // Enables or disables each of bucket b's optional nodes in `exec`.
-  absl::Status ApplyOptional(const Bucket& b, cudaGraphExec_t exec,
-                             const std::vector<OptionalNode>& optional) const;
+  // Updates bucket `bucket_index`'s idle exec from `graph`; never instantiates.
+  absl::Status UpdateIdleExec(int32_t bucket_index, cudaGraph_t graph);
   // Writes the current handles into host_table_ and enqueues the table copy + flip event.
   absl::Status PublishTable(cudaStream_t stream);
 

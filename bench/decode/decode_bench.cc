@@ -112,7 +112,8 @@ ABSL_FLAG(int32_t, probe_tokens, 0,
 ABSL_FLAG(int32_t, max_context, 0,
           "the slots' max_context (0: --prompt_len + --new_tokens + 1). A server's is the "
           "model's, far longer, and then every bucket's graph holds an attention combine node a "
-          "layer that regimes of one split disable (docs/architecture.md, Graph updates)");
+          "layer, which passes through in regimes of one split (docs/architecture.md, Graph "
+          "updates)");
 ABSL_FLAG(int32_t, prefill_step_tokens, 256,
           "mode loop: the rows of a mixed step, decode and prompt (tailserve's "
           "--prefill_step_tokens); what --probe_tokens' mixed steps hold");

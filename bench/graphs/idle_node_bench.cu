@@ -1,7 +1,7 @@
 // tailserve-idle-node-bench: what a kernel node with nothing to do costs between two PDL-chained
 // kernels, launched and disabled. The decode graphs keep one attention combine node a layer
-// whatever the split count (an exec update cannot change the topology), and disable it in regimes
-// of one split (graphs::RecordOptionalNode, docs/architecture.md, Graph updates).
+// whatever the split count (an exec update cannot change the topology), which passes through at
+// one split; disabling it there was tried and lost in the step (docs/gpu-facts.md, Graph updates).
 //
 // A graph of --pairs pairs: an 8 MB streaming kernel (264 CTAs of 256 threads, its loads before
 // griddepcontrol.wait, then launch_dependents) and a pass-through kernel (132 CTAs: wait,

@@ -266,12 +266,9 @@ absl::StatusOr<std::unique_ptr<graphs::GraphCache>> CudaBackend::BuildGraphs(
                              m->NumSplits(ctx.bucket, ctx.regime.max_context_len)));
     // A pipeline stage's graph is its part of the step: the last stage's prepare runs before
     // the first stage's graph (LaunchStep).
-    if (!m->whole_model()) {
-      return m->EnqueueStageDecode(ctx.bucket, splits, s, m->capture_observer(),
-                                   ctx.optional_nodes);
-    }
-    TS_RETURN_IF_ERROR(
-        m->EnqueueDecodeStep(ctx.bucket, splits, s, m->capture_observer(), ctx.optional_nodes));
+    if (!m->whole_model())
+      return m->EnqueueStageDecode(ctx.bucket, splits, s, m->capture_observer());
+    TS_RETURN_IF_ERROR(m->EnqueueDecodeStep(ctx.bucket, splits, s, m->capture_observer()));
     // The loop's next step is decided and launched from this step's own last node, so two steps
     // are one graph boundary apart (docs/device-loop.md, One step boundary).
     if (loop != nullptr) TS_RETURN_IF_ERROR(loop->EnqueueScheduler(s));

@@ -47,9 +47,6 @@
 #include "models/config.h"
 
 namespace ts {
-namespace graphs {
-struct OptionalNode;  // graphs/graph_cache.h
-}  // namespace graphs
 
 // What a benchmark injects into the enqueue of a step (production passes none): it hears of
 // every op (by name: "prepare", "qkv_rope_gemm", "attention", ...) around its launch, and may
@@ -199,12 +196,9 @@ class CudaModel {
 
   // One decode step over `bucket` rows (a planned bucket). Graph-capturable. An observer hears
   // of each op (an OpTimer brackets them with events, never while capturing); the graphs'
-  // capture passes capture_observer. A graph capture passes its optional_nodes
-  // (graphs::CaptureContext): each layer's attention combine kernel is recorded there, to run
-  // only when num_splits > 1 (at one split the attention kernel writes the output itself).
+  // capture passes capture_observer.
   absl::Status EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
-                                 OpObserver* observer = nullptr,
-                                 std::vector<graphs::OptionalNode>* optional_nodes = nullptr) const;
+                                 OpObserver* observer = nullptr) const;
   // The same step in a pipeline's pieces (docs/pipeline.md, CUDA stages), for a model that
   // holds one stage. The last stage owns the slot table:
   //  1. the last stage's EnqueueDecodePrepare builds the rows' inputs (DecodeRowInputs) from its
@@ -222,9 +216,8 @@ class CudaModel {
   // dev().decode inputs of the other group. Its sampling rows are written and never read.
   absl::Status AddDecodeFeed();
   int32_t* feed_row_slots() const { return feed_.row_slots; }  // [max_bucket] device
-  absl::Status EnqueueStageDecode(
-      int32_t bucket, int32_t num_splits, cudaStream_t stream, OpObserver* observer = nullptr,
-      std::vector<graphs::OptionalNode>* optional_nodes = nullptr) const;
+  absl::Status EnqueueStageDecode(int32_t bucket, int32_t num_splits, cudaStream_t stream,
+                                  OpObserver* observer = nullptr) const;
   // Device buffers, the same on every stage of one plan: the rows' inputs (tokens, positions,
   // KV slots, context lengths, block tables) and the hidden states of `bucket` rows.
   std::vector<DeviceBytes> DecodeRowInputs(int32_t bucket, bool feed = false) const;
@@ -281,8 +274,6 @@ class CudaModel {
     // decode rows
     int32_t num_splits = 1;
     int32_t max_splits = 1;
-    // A decode graph's capture: where the combine nodes are recorded (EnqueueDecodeStep).
-    std::vector<graphs::OptionalNode>* optional_nodes = nullptr;
     const int32_t* context_lens = nullptr;         // [decode rows]
     const int32_t* decode_block_tables = nullptr;  // [decode rows, max_blocks_per_seq]
     // prefill rows

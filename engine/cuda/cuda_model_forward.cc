@@ -8,7 +8,6 @@
 #include "common/status.h"
 #include "engine/backend.h"
 #include "engine/cuda/cuda_model.h"
-#include "graphs/graph_cache.h"
 #include "kernels/cuda_check.h"
 #include "kernels/decode_attention.cuh"
 #include "kernels/embedding.cuh"
@@ -132,12 +131,7 @@ absl::Status CudaModel::DecodeAttention(const ForwardBuffers& f, int32_t rows,
   // A bucket whose split count is 1 even at the longest context (the large batches) needs no
   // combine node in any regime; decided per bucket, so exec updates never change the nodes.
   p.no_combine = at.max_splits == 1;
-  TS_RETURN_IF_ERROR(k::LaunchDecodeAttention(p, stream));
-  // Otherwise a regime of one split leaves the combine node disabled: launched, it would find
-  // every row written already and cost the step a kernel boundary a layer, ~2 us on the H100
-  // (bench/results/2026-12-07-h100.md).
-  if (at.optional_nodes == nullptr || p.no_combine) return absl::OkStatus();
-  return graphs::RecordOptionalNode(stream, p.num_splits > 1, at.optional_nodes);
+  return k::LaunchDecodeAttention(p, stream);
 }
 
 absl::Status CudaModel::PrefillAttention(const ForwardBuffers& f, int32_t first_row,
@@ -560,8 +554,7 @@ absl::StatusOr<int32_t> CudaModel::BucketIndex(const char* what, int32_t bucket)
 }
 
 absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cudaStream_t stream,
-                                          OpObserver* observer,
-                                          std::vector<graphs::OptionalNode>* optional_nodes) const {
+                                          OpObserver* observer) const {
   TS_RETURN_IF_ERROR(BucketIndex("decode step", bucket).status());
   if (!whole_model()) {
     return absl::FailedPreconditionError("decode step: this model holds one pipeline stage");
@@ -569,7 +562,7 @@ absl::Status CudaModel::EnqueueDecodeStep(int32_t bucket, int32_t num_splits, cu
   TS_RETURN_IF_ERROR(RunOp(observer, "prepare", stream, [&] {
     return EnqueuePrepare(DecodeInputs(dev_.decode), bucket, step_stamps_, stream);
   }));
-  return EnqueueStageDecode(bucket, num_splits, stream, observer, optional_nodes);
+  return EnqueueStageDecode(bucket, num_splits, stream, observer);
 }
 
 absl::Status CudaModel::EnqueueDecodePrepare(int32_t bucket, cudaStream_t stream, bool feed) const {
@@ -629,9 +622,8 @@ DeviceBytes CudaModel::PrefillHidden(int32_t tokens) const {
           static_cast<size_t>(PrefillRowsFor(tokens)) * dims().hidden * sizeof(bf16)};
 }
 
-absl::Status CudaModel::EnqueueStageDecode(
-    int32_t bucket, int32_t num_splits, cudaStream_t stream, OpObserver* observer,
-    std::vector<graphs::OptionalNode>* optional_nodes) const {
+absl::Status CudaModel::EnqueueStageDecode(int32_t bucket, int32_t num_splits, cudaStream_t stream,
+                                           OpObserver* observer) const {
   TS_ASSIGN_OR_RETURN(const int32_t index, BucketIndex("decode step", bucket));
   const ForwardBuffers& f = dev_.decode;
   const HeadBuffers& head = dev_.decode_head;
@@ -646,7 +638,6 @@ absl::Status CudaModel::EnqueueStageDecode(
   at.max_splits = max_splits_[index];
   at.context_lens = dev_.decode_context_lens;
   at.decode_block_tables = dev_.decode_block_tables;
-  at.optional_nodes = optional_nodes;
   TS_RETURN_IF_ERROR(EnqueueLayers(f, bucket, at, *decode_gemm_, stream, observer));
   if (!st.has_head) return absl::OkStatus();  // f.h is the next stage's input
   TS_RETURN_IF_ERROR(EnqueueLogits(f.h, head, bucket, *decode_logits_, stream, observer));

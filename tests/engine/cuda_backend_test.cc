@@ -415,9 +415,8 @@ std::filesystem::path LongContextCopy(int32_t max_positions) {
 
 // The regime grows for a long request and shrinks when it finishes, and the short request beside
 // it decodes exactly throughout. With min_split_tokens 4096 the 128-token regime runs one split
-// and the 1024-token one eight (of up to 16 at this max_context): the decode graphs' attention
-// combine nodes are disabled, enabled, then disabled again (graphs::RecordOptionalNode), and a
-// combine left disabled at eight splits would leave the short request's attention unmerged.
+// (the attention kernel writes the output, the combine node passes through) and the 1024-token one
+// eight, merged by the combine (of up to 16 at this max_context).
 void RegimeShrinksWhenTheLongRequestFinishes(int32_t min_split_tokens) {
   constexpr int32_t kLong = 2048;
   const Reference ref = LoadReference("tiny-gqa-untied");

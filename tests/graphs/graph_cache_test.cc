@@ -1,7 +1,6 @@
 // GraphCache on the GPU: build and host launch per bucket, regime updates that take effect
-// without re-instantiation, device-side tail launch through the device table, optional nodes a
-// regime disables, and the refusals (topology change, allocation or synchronisation during
-// capture).
+// without re-instantiation, device-side tail launch through the device table, and the refusals
+// (topology change, allocation or synchronisation during capture).
 #include "graphs/graph_cache.h"
 
 #include <cuda_runtime.h>
@@ -13,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "graphs/tail_launch.cuh"
 #include "tests/graphs/test_kernels.cuh"
 
@@ -34,9 +32,6 @@ namespace {
 
 using testing::EnqueueTestStep;
 using testing::ExpectedTestValue;
-using testing::LaunchAddPdl;
-using testing::LaunchCopyPdl;
-using testing::LaunchLateWrite;
 using testing::TestStepNodes;
 using testing::TestStepParams;
 
@@ -450,105 +445,6 @@ TEST_F(GraphCacheTest, TopologyChangeIsAnErrorNotARebuild) {
   Poison();
   TS_ASSERT_OK(cache_->Launch(2, stream_));
   ExpectOnlyBucket(2, same_shape);
-}
-
-// A regime that does not need a kernel leaves it in the graph, disabled (RecordOptionalNode), as
-// the engine does with the attention combine at one split. Here the kernel adds 1000 and runs iff
-// attention_num_splits > 1. Every kernel of the chain uses programmatic dependent launch and the
-// first writes its output only ~20 us after it let the others launch: had the disabled node
-// dropped the dependency between its neighbours, the copy would read the poison. Both execs of
-// every bucket are checked in both states, host- and device-launched; a capture that records
-// another number of optional nodes in another regime is refused like a topology change.
-TEST_F(GraphCacheTest, OptionalNodesRunOnlyInTheRegimesThatEnableThem) {
-  float* buf = nullptr;  // [total_width_], the chain's intermediate, poisoned before each launch
-  ASSERT_EQ(cudaMalloc(&buf, sizeof(float) * total_width_), cudaSuccess);
-  constexpr float kAdd = 1000.0f;
-  auto options = [&](bool optional_only_when_split) {
-    GraphCacheOptions opt;
-    opt.buckets = buckets_;
-    opt.capture = [&, optional_only_when_split](const CaptureContext& ctx,
-                                                cudaStream_t s) -> absl::Status {
-      const int32_t width = ctx.bucket * kWidthPerRow;
-      float* b = buf + offsets_[ctx.bucket_index];
-      const bool run = ctx.regime.attention_num_splits > 1;
-      cudaError_t e = LaunchLateWrite(b, width, ctx.bucket * 10.0f, 20000, s);
-      if (e == cudaSuccess) e = LaunchAddPdl(b, width, kAdd, s);
-      if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
-      if (run || !optional_only_when_split) {
-        const absl::Status st = RecordOptionalNode(s, run, ctx.optional_nodes);
-        if (!st.ok()) return st;
-      }
-      e = LaunchCopyPdl(b, out_ + offsets_[ctx.bucket_index], width, s);
-      if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
-      return absl::OkStatus();
-    };
-    return opt;
-  };
-  auto expect = [&](int32_t k, bool added, const std::string& what) {
-    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
-    const int32_t width = buckets_[k] * kWidthPerRow;
-    std::vector<float> host(width);
-    ASSERT_EQ(
-        cudaMemcpy(host.data(), out_ + offsets_[k], sizeof(float) * width, cudaMemcpyDeviceToHost),
-        cudaSuccess);
-    for (int32_t i = 0; i < width; ++i) {
-      ASSERT_EQ(host[i], buckets_[k] * 10.0f + i + (added ? kAdd : 0.0f))
-          << what << ", bucket " << buckets_[k] << " element " << i;
-    }
-  };
-  auto poison = [&] {
-    Poison();
-    // On the graphs' stream: a cudaStreamNonBlocking stream does not wait for a plain cudaMemset.
-    ASSERT_EQ(cudaMemsetAsync(buf, 0xFF, sizeof(float) * total_width_, stream_), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
-  };
-
-  cache_ = std::make_unique<GraphCache>(options(false));
-  TS_ASSERT_OK(cache_->Build(stream_));
-  int32_t* bucket_index = scalars_;
-  int32_t* status = scalars_ + 2;
-  auto launcher = TailLauncher::Create({.table = cache_->device_table(),
-                                        .num_buckets = cache_->num_buckets(),
-                                        .bucket_index = bucket_index,
-                                        .remaining_steps = nullptr,
-                                        .status = status},
-                                       stream_);
-  TS_ASSERT_OK(launcher.status());
-  // Regimes 1, 2, 1, 3: each exec disabled, enabled, disabled again and enabled again.
-  for (const int32_t splits : {1, 2, 1, 3}) {
-    if (splits != cache_->regime().attention_num_splits) {
-      TS_ASSERT_OK(cache_->UpdateRegime(Regime{.attention_num_splits = splits}, stream_));
-    }
-    const std::string what = absl::StrCat("splits ", splits, ", exec ", cache_->current_slot(0));
-    for (int32_t k = 0; k < cache_->num_buckets(); ++k) {
-      poison();
-      TS_ASSERT_OK(cache_->Launch(k, stream_));
-      expect(k, splits > 1, absl::StrCat(what, ", host launch"));
-      poison();
-      const int32_t host[3] = {k, 0, 0};
-      ASSERT_EQ(cudaMemcpy(scalars_, host, sizeof(host), cudaMemcpyHostToDevice), cudaSuccess);
-      TS_ASSERT_OK((*launcher)->Launch(stream_));
-      expect(k, splits > 1, absl::StrCat(what, ", device launch"));
-      int32_t got[3];
-      ASSERT_EQ(cudaMemcpy(got, scalars_, sizeof(got), cudaMemcpyDeviceToHost), cudaSuccess);
-      ASSERT_EQ(got[2], 0) << cudaGetErrorString(static_cast<cudaError_t>(got[2]));
-    }
-  }
-  EXPECT_EQ(cache_->instantiation_count(), 2 * cache_->num_buckets());
-
-  cache_ = std::make_unique<GraphCache>(options(true));
-  TS_ASSERT_OK(cache_->Build(stream_));
-  const absl::Status refused = cache_->UpdateRegime(Regime{.attention_num_splits = 2}, stream_);
-  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
-  EXPECT_NE(std::string(refused.message()).find("optional nodes"), std::string::npos) << refused;
-  EXPECT_EQ(cache_->update_count(), 0);
-
-  std::vector<OptionalNode> nodes;
-  EXPECT_EQ(RecordOptionalNode(stream_, true, &nodes).code(), absl::StatusCode::kFailedPrecondition)
-      << "the stream is not capturing";
-  EXPECT_TRUE(nodes.empty());
-  cache_.reset();
-  cudaFree(buf);
 }
 
 // The capture contract is enforced, not trusted: allocation, synchronisation, a failing callback

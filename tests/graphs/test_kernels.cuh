@@ -33,14 +33,4 @@ inline float ExpectedTestValue(int32_t bucket, int32_t splits, int32_t max_conte
   return base * static_cast<float>(splits) + static_cast<float>(bucket);
 }
 
-// A chain under programmatic dependent launch, for the optional-node test: each kernel is
-// launched with programmatic stream serialization and calls griddepcontrol.wait before it touches
-// memory. LateWrite lets the next kernels launch at once and writes buf[i] = base + i only after
-// spinning `delay_ns`; AddPdl adds `add` to buf; CopyPdl copies buf to out. Return the launch
-// error.
-cudaError_t LaunchLateWrite(float* buf, int32_t width, float base, int64_t delay_ns,
-                            cudaStream_t stream);
-cudaError_t LaunchAddPdl(float* buf, int32_t width, float add, cudaStream_t stream);
-cudaError_t LaunchCopyPdl(const float* buf, float* out, int32_t width, cudaStream_t stream);
-
 }  // namespace ts::graphs::testing
