@@ -34,16 +34,21 @@ inline void CheckOk(const absl::Status& s, const char* what) {
 
 // Captures `enqueue` into one graph, replays it `warmup` times, then times `iters` replays, each
 // between two events on `stream`. Returns the replay times in microseconds, sorted ascending.
+// `instantiate_flags` and `setup` (called on the exec once, before the replays, e.g. to disable
+// nodes) are for benchmarks of the exec itself.
 inline std::vector<double> TimeGraphReplays(
     cudaStream_t stream, int warmup, int iters,
-    const std::function<absl::Status(cudaStream_t)>& enqueue) {
+    const std::function<absl::Status(cudaStream_t)>& enqueue,
+    unsigned long long instantiate_flags = 0,
+    const std::function<void(cudaGraphExec_t)>& setup = {}) {
   cudaGraph_t graph;
   BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   const absl::Status st = enqueue(stream);
   BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
   CheckOk(st, "launch under capture");
   cudaGraphExec_t exec;
-  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, instantiate_flags));
+  if (setup) setup(exec);
   for (int i = 0; i < warmup; ++i) BENCH_CUDA(cudaGraphLaunch(exec, stream));
   cudaEvent_t a, b;
   BENCH_CUDA(cudaEventCreate(&a));

@@ -19,17 +19,9 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+#include "bench/common/graph_timing.h"
 
-#define CHECK(x)                                                                \
-  do {                                                                          \
-    const cudaError_t err_ = (x);                                               \
-    if (err_ != cudaSuccess) {                                                  \
-      std::fprintf(stderr, "tailserve-idle-node-bench: %s: %s (line %d)\n", #x, \
-                   cudaGetErrorString(err_), __LINE__);                         \
-      std::exit(1);                                                             \
-    }                                                                           \
-  } while (0)
+namespace {
 
 constexpr int kStreamCtas = 264, kStreamThreads = 256, kPassCtas = 132;
 constexpr size_t kStreamBytes = size_t{8} << 20;
@@ -61,58 +53,40 @@ struct Variant {
 double UsPerPair(const Variant& v, int pairs, int reps, const int4* pool, int* sink,
                  cudaStream_t s) {
   const int per_cta = static_cast<int>(kStreamBytes / sizeof(int4) / kStreamCtas);
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t c{};
-  c.stream = s;
-  c.attrs = &attr;
-  c.numAttrs = 1;
-  cudaGraph_t g;
-  std::vector<cudaGraphNode_t> pass;
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < pairs; ++i) {
-    const size_t slots = (kPoolBytes - kStreamBytes) / sizeof(int4);
-    const int4* src = pool + (static_cast<size_t>(i) * kStreamBytes / sizeof(int4)) % slots;
-    c.gridDim = dim3(kStreamCtas);
-    c.blockDim = dim3(kStreamThreads);
-    CHECK(cudaLaunchKernelEx(&c, StreamKernel, src, per_cta, sink));
-    if (!v.node) continue;
-    c.gridDim = dim3(kPassCtas);
-    c.blockDim = dim3(128);
-    CHECK(cudaLaunchKernelEx(&c, PassThroughKernel));
-    cudaStreamCaptureStatus st;
-    const cudaGraphNode_t* deps = nullptr;
-    size_t n = 0;
-    CHECK(cudaStreamGetCaptureInfo(s, &st, nullptr, nullptr, &deps, nullptr, &n));
-    if (n == 1) pass.push_back(deps[0]);
-  }
-  CHECK(cudaStreamEndCapture(s, &g));
-  cudaGraphExec_t ex;
-  CHECK(cudaGraphInstantiate(&ex, g, v.device_exec ? cudaGraphInstantiateFlagDeviceLaunch : 0));
-  if (v.disabled) {
-    for (cudaGraphNode_t node : pass) CHECK(cudaGraphNodeSetEnabled(ex, node, 0));
-  }
-  CHECK(cudaGraphUpload(ex, s));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int r = 0; r < reps + 3; ++r) {
-    CHECK(cudaEventRecord(a, s));
-    CHECK(cudaGraphLaunch(ex, s));
-    CHECK(cudaEventRecord(b, s));
-    CHECK(cudaEventSynchronize(b));
-    float t;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (r >= 3) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  CHECK(cudaGraphExecDestroy(ex));
-  CHECK(cudaGraphDestroy(g));
-  return ms[ms.size() / 2] * 1000.0 / pairs;
+  std::vector<cudaGraphNode_t> pass;  // the pass-through nodes, in the captured graph
+  auto enqueue = [&](cudaStream_t stream) -> absl::Status {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t c{};
+    c.stream = stream;
+    c.attrs = &attr;
+    c.numAttrs = 1;
+    for (int i = 0; i < pairs; ++i) {
+      const size_t slots = (kPoolBytes - kStreamBytes) / sizeof(int4);
+      const int4* src = pool + (static_cast<size_t>(i) * kStreamBytes / sizeof(int4)) % slots;
+      c.gridDim = dim3(kStreamCtas);
+      c.blockDim = dim3(kStreamThreads);
+      BENCH_CUDA(cudaLaunchKernelEx(&c, StreamKernel, src, per_cta, sink));
+      if (!v.node) continue;
+      c.gridDim = dim3(kPassCtas);
+      c.blockDim = dim3(128);
+      BENCH_CUDA(cudaLaunchKernelEx(&c, PassThroughKernel));
+      cudaStreamCaptureStatus st;
+      const cudaGraphNode_t* deps = nullptr;
+      size_t n = 0;
+      BENCH_CUDA(cudaStreamGetCaptureInfo(stream, &st, nullptr, nullptr, &deps, nullptr, &n));
+      if (n == 1) pass.push_back(deps[0]);
+    }
+    return absl::OkStatus();
+  };
+  auto disable = [&](cudaGraphExec_t exec) {
+    if (!v.disabled) return;
+    for (cudaGraphNode_t node : pass) BENCH_CUDA(cudaGraphNodeSetEnabled(exec, node, 0));
+  };
+  const std::vector<double> us = ts::bench::TimeGraphReplays(
+      s, 3, reps, enqueue, v.device_exec ? cudaGraphInstantiateFlagDeviceLaunch : 0, disable);
+  return us[us.size() / 2] / pairs;
 }
 
 int IntFlag(int argc, char** argv, const char* name, int def) {
@@ -142,11 +116,11 @@ int main(int argc, char** argv) {
   const int reps = std::max(1, IntFlag(argc, argv, "--reps", 30));
   int4* pool;
   int* sink;
-  CHECK(cudaMalloc(&pool, kPoolBytes));
-  CHECK(cudaMemset(pool, 1, kPoolBytes));
-  CHECK(cudaMalloc(&sink, kStreamCtas * sizeof(int)));
+  BENCH_CUDA(cudaMalloc(&pool, kPoolBytes));
+  BENCH_CUDA(cudaMemset(pool, 1, kPoolBytes));
+  BENCH_CUDA(cudaMalloc(&sink, kStreamCtas * sizeof(int)));
   cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const Variant variants[] = {
       {"no pass-through node", false, false, false},
       {"pass-through launched", true, false, false},
@@ -159,8 +133,8 @@ int main(int argc, char** argv) {
   for (const Variant& v : variants) {
     std::printf("%-30s %10.2f\n", v.name, UsPerPair(v, pairs, reps, pool, sink, s));
   }
-  CHECK(cudaStreamDestroy(s));
-  CHECK(cudaFree(pool));
-  CHECK(cudaFree(sink));
+  BENCH_CUDA(cudaStreamDestroy(s));
+  BENCH_CUDA(cudaFree(pool));
+  BENCH_CUDA(cudaFree(sink));
   return 0;
 }
