@@ -156,6 +156,7 @@ GraphCache::~GraphCache() {
   if (prepared_event_ != nullptr) (void)cudaEventDestroy(prepared_event_);
   if (device_table_ != nullptr) (void)cudaFree(device_table_);
   if (host_table_ != nullptr) (void)cudaFreeHost(host_table_);
+  if (slot_tables_ != nullptr) (void)cudaFree(slot_tables_);
   if (capture_stream_ != nullptr) (void)cudaStreamDestroy(capture_stream_);
 }
 
@@ -360,6 +361,15 @@ absl::Status GraphCache::Build(cudaStream_t stream) {
   for (int32_t i = 0; i < n; ++i) TS_RETURN_IF_ERROR(BuildBucket(i, stream));
   const auto t_upload = Clock::now();
   TS_RETURN_IF_ERROR(PublishTable(stream));
+  // The execs never change handle (updates are in place), so the per-slot tables are written once.
+  std::vector<cudaGraphExec_t> slots(2 * static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) {
+    slots[i] = buckets_[i].execs[0];
+    slots[n + i] = buckets_[i].execs[1];
+  }
+  TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&slot_tables_, sizeof(cudaGraphExec_t) * slots.size()));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpy(
+      slot_tables_, slots.data(), sizeof(cudaGraphExec_t) * slots.size(), cudaMemcpyHostToDevice));
   // Startup only: waits for the uploads and the table write on `stream`, so the memory estimate
   // covers the uploaded graphs and a device scheduler started on any stream finds the table.
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
@@ -524,6 +534,37 @@ absl::Status GraphCache::UpdateRegime(const Regime& regime, cudaStream_t stream)
   st.total_us = UsSince(t0);
   regime_ = regime;
   last_update_ = st;
+  ++update_count_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const cudaGraphExec_t*> GraphCache::PreparedTable(cudaStream_t stream) {
+  TS_RETURN_IF_ERROR(EnsureBuilt("PreparedTable"));
+  if (!prepared_) return absl::FailedPreconditionError("GraphCache::PreparedTable: none prepared");
+  TS_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Set(options_.device));
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, prepared_event_, 0));
+  // Every bucket flips together, so bucket 0's idle slot is every bucket's.
+  return slot_tables_ + static_cast<size_t>(buckets_[0].current ^ 1) * num_buckets();
+}
+
+absl::Status GraphCache::AdoptDeviceFlip() {
+  TS_RETURN_IF_ERROR(EnsureBuilt("AdoptDeviceFlip"));
+  if (!prepared_)
+    return absl::FailedPreconditionError("GraphCache::AdoptDeviceFlip: none prepared");
+  TS_ASSIGN_OR_RETURN(DeviceGuard guard, DeviceGuard::Set(options_.device));
+  // host_table_ is free once the previous table write has run.
+  TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(flip_event_));
+  for (Bucket& b : buckets_) b.current ^= 1;
+  // On the private stream: the running loop reads the table it switched to, not this one, and the
+  // next launch on any stream is enqueued after this copy has been waited for (flip_event_, which
+  // the next update or preparation waits on too).
+  if (absl::Status s = PublishTable(capture_stream_); !s.ok()) {
+    for (Bucket& b : buckets_) b.current ^= 1;
+    return s;
+  }
+  TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(flip_event_));
+  regime_ = *prepared_;
+  prepared_.reset();
   ++update_count_;
   return absl::OkStatus();
 }

@@ -28,7 +28,9 @@
 // table's cudaFree waits for the device.
 // Device loop: UpdateRegime is ordered on the stream it is given. A device loop that runs on that
 // stream makes UpdateRegime wait until the loop has exited (it must pause at a step boundary
-// first); updating while a loop runs on another stream is not safe with this API.
+// first); updating while a loop runs on another stream is not safe with this API. A running loop
+// changes regime by itself instead: PrepareRegime, PreparedTable handed to the loop, then
+// AdoptDeviceFlip once it has switched (docs/device-loop.md, The attention regime).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -138,6 +140,19 @@ class GraphCache {
   // The regime PrepareRegime left in the idle execs, if it has not been flipped to since.
   const std::optional<Regime>& prepared() const { return prepared_; }
 
+  // A flip made on the device by a running loop's scheduler (docs/device-loop.md, The attention
+  // regime). PreparedTable: [num_buckets] in device memory, the prepared execs, at an address
+  // fixed for the cache's life (one table per exec slot, written by Build); `stream` is made to
+  // wait for their uploads, so work enqueued on it afterwards may hand the table to a running
+  // scheduler. FailedPrecondition unless prepared().
+  absl::StatusOr<const cudaGraphExec_t*> PreparedTable(cudaStream_t stream);
+  // Records that a scheduler switched to PreparedTable() by itself: the prepared execs become the
+  // current ones and prepared() the regime, as after UpdateRegime, and device_table() is
+  // rewritten on the cache's private stream. The caller guarantees that no old current exec runs
+  // or will be launched (the step after the switch has started). FailedPrecondition unless
+  // prepared().
+  absl::Status AdoptDeviceFlip();
+
   // Smallest bucket index whose batch size holds `batch_size`; OutOfRange above the last bucket.
   absl::StatusOr<int32_t> BucketIndexFor(int32_t batch_size) const;
 
@@ -192,6 +207,7 @@ class GraphCache {
   cudaStream_t capture_stream_ = nullptr;    // private: callers' streams may be the legacy stream
   cudaGraphExec_t* device_table_ = nullptr;  // [num_buckets], device memory
   cudaGraphExec_t* host_table_ = nullptr;    // [num_buckets], pinned staging for the table copy
+  cudaGraphExec_t* slot_tables_ = nullptr;   // [2][num_buckets], device: execs[slot] per bucket
   cudaEvent_t flip_event_ = nullptr;         // recorded on the update stream after each table write
   cudaEvent_t prepared_event_ = nullptr;     // recorded on capture_stream_ after PrepareRegime
   std::optional<Regime> prepared_;           // what the idle execs hold, see prepared()

@@ -351,6 +351,60 @@ TEST_F(GraphCacheTest, PreparedRegimeLeavesTheCurrentExecsServingAndTheUpdateOnl
             absl::StatusCode::kInvalidArgument);
 }
 
+// A running device loop switches regime by itself: PreparedTable hands it the prepared execs
+// (fixed per-slot tables), and AdoptDeviceFlip then records the switch as UpdateRegime would have,
+// with no capture and no re-instantiation, after which the next regime is prepared into the old
+// execs and offered from the other table.
+TEST_F(GraphCacheTest, PreparedTableHoldsThePreparedExecsAndAdoptionMakesThemCurrent) {
+  cache_ = std::make_unique<GraphCache>(Options());
+  TS_ASSERT_OK(cache_->Build(stream_));
+  const int64_t instantiations = cache_->instantiation_count();
+  EXPECT_EQ(cache_->PreparedTable(stream_).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache_->AdoptDeviceFlip().code(), absl::StatusCode::kFailedPrecondition);
+  auto read = [&](const cudaGraphExec_t* table) {
+    std::vector<cudaGraphExec_t> host(cache_->num_buckets());
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(host.data(), table, sizeof(cudaGraphExec_t) * host.size(),
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return host;
+  };
+  const cudaGraphExec_t* tables[2] = {nullptr, nullptr};
+  const Regime regimes[2] = {{.attention_num_splits = 4, .max_context_len = 256},
+                             {.attention_num_splits = 2, .max_context_len = 512}};
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round);
+    const Regime& r = regimes[round];
+    TS_ASSERT_OK(cache_->PrepareRegime(r));
+    absl::StatusOr<const cudaGraphExec_t*> table = cache_->PreparedTable(stream_);
+    TS_ASSERT_OK(table.status());
+    tables[round] = *table;
+    const std::vector<cudaGraphExec_t> prepared = read(*table);
+    for (int32_t b = 0; b < cache_->num_buckets(); ++b) {
+      EXPECT_EQ(prepared[b], cache_->exec(b, cache_->current_slot(b) ^ 1)) << "bucket " << b;
+    }
+    // What the loop would have launched from it runs the prepared regime.
+    for (int32_t k = 0; k < 3; ++k) {
+      Poison();
+      ASSERT_EQ(cudaGraphLaunch(prepared[k], stream_), cudaSuccess);
+      ExpectOnlyBucket(k, r);
+    }
+    TS_ASSERT_OK(cache_->AdoptDeviceFlip());
+    EXPECT_EQ(cache_->regime(), r);
+    EXPECT_FALSE(cache_->prepared().has_value());
+    ExpectDeviceTableMatches();
+    EXPECT_EQ(read(cache_->device_table()), prepared);
+    for (int32_t k = 0; k < 3; ++k) {
+      EXPECT_EQ(cache_->current_slot(k), (round + 1) % 2);
+      Poison();
+      TS_ASSERT_OK(cache_->Launch(k, stream_));
+      ExpectOnlyBucket(k, r);
+    }
+  }
+  EXPECT_NE(tables[0], tables[1]);
+  EXPECT_EQ(cache_->instantiation_count(), instantiations) << "a device flip re-instantiated";
+}
+
 TEST_F(GraphCacheTest, DeviceTailLaunchRunsTheCurrentExecFromTheTable) {
   cache_ = std::make_unique<GraphCache>(Options());
   TS_ASSERT_OK(cache_->Build(stream_));
