@@ -44,6 +44,8 @@ __device__ __forceinline__ T LoadVolatile(const T* p) {
 __global__ void SchedulerKernel(LoopKernelParams p) {
   __shared__ int32_t warp_offset[kDeviceLoopMaxSlots / 32 + 1];
   __shared__ int32_t max_context;
+  __shared__ unsigned long long offer;
+  __shared__ const cudaGraphExec_t* flip_table;
   const DeviceLoopParams& q = p.loop;
   DeviceLoopControl* c = p.control;
   const int32_t tid = static_cast<int32_t>(threadIdx.x);
@@ -57,7 +59,11 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
   int4 row = make_int4(k::kSlotFree, 0, 0, 0);
   if (tid < q.num_slots) row = __ldcv(reinterpret_cast<const int4*>(&q.slots[tid]));
   unsigned long long steps = 0;
-  if (tid == 0) steps = LoadVolatile(&c->steps);
+  if (tid == 0) {
+    steps = LoadVolatile(&c->steps);
+    // One thread reads the host's offer and shares it, so the block decides as one.
+    offer = LoadVolatile(reinterpret_cast<const unsigned long long*>(&c->offer));
+  }
   // A decode graph the host launched itself: the host-driven mode, no loop to continue. Uniform
   // across the block, so the barriers below are reached by all or none.
   if (running == 0) return;
@@ -93,9 +99,23 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
   const int32_t n = warp_offset[num_warps];
   const bool pause = pause_word != 0;
   const bool outside = max_context <= context_lo || max_context > context_hi;
-  if (n == 0 || pause || outside) {
+  // The longest context has just grown past the window: the offered regime (lo, hi] takes over
+  // at this step if it holds it, as the host-driven mode's update would (DeviceLoop::OfferFlip).
+  const int32_t offer_lo = static_cast<int32_t>((offer & 0xffffffffull) >> 2);
+  const int32_t offer_hi = static_cast<int32_t>(offer >> 32);
+  const bool flip = n > 0 && !pause && outside && (offer & 1ull) != 0 && offer_hi > 0 &&
+                    max_context > context_hi && max_context > offer_lo && max_context <= offer_hi;
+  if (n == 0 || pause || (outside && !flip)) {
     if (tid == 0) Exit(p, n == 0 ? kLoopExitIdle : pause ? kLoopExitPaused : kLoopExitContext);
     return;
+  }
+  if (flip) {
+    if (tid == 0) {
+      __threadfence();  // the table was written before the offer word this thread has seen
+      flip_table = LoadVolatile(&c->offer_table);
+    }
+    __syncthreads();
+    if (warp == 0 && lane < q.num_buckets) exec = flip_table[lane];
   }
   int32_t b = 0;
   while (b + 1 < q.num_buckets && q.buckets[b] < n) ++b;
@@ -115,6 +135,18 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
   // The claim is a device atomic (host-mapped memory need not support them); the host reads the
   // mirror.
   atomicAdd(reinterpret_cast<unsigned long long*>(&c->steps), 1ull);
+  if (flip) {
+    // Later steps of this launch run the offered table and window; the host sees the flip in the
+    // mapped state before the step counter passes it.
+    c->table = flip_table;
+    c->context_lo = offer_lo;
+    c->context_hi = offer_hi;
+    *static_cast<volatile unsigned long long*>(reinterpret_cast<unsigned long long*>(&c->offer)) =
+        0ull;
+    *static_cast<volatile uint64_t*>(&st->flip_step) = steps + 1;
+    __threadfence_system();
+    *static_cast<volatile int32_t*>(&st->flips) = st->flips + 1;
+  }
   *static_cast<volatile uint64_t*>(&st->steps) = steps + 1;
   *static_cast<volatile int32_t*>(&st->last_rows) = n;
   // The bucket's exec ends with this kernel, which decides the step after it. When the bucket
@@ -176,6 +208,9 @@ absl::StatusOr<std::unique_ptr<DeviceLoop>> DeviceLoop::Create(const DeviceLoopP
   void* staging = nullptr;
   TS_CUDA_RETURN_IF_ERROR(cudaMallocHost(&staging, sizeof(DeviceLoopControl)));
   loop->staging_ = new (staging) DeviceLoopControl();
+  void* offer_staging = nullptr;
+  TS_CUDA_RETURN_IF_ERROR(cudaMallocHost(&offer_staging, sizeof(DeviceLoopControl)));
+  loop->offer_staging_ = new (offer_staging) DeviceLoopControl();
   loop->params_ = params;
   absl::StatusOr<cudaGraphExec_t> exec =
       CaptureForDeviceLaunch([&](cudaStream_t s) { return loop->EnqueueKernel(s, /*pdl=*/false); });
@@ -211,6 +246,7 @@ DeviceLoop::~DeviceLoop() {
   if (control_ != nullptr) (void)cudaFree(control_);
   if (state_host_ != nullptr) (void)cudaFreeHost(state_host_);
   if (staging_ != nullptr) (void)cudaFreeHost(staging_);
+  if (offer_staging_ != nullptr) (void)cudaFreeHost(offer_staging_);
 }
 
 absl::Status DeviceLoop::Launch(cudaStream_t stream, int32_t context_lo, int32_t context_hi) {
@@ -226,8 +262,9 @@ absl::Status DeviceLoop::Launch(cudaStream_t stream, int32_t context_lo, int32_t
   staging_->context_lo = context_lo;
   staging_->context_hi = context_hi;
   staging_->running = 1;
+  staging_->offer = 0;  // an offer made for the last launch is not this one's
   constexpr size_t kFirst = offsetof(DeviceLoopControl, table);
-  constexpr size_t kEnd = offsetof(DeviceLoopControl, running) + sizeof(int32_t);
+  constexpr size_t kEnd = offsetof(DeviceLoopControl, offer) + sizeof(uint64_t);
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(reinterpret_cast<char*>(control_) + kFirst,
                                           reinterpret_cast<const char*>(staging_) + kFirst,
                                           kEnd - kFirst, cudaMemcpyHostToDevice, stream));
@@ -240,6 +277,29 @@ absl::Status DeviceLoop::Launch(cudaStream_t stream, int32_t context_lo, int32_t
 
 absl::Status DeviceLoop::RequestPause(cudaStream_t control_stream) {
   TS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(&control_->pause, 1, sizeof(int32_t), control_stream));
+  return absl::OkStatus();
+}
+
+absl::Status DeviceLoop::OfferFlip(const cudaGraphExec_t* table, int32_t context_lo,
+                                   int32_t context_hi, cudaStream_t control_stream) {
+  if (table == nullptr) return absl::InvalidArgumentError("device loop: offered table is null");
+  if (context_lo < 0 || context_lo >= context_hi || context_lo >= (1 << 29)) {
+    return absl::InvalidArgumentError(absl::StrCat("device loop: offered window (", context_lo,
+                                                   ", ", context_hi, "] is empty or too large"));
+  }
+  // The table first, then the word that makes it an offer: a scheduler that reads the word reads
+  // the table after it. Pinned sources, so the copies are waited for before returning (the next
+  // offer reuses them).
+  offer_staging_->offer_table = table;
+  offer_staging_->offer =
+      (static_cast<uint64_t>(context_hi) << 32) | (static_cast<uint64_t>(context_lo) << 2) | 1u;
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&control_->offer_table, &offer_staging_->offer_table,
+                                          sizeof(const cudaGraphExec_t*), cudaMemcpyHostToDevice,
+                                          control_stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&control_->offer, &offer_staging_->offer,
+                                          sizeof(uint64_t), cudaMemcpyHostToDevice,
+                                          control_stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream));
   return absl::OkStatus();
 }
 
@@ -258,6 +318,14 @@ uint64_t DeviceLoop::steps() const {
 
 int32_t DeviceLoop::exit_reason() const {
   return *static_cast<const volatile int32_t*>(&state_host_->exit_reason);
+}
+
+int32_t DeviceLoop::flips() const {
+  return *static_cast<const volatile int32_t*>(&state_host_->flips);
+}
+
+uint64_t DeviceLoop::flip_step() const {
+  return *static_cast<const volatile uint64_t*>(&state_host_->flip_step);
 }
 
 absl::Status DeviceLoop::status() const {

@@ -3,7 +3,9 @@
 //   1. turns the slots a prefill made READY into ACTIVE (the publish point),
 //   2. compacts the ACTIVE slots, in ascending slot order, into the decode row list,
 //   3. exits when no slot is ACTIVE, the host asked for a pause, or the longest context left the
-//      window the graphs' attention regime was chosen for (it never spins idle),
+//      window the graphs' attention regime was chosen for (it never spins idle), unless it grew
+//      into the window of a regime the host offered (OfferFlip): then it switches to that
+//      regime's table and window,
 //   4. otherwise claims the step (atomicAdd on the step counter), picks the smallest bucket that
 //      holds the rows, and tail-launches that bucket's current exec from the GraphCache's device
 //      table, whose own last node is this kernel again.
@@ -56,6 +58,12 @@ struct DeviceLoopControl {
   int32_t context_hi = 0;
   int32_t running = 0;  // 1 from Launch until the exit: a scheduler node that sees 0 does nothing
   int32_t padding = 0;
+  // The next regime up, offered while the loop runs (OfferFlip), or 0; cleared by Launch and by
+  // the scheduler that takes it. Low word: lo << 2 | 1, high word: hi (> 0), so a read torn
+  // between the host's copy and the old 0 has a zero in one half and is no offer.
+  uint64_t offer = 0;
+  // The offered regime's table, written before `offer` and read only once `offer` is seen.
+  const cudaGraphExec_t* offer_table = nullptr;
 };
 
 // Host-mapped; written by the scheduler kernel, read by the host at any time (volatile).
@@ -64,7 +72,8 @@ struct DeviceLoopState {
   int32_t status = 0;       // 0, or the first cudaError_t of a device-side launch
   int32_t exit_reason = 0;  // of the last exit (0 while the first loop has not exited)
   int32_t last_rows = 0;    // rows of the newest step
-  int32_t reserved[3] = {};
+  int32_t flips = 0;        // offers taken (OfferFlip) since Create
+  uint64_t flip_step = 0;   // the first step the last taken offer's table ran
 };
 
 struct DeviceLoopParams {
@@ -105,6 +114,15 @@ class DeviceLoop {
   // Asks the running loop to exit at the next step boundary, through an async memset on
   // `control_stream` (not the loop's stream, which the loop occupies). Does not wait.
   absl::Status RequestPause(cudaStream_t control_stream);
+  // Offers the running loop the next regime up: at the step whose longest context first passes
+  // the launch's window, if it lies in (context_lo, context_hi], the scheduler switches to
+  // `table` ([num_buckets] device execs, uploaded, whose graphs end with EnqueueScheduler) and
+  // that window instead of exiting (docs/device-loop.md, The attention regime). At most one offer
+  // per launch, made after the launch on the loop's stream (Launch clears it), through async
+  // copies on `control_stream`, which must already be ordered after the table's uploads; waits
+  // for those copies. flips() counts the offers taken.
+  absl::Status OfferFlip(const cudaGraphExec_t* table, int32_t context_lo, int32_t context_hi,
+                         cudaStream_t control_stream);
   // True from Launch until the loop and every step it launched have completed.
   bool Running() const;
   // Blocks until the loop has exited.
@@ -112,6 +130,10 @@ class DeviceLoop {
   // The mapped state (volatile reads; exact once the loop has exited).
   uint64_t steps() const;
   int32_t exit_reason() const;
+  int32_t flips() const;
+  // The first step run from the last offer taken: once steps() has passed it, the execs of the
+  // table before it no longer run.
+  uint64_t flip_step() const;
   // OK, or the device-side launch failure of the loop.
   absl::Status status() const;
 
@@ -119,9 +141,10 @@ class DeviceLoop {
   DeviceLoop() = default;
   cudaError_t EnqueueKernel(cudaStream_t stream, bool pdl) const;
   cudaGraphExec_t exec_ = nullptr;
-  const cudaGraphExec_t* table_ = nullptr;  // BindTable
-  DeviceLoopControl* control_ = nullptr;    // [1] device
-  DeviceLoopControl* staging_ = nullptr;    // [1] pinned: Launch's table, window and running
+  const cudaGraphExec_t* table_ = nullptr;      // BindTable
+  DeviceLoopControl* control_ = nullptr;        // [1] device
+  DeviceLoopControl* staging_ = nullptr;        // [1] pinned: Launch's table, window and running
+  DeviceLoopControl* offer_staging_ = nullptr;  // [1] pinned: OfferFlip's words
   DeviceLoopParams params_;
   DeviceLoopState* state_host_ = nullptr;    // [1] pinned, mapped
   DeviceLoopState* state_device_ = nullptr;  // its device alias
