@@ -29,6 +29,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -182,6 +183,16 @@ class CudaBackend : public Backend {
   absl::Status WaitForPrefills();
   // Device loop: mixed steps enqueued so far (docs/device-loop.md, Mixed steps).
   uint64_t mixed_steps() const { return mixed_steps_; }
+  // Device loop: attention regime changes so far (docs/device-loop.md, The attention regime),
+  // those the scheduler made by itself and those for which the loop exited. Any thread.
+  struct RegimeChanges {
+    int32_t on_device = 0;
+    int32_t exits = 0;
+  };
+  RegimeChanges regime_changes() const {
+    return {.on_device = flips_adopted_.load(std::memory_order_relaxed),
+            .exits = context_exits_.load(std::memory_order_relaxed)};
+  }
   // The longest context (prompt + generated) among ACTIVE slots after the last step.
   int32_t max_active_context() const;
   // One decode step like Run(kOneStep), but host-launched op by op, each op timed with events.
@@ -326,6 +337,16 @@ class CudaBackend : public Backend {
   // longest context near the window's top, or a queued prompt past it), so that the launch only
   // flips to it. One bucket per call unless `whole` (GraphCache::PrepareRegimeStep).
   absl::Status MaybePrepareRegime(bool whole);
+  // Device loop: offers the running loop the prepared next regime up (DeviceLoop::OfferFlip), so
+  // that it switches at the step the host-driven mode would update instead of exiting; and, once
+  // it has switched and the old execs no longer run, records that in the graph cache
+  // (GraphCache::AdoptDeviceFlip), so that the regime after it can be prepared.
+  absl::Status MaybeOfferFlip();
+  absl::Status MaybeAdoptFlip();
+  FlipState FlipView() const;
+  // The lower end of the loop's window for a regime of upper bound `hi`: the loop exits below it
+  // because MaybeUpdateRegime shrinks once RegimeBound(context) * 4 <= hi.
+  static int32_t RegimeWindowLo(int32_t hi);
   absl::Status CheckErrorFlag(const char* where) const;
   void AfterStep(const std::vector<SlotId>& rows);
   // The regime upper bound for a context: 128 * 2^k, capped at max_context.
@@ -371,11 +392,15 @@ class CudaBackend : public Backend {
   cudaStream_t control_stream_ = nullptr;  // the pause word's memset (stream_ is the loop's)
   PrefillQueue prefill_queue_;
   cudaEvent_t chunk_end_ = nullptr;  // behind the last chunk
-  bool chunk_pending_ = false;     // a chunk or mixed steps with no loop behind them may still run
-  bool pause_requested_ = false;   // the pause word was set, its memset not yet waited for
-  uint64_t launch_steps_ = 0;      // the loop's step counter at its last Launch
-  uint64_t mixed_steps_ = 0;       // mixed steps enqueued (each decodes every active slot)
-  bool ready_unadmitted_ = false;  // a plain chunk made slots READY; no loop has run since
+  bool chunk_pending_ = false;    // a chunk or mixed steps with no loop behind them may still run
+  bool pause_requested_ = false;  // the pause word was set, its memset not yet waited for
+  uint64_t launch_steps_ = 0;     // the loop's step counter at its last Launch
+  bool flip_offered_ = false;     // an offer stands for the running launch (MaybeOfferFlip)
+  std::atomic<int32_t> flips_adopted_ = 0;  // the loop's flips() recorded in the graph cache
+  std::atomic<int32_t> context_exits_ = 0;  // relaunches after the loop exited for a regime change
+  bool launched_ = false;                   // the loop has been launched at least once
+  uint64_t mixed_steps_ = 0;                // mixed steps enqueued (each decodes every active slot)
+  bool ready_unadmitted_ = false;           // a plain chunk made slots READY; no loop has run since
 };
 
 // Loads options.model_dir and builds the backend.

@@ -243,7 +243,9 @@ absl::Status CudaBackend::RunLoop() {
   TS_RETURN_IF_ERROR(LoopError());
   DropCancelledPrefills();
   RefreshSlots();
+  TS_RETURN_IF_ERROR(MaybeAdoptFlip());
   if (loop_->Running() || chunk_pending_) TS_RETURN_IF_ERROR(MaybePrepareRegime(false));
+  TS_RETURN_IF_ERROR(MaybeOfferFlip());
   if (pause_requested_ && !loop_->Running()) {
     // The pause word must have landed before the next Launch clears it, or it could land after.
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream_));
@@ -275,6 +277,9 @@ absl::Status CudaBackend::RunLoop() {
 }
 
 absl::Status CudaBackend::MaybePrepareRegime(bool whole) {
+  // The running loop may switch to the offered execs at any step: they stay as they are.
+  if (flip_offered_ && loop_->Running()) return absl::OkStatus();
+  TS_RETURN_IF_ERROR(MaybeAdoptFlip());  // the idle execs are the host's idea of them again
   const int32_t hi = graphs_->regime().max_context_len;
   if (hi >= model_->max_context()) return absl::OkStatus();  // no larger regime
   // The loop exits when the longest context passes hi, and the host-driven mode changes regime
@@ -307,6 +312,46 @@ absl::Status CudaBackend::MaybePrepareRegime(bool whole) {
   return graphs_->PrepareRegimeStep(regime).status();
 }
 
+FlipState CudaBackend::FlipView() const {
+  const int32_t hi = graphs_->regime().max_context_len;
+  // The regime the host-driven mode updates to at the step whose longest context passes hi.
+  const bool larger = hi < model_->max_context();
+  return FlipState{
+      .loop_running = loop_->Running(),
+      .stepped_since_launch = loop_->steps() > launch_steps_,
+      .offered = flip_offered_,
+      .flips = loop_->flips(),
+      .flips_adopted = flips_adopted_.load(std::memory_order_relaxed),
+      .steps = loop_->steps(),
+      .flip_step = loop_->flip_step(),
+      .prompts_queued = !prefill_queue_.empty(),
+      .next_prepared = larger && graphs_->prepared() == RegimeFor(RegimeBound(hi + 1))};
+}
+
+absl::Status CudaBackend::MaybeOfferFlip() {
+  if (!ShouldOfferFlip(FlipView())) return absl::OkStatus();
+  const int32_t hi = graphs_->prepared()->max_context_len;
+  TS_ASSIGN_OR_RETURN(const cudaGraphExec_t* table, graphs_->PreparedTable(control_stream_));
+  TS_RETURN_IF_ERROR(loop_->OfferFlip(table, RegimeWindowLo(hi), hi, control_stream_));
+  flip_offered_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::MaybeAdoptFlip() {
+  const FlipState s = FlipView();
+  if (!CanAdoptFlip(s)) return absl::OkStatus();
+  TS_RETURN_IF_ERROR(graphs_->AdoptDeviceFlip());
+  flips_adopted_.store(s.flips, std::memory_order_relaxed);
+  flip_offered_ = false;
+  return absl::OkStatus();
+}
+
+int32_t CudaBackend::RegimeWindowLo(int32_t hi) {
+  int32_t lo = 0;
+  for (int32_t v = 128; v < hi && 4 * v <= hi; v *= 2) lo = v;
+  return lo;
+}
+
 absl::Status CudaBackend::LaunchLoop() {
   if (chunk_pending_) {
     const cudaError_t q = cudaEventQuery(chunk_end_);
@@ -326,12 +371,16 @@ absl::Status CudaBackend::LaunchLoop() {
   // steps, so the regime may grow a step or two early; splits never change a result's
   // correctness, only its summation order.
   RefreshSlots();
+  TS_RETURN_IF_ERROR(MaybeAdoptFlip());  // a switch just before the exit
+  if (launched_ && loop_->exit_reason() == graphs::kLoopExitContext) {
+    context_exits_.fetch_add(1, std::memory_order_relaxed);
+  }
   TS_RETURN_IF_ERROR(MaybeUpdateRegime());
   const int32_t hi = graphs_->regime().max_context_len;
-  int32_t lo = 0;  // MaybeUpdateRegime shrinks once RegimeBound(context) * 4 <= hi
-  for (int32_t v = 128; v < hi && 4 * v <= hi; v *= 2) lo = v;
   launch_steps_ = loop_->steps();
-  TS_RETURN_IF_ERROR(loop_->Launch(stream_, lo, hi));
+  flip_offered_ = false;  // Launch clears the offer
+  TS_RETURN_IF_ERROR(loop_->Launch(stream_, RegimeWindowLo(hi), hi));
+  launched_ = true;
   chunk_pending_ = false;     // the loop's end implies the chunk's
   ready_unadmitted_ = false;  // its first step admits them, paused or not
   return absl::OkStatus();
@@ -345,6 +394,7 @@ absl::Status CudaBackend::Pause() {
     pause_requested_ = true;
     TS_RETURN_IF_ERROR(loop_->Wait());
   }
+  TS_RETURN_IF_ERROR(MaybeAdoptFlip());
   if (pause_requested_) {
     TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream_));
     pause_requested_ = false;

@@ -3,6 +3,8 @@
 // decision without a GPU (tests/engine/loop_policy_test.cc); cuda_backend_loop.cc carries it out.
 #pragma once
 
+#include <cstdint>
+
 namespace ts {
 
 struct LoopState {
@@ -42,6 +44,36 @@ inline LoopAction NextLoopAction(const LoopState& s) {
     return s.decoding ? LoopAction::kMixedStep : LoopAction::kPlainChunk;
   }
   return s.decoding ? LoopAction::kLaunch : LoopAction::kNone;
+}
+
+// The loop's own regime switch (docs/device-loop.md, The attention regime): the host offers the
+// running loop the prepared next regime up (DeviceLoop::OfferFlip), the scheduler takes it at the
+// step whose longest context passes the window, and the host then records it in the graph cache
+// (GraphCache::AdoptDeviceFlip) before it may prepare the regime after it.
+struct FlipState {
+  bool loop_running = false;
+  bool stepped_since_launch = false;  // as LoopState's: the launch's clear of the offer has landed
+  bool offered = false;               // an offer stands for the running launch
+  int32_t flips = 0;                  // offers the scheduler took (DeviceLoop::flips)
+  int32_t flips_adopted = 0;          // of those, recorded in the graph cache
+  uint64_t steps = 0;                 // the loop's step counter
+  uint64_t flip_step = 0;             // the first step run from the last offer taken
+  bool prompts_queued = false;
+  bool next_prepared = false;  // every idle exec holds the next regime up (GraphCache::prepared)
+};
+
+// A switch the scheduler made is recorded once none of the old execs runs: the loop has exited,
+// or a step after the switch's first has been claimed (by the new execs' scheduler).
+inline bool CanAdoptFlip(const FlipState& s) {
+  return s.flips != s.flips_adopted && (!s.loop_running || s.steps > s.flip_step);
+}
+
+// One offer per launch at a time, to a loop that has stepped, once the last switch is recorded
+// (the idle execs are then the ones prepared), and not while prompts wait: the loop pauses for
+// them soon, and a prompt's first step may need another regime prepared.
+inline bool ShouldOfferFlip(const FlipState& s) {
+  return s.loop_running && s.stepped_since_launch && !s.offered && s.flips == s.flips_adopted &&
+         !s.prompts_queued && s.next_prepared;
 }
 
 }  // namespace ts

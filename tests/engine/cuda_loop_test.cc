@@ -42,12 +42,14 @@ CudaBackendOptions Options(const std::filesystem::path& dir, bool loop, int32_t 
   return o;
 }
 
+// `backend`, when given, is set to the engine's backend (owned by the engine).
 std::unique_ptr<Engine> MakeEngine(const std::filesystem::path& dir, bool loop,
                                    int32_t max_context = kFixtureContext,
-                                   uint32_t ring_capacity = 64) {
+                                   uint32_t ring_capacity = 64, CudaBackend** backend = nullptr) {
   auto b = CudaBackend::Create(Options(dir, loop, max_context, ring_capacity));
   EXPECT_TRUE(b.ok()) << b.status();
   if (!b.ok()) return nullptr;
+  if (backend != nullptr) *backend = b->get();
   EngineOptions e;
   e.max_batch = 8;
   e.buckets = {1, 2, 4, 8};
@@ -224,8 +226,10 @@ TEST(DeviceLoopTest, GenerationFarLongerThanTheRingStreamsInOrder) {
   r.stop.ignore_eos = true;
   r.sampling.temperature = 0.0f;
   std::vector<int32_t> host_tokens, loop_tokens;
+  CudaBackend::RegimeChanges changes;
   for (bool loop : {false, true}) {
-    auto engine = MakeEngine(DefaultModelDir(), loop, 2048, 64);
+    CudaBackend* backend = nullptr;
+    auto engine = MakeEngine(DefaultModelDir(), loop, 2048, 64, &backend);
     ASSERT_NE(engine, nullptr);
     auto s = engine->Submit(r);
     ASSERT_TRUE(s.ok()) << s.status();
@@ -234,11 +238,24 @@ TEST(DeviceLoopTest, GenerationFarLongerThanTheRingStreamsInOrder) {
     EXPECT_TRUE(reader.status.ok()) << reader.status;
     EXPECT_EQ(reader.reason, FinishReason::kLength);
     (loop ? loop_tokens : host_tokens) = reader.tokens;
+    if (loop) changes = backend->regime_changes();
   }
   EXPECT_EQ(host_tokens.size(), 1800u);
   // One stream, so the same batch at every step in both modes: the same tokens, through the
   // attention regime changes at contexts 128, 256, 512 and 1024.
   EXPECT_EQ(loop_tokens, host_tokens);
+  // Nothing pauses this loop, and each next regime is prepared 64 steps before the longest context
+  // reaches its bound, so the scheduler switches at every bound by itself: the loop never exits
+  // for one (docs/device-loop.md, The attention regime).
+  const int32_t first = static_cast<int32_t>(r.prompt.size()) + 1;  // context of the first step
+  const int32_t last = static_cast<int32_t>(r.prompt.size()) + 1799;
+  int32_t bounds = 0;
+  for (int32_t b = 128; b < 2048; b *= 2) bounds += first <= b && b < last;
+  ASSERT_GE(bounds, 3) << "the reference prompt no longer crosses the regime bounds";
+  std::printf("regime changes: %d on the device, %d loop exits\n", changes.on_device,
+              changes.exits);
+  EXPECT_EQ(changes.exits, 0);
+  EXPECT_EQ(changes.on_device, bounds);
 }
 
 TEST(DeviceLoopTest, SoakEndsWithEverySlotFreeAndThePoolFull) {

@@ -82,5 +82,57 @@ TEST(LoopPolicyTest, NothingToDoWithNothingQueuedOrDecoding) {
             LoopAction::kNone);
 }
 
+// ShouldOfferFlip and CanAdoptFlip (the loop's own regime switch) over every combination of their
+// flags, with the step counter before, at and past the switch's first step.
+TEST(LoopPolicyTest, EveryFlipViewGetsTheDecisionItsRulesGive) {
+  for (int bits = 0; bits < 128; ++bits) {
+    for (uint64_t steps : {9u, 10u, 11u}) {
+      const FlipState s{.loop_running = (bits & 1) != 0,
+                        .stepped_since_launch = (bits & 2) != 0,
+                        .offered = (bits & 4) != 0,
+                        .flips = (bits & 8) != 0 ? 3 : 2,
+                        .flips_adopted = 2,
+                        .steps = steps,
+                        .flip_step = 10,
+                        .prompts_queued = (bits & 16) != 0,
+                        .next_prepared = (bits & 32) != 0};
+      const bool unadopted = s.flips != s.flips_adopted;
+      EXPECT_EQ(CanAdoptFlip(s), unadopted && (!s.loop_running || steps > 10))
+          << bits << " " << steps;
+      EXPECT_EQ(ShouldOfferFlip(s), s.loop_running && s.stepped_since_launch && !s.offered &&
+                                        !unadopted && !s.prompts_queued && s.next_prepared)
+          << bits << " " << steps;
+    }
+  }
+}
+
+// The scheduler switches inside the old execs' last step, which runs until the new execs' first
+// step begins: until a step after that one is claimed, the old execs may still run, and
+// preparing the next regime into them must wait.
+TEST(LoopPolicyTest, AFlipIsAdoptedOnlyOnceTheOldExecsAreDone) {
+  FlipState s{.loop_running = true, .flips = 1, .flips_adopted = 0, .steps = 40, .flip_step = 40};
+  EXPECT_FALSE(CanAdoptFlip(s));
+  s.steps = 41;
+  EXPECT_TRUE(CanAdoptFlip(s));
+  s.steps = 40;
+  s.loop_running = false;  // exited right after switching
+  EXPECT_TRUE(CanAdoptFlip(s));
+}
+
+// The launch clears the offer on the loop's stream, so an offer before the launch's first step
+// could be undone, as a pause could; and a switch not yet adopted leaves no prepared execs.
+TEST(LoopPolicyTest, AnOfferWaitsForTheFirstStepAndTheLastAdoption) {
+  FlipState s{.loop_running = true, .next_prepared = true};
+  EXPECT_FALSE(ShouldOfferFlip(s));
+  s.stepped_since_launch = true;
+  EXPECT_TRUE(ShouldOfferFlip(s));
+  s.flips = 1;
+  EXPECT_FALSE(ShouldOfferFlip(s));
+  s.flips_adopted = 1;
+  EXPECT_TRUE(ShouldOfferFlip(s));
+  s.offered = true;
+  EXPECT_FALSE(ShouldOfferFlip(s));
+}
+
 }  // namespace
 }  // namespace ts
