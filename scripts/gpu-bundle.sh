@@ -16,7 +16,7 @@ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} >/
 if [ -z "${TARGETS:-}" ]; then
   # Every gpu-labelled test plus the benchmarks (ctest knows the labels once built targets exist).
   TARGETS=$(ninja -C "$BUILD_DIR" -t targets all | sed -n 's/^\([A-Za-z0-9_-]*\): phony$/\1/p' |
-            grep -E '^(kernels_|graphs_|engine_cuda|engine_nccl|server_cuda|tailserve-(bench|attn-bench|graph-bench|gemv-bench|cublaslt-sweep|cublaslt-search|load)$|tailserve$|ts_kernel_trace$)' || true)
+            grep -E '^(kernels_|graphs_|engine_cuda|engine_nccl|server_cuda|tailserve-(bench|attn-bench|graph-bench|boundary-bench|idle-node-bench|gemv-bench|cublaslt-sweep|cublaslt-search|cublaslt-pdl|load)$|tailserve$|ts_kernel_trace$)' || true)
 fi
 echo "gpu-bundle: building $(echo $TARGETS | wc -w) targets"
 cmake --build "$BUILD_DIR" -j "${JOBS:-2}" --target $TARGETS
