@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bench/common/graph_timing.h"
+#include "kernels/pdl.cuh"
 
 namespace {
 
@@ -33,14 +34,14 @@ __global__ void __launch_bounds__(kStreamThreads)
   const int4* p = src + static_cast<size_t>(blockIdx.x) * per_cta;
   int x = 0;
   for (int i = threadIdx.x; i < per_cta; i += kStreamThreads) x ^= __ldcs(p + i).x;
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  ts::kernels::GridDepWait();
+  ts::kernels::GridDepLaunchDependents();
   if (x == 0x12345) sink[blockIdx.x] = x;  // never with the pool's bytes: keeps the loads
 }
 
 __global__ void PassThroughKernel() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  ts::kernels::GridDepWait();
+  ts::kernels::GridDepLaunchDependents();
 }
 
 struct Variant {
@@ -55,23 +56,14 @@ double UsPerPair(const Variant& v, int pairs, int reps, const int4* pool, int* s
   const int per_cta = static_cast<int>(kStreamBytes / sizeof(int4) / kStreamCtas);
   std::vector<cudaGraphNode_t> pass;  // the pass-through nodes, in the captured graph
   auto enqueue = [&](cudaStream_t stream) -> absl::Status {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t c{};
-    c.stream = stream;
-    c.attrs = &attr;
-    c.numAttrs = 1;
     for (int i = 0; i < pairs; ++i) {
       const size_t slots = (kPoolBytes - kStreamBytes) / sizeof(int4);
       const int4* src = pool + (static_cast<size_t>(i) * kStreamBytes / sizeof(int4)) % slots;
-      c.gridDim = dim3(kStreamCtas);
-      c.blockDim = dim3(kStreamThreads);
-      BENCH_CUDA(cudaLaunchKernelEx(&c, StreamKernel, src, per_cta, sink));
+      BENCH_CUDA(ts::kernels::LaunchWithPdl(StreamKernel, dim3(kStreamCtas), dim3(kStreamThreads),
+                                            0, stream, true, src, per_cta, sink));
       if (!v.node) continue;
-      c.gridDim = dim3(kPassCtas);
-      c.blockDim = dim3(128);
-      BENCH_CUDA(cudaLaunchKernelEx(&c, PassThroughKernel));
+      BENCH_CUDA(ts::kernels::LaunchWithPdl(PassThroughKernel, dim3(kPassCtas), dim3(128), 0,
+                                            stream, true));
       cudaStreamCaptureStatus st;
       const cudaGraphNode_t* deps = nullptr;
       size_t n = 0;
