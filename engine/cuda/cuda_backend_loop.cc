@@ -328,8 +328,9 @@ FlipState CudaBackend::FlipView() const {
       .next_prepared = larger && graphs_->prepared() == RegimeFor(RegimeBound(hi + 1))};
 }
 
+// Both run on every pass of the engine thread: the common case returns after one host read.
 absl::Status CudaBackend::MaybeOfferFlip() {
-  if (!ShouldOfferFlip(FlipView())) return absl::OkStatus();
+  if (flip_offered_ || !ShouldOfferFlip(FlipView())) return absl::OkStatus();
   const int32_t hi = graphs_->prepared()->max_context_len;
   TS_ASSIGN_OR_RETURN(const cudaGraphExec_t* table, graphs_->PreparedTable(control_stream_));
   TS_RETURN_IF_ERROR(loop_->OfferFlip(table, RegimeWindowLo(hi), hi, control_stream_));
@@ -338,6 +339,7 @@ absl::Status CudaBackend::MaybeOfferFlip() {
 }
 
 absl::Status CudaBackend::MaybeAdoptFlip() {
+  if (loop_->flips() == flips_adopted_.load(std::memory_order_relaxed)) return absl::OkStatus();
   const FlipState s = FlipView();
   if (!CanAdoptFlip(s)) return absl::OkStatus();
   TS_RETURN_IF_ERROR(graphs_->AdoptDeviceFlip());
