@@ -46,6 +46,7 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
   __shared__ int32_t max_context;
   __shared__ unsigned long long offer;
   __shared__ const cudaGraphExec_t* flip_table;
+  __shared__ int32_t flip_context_lo;
   const DeviceLoopParams& q = p.loop;
   DeviceLoopControl* c = p.control;
   const int32_t tid = static_cast<int32_t>(threadIdx.x);
@@ -99,12 +100,13 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
   const int32_t n = warp_offset[num_warps];
   const bool pause = pause_word != 0;
   const bool outside = max_context <= context_lo || max_context > context_hi;
-  // The longest context has just grown past the window: the offered regime (lo, hi] takes over
-  // at this step if it holds it, as the host-driven mode's update would (DeviceLoop::OfferFlip).
-  const int32_t offer_lo = static_cast<int32_t>((offer & 0xffffffffull) >> 2);
+  // The longest context has just left the window: the offered regime takes over at this step if
+  // the context lies in its take range, where the host-driven mode would update to exactly that
+  // regime (DeviceLoop::OfferFlip).
+  const int32_t take_lo = static_cast<int32_t>((offer & 0xffffffffull) >> 2);
   const int32_t offer_hi = static_cast<int32_t>(offer >> 32);
   const bool flip = n > 0 && !pause && outside && (offer & 1ull) != 0 && offer_hi > 0 &&
-                    max_context > context_hi && max_context > offer_lo && max_context <= offer_hi;
+                    max_context > take_lo && max_context <= offer_hi;
   if (n == 0 || pause || (outside && !flip)) {
     if (tid == 0) Exit(p, n == 0 ? kLoopExitIdle : pause ? kLoopExitPaused : kLoopExitContext);
     return;
@@ -113,6 +115,7 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
     if (tid == 0) {
       __threadfence();  // the table was written before the offer word this thread has seen
       flip_table = LoadVolatile(&c->offer_table);
+      flip_context_lo = LoadVolatile(&c->offer_context_lo);
     }
     __syncthreads();
     if (warp == 0 && lane < q.num_buckets) exec = flip_table[lane];
@@ -139,7 +142,7 @@ __global__ void SchedulerKernel(LoopKernelParams p) {
     // Later steps of this launch run the offered table and window; the host sees the flip in the
     // mapped state before the step counter passes it.
     c->table = flip_table;
-    c->context_lo = offer_lo;
+    c->context_lo = flip_context_lo;
     c->context_hi = offer_hi;
     *static_cast<volatile unsigned long long*>(reinterpret_cast<unsigned long long*>(&c->offer)) =
         0ull;
@@ -280,25 +283,37 @@ absl::Status DeviceLoop::RequestPause(cudaStream_t control_stream) {
   return absl::OkStatus();
 }
 
-absl::Status DeviceLoop::OfferFlip(const cudaGraphExec_t* table, int32_t context_lo,
-                                   int32_t context_hi, cudaStream_t control_stream) {
+absl::Status DeviceLoop::OfferFlip(const cudaGraphExec_t* table, int32_t take_lo,
+                                   int32_t context_lo, int32_t context_hi,
+                                   cudaStream_t control_stream) {
   if (table == nullptr) return absl::InvalidArgumentError("device loop: offered table is null");
-  if (context_lo < 0 || context_lo >= context_hi || context_lo >= (1 << 29)) {
-    return absl::InvalidArgumentError(absl::StrCat("device loop: offered window (", context_lo,
-                                                   ", ", context_hi, "] is empty or too large"));
+  if (context_lo < 0 || take_lo < context_lo || take_lo >= context_hi || take_lo >= (1 << 29)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device loop: offered take range (", take_lo, ", ", context_hi, "] is empty, too large or ",
+        "outside the offered window (", context_lo, ", ", context_hi, "]"));
   }
-  // The table first, then the word that makes it an offer: a scheduler that reads the word reads
-  // the table after it. Pinned sources, so the copies are waited for before returning (the next
-  // offer reuses them).
+  // The table and window bottom first, then the word that makes them an offer: a scheduler that
+  // reads the word reads them after it. Pinned sources, so the copies are waited for before
+  // returning (the next offer reuses them).
   offer_staging_->offer_table = table;
+  offer_staging_->offer_context_lo = context_lo;
   offer_staging_->offer =
-      (static_cast<uint64_t>(context_hi) << 32) | (static_cast<uint64_t>(context_lo) << 2) | 1u;
-  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&control_->offer_table, &offer_staging_->offer_table,
-                                          sizeof(const cudaGraphExec_t*), cudaMemcpyHostToDevice,
-                                          control_stream));
+      (static_cast<uint64_t>(context_hi) << 32) | (static_cast<uint64_t>(take_lo) << 2) | 1u;
+  constexpr size_t kFirst = offsetof(DeviceLoopControl, offer_table);
+  constexpr size_t kEnd = offsetof(DeviceLoopControl, offer_context_lo) + sizeof(int32_t);
+  TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(reinterpret_cast<char*>(control_) + kFirst,
+                                          reinterpret_cast<const char*>(offer_staging_) + kFirst,
+                                          kEnd - kFirst, cudaMemcpyHostToDevice, control_stream));
   TS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&control_->offer, &offer_staging_->offer,
                                           sizeof(uint64_t), cudaMemcpyHostToDevice,
                                           control_stream));
+  TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream));
+  return absl::OkStatus();
+}
+
+absl::Status DeviceLoop::WithdrawOffer(cudaStream_t control_stream) {
+  // A memset is no single 64-bit store either; each torn state has a zero half (DeviceLoopControl).
+  TS_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(&control_->offer, 0, sizeof(uint64_t), control_stream));
   TS_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(control_stream));
   return absl::OkStatus();
 }

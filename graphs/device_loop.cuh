@@ -3,9 +3,9 @@
 //   1. turns the slots a prefill made READY into ACTIVE (the publish point),
 //   2. compacts the ACTIVE slots, in ascending slot order, into the decode row list,
 //   3. exits when no slot is ACTIVE, the host asked for a pause, or the longest context left the
-//      window the graphs' attention regime was chosen for (it never spins idle), unless it grew
-//      into the window of a regime the host offered (OfferFlip): then it switches to that
-//      regime's table and window,
+//      window the graphs' attention regime was chosen for (it never spins idle), unless it lies
+//      in the range where the host offered another regime (OfferFlip, larger or smaller): then
+//      it switches to that regime's table and window,
 //   4. otherwise claims the step (atomicAdd on the step counter), picks the smallest bucket that
 //      holds the rows, and tail-launches that bucket's current exec from the GraphCache's device
 //      table, whose own last node is this kernel again.
@@ -58,12 +58,17 @@ struct DeviceLoopControl {
   int32_t context_hi = 0;
   int32_t running = 0;  // 1 from Launch until the exit: a scheduler node that sees 0 does nothing
   int32_t padding = 0;
-  // The next regime up, offered while the loop runs (OfferFlip), or 0; cleared by Launch and by
-  // the scheduler that takes it. Low word: lo << 2 | 1, high word: hi (> 0), so a read torn
-  // between the host's copy and the old 0 has a zero in one half and is no offer.
+  // A regime offered while the loop runs (OfferFlip), or 0; cleared by Launch, by WithdrawOffer
+  // and by the scheduler that takes it. Low word: take_lo << 2 | 1, high word: hi (> 0), so a
+  // read torn between a host write and the word before it has a zero in one half and is no
+  // offer. The scheduler takes it at a step outside the window whose longest context lies in
+  // (take_lo, hi].
   uint64_t offer = 0;
-  // The offered regime's table, written before `offer` and read only once `offer` is seen.
+  // The offered regime's table and window bottom, written before `offer` and read only once
+  // `offer` is seen.
   const cudaGraphExec_t* offer_table = nullptr;
+  int32_t offer_context_lo = 0;
+  int32_t offer_padding = 0;
 };
 
 // Host-mapped; written by the scheduler kernel, read by the host at any time (volatile).
@@ -114,15 +119,20 @@ class DeviceLoop {
   // Asks the running loop to exit at the next step boundary, through an async memset on
   // `control_stream` (not the loop's stream, which the loop occupies). Does not wait.
   absl::Status RequestPause(cudaStream_t control_stream);
-  // Offers the running loop the next regime up: at the step whose longest context first passes
-  // the launch's window, if it lies in (context_lo, context_hi], the scheduler switches to
+  // Offers the running loop another regime: at the first step whose longest context has left
+  // the current window, if that context lies in (take_lo, context_hi], the scheduler switches to
   // `table` ([num_buckets] device execs, uploaded, whose graphs end with EnqueueScheduler) and
-  // that window instead of exiting (docs/device-loop.md, The attention regime). At most one offer
-  // per launch, made after the launch on the loop's stream (Launch clears it), through async
-  // copies on `control_stream`, which must already be ordered after the table's uploads; waits
-  // for those copies. flips() counts the offers taken.
-  absl::Status OfferFlip(const cudaGraphExec_t* table, int32_t context_lo, int32_t context_hi,
-                         cudaStream_t control_stream);
+  // the window (context_lo, context_hi] instead of exiting (docs/device-loop.md, The attention
+  // regime). The regime may be larger or smaller than the current one; context_lo <= take_lo <
+  // context_hi. At most one offer stands at a time, made after the launch on the loop's stream
+  // (Launch clears it), through async copies on `control_stream`, which must already be ordered
+  // after the table's uploads; waits for those copies. flips() counts the offers taken.
+  absl::Status OfferFlip(const cudaGraphExec_t* table, int32_t take_lo, int32_t context_lo,
+                         int32_t context_hi, cudaStream_t control_stream);
+  // Clears a standing offer and waits until the clear has landed. A scheduler that read the offer
+  // before may still take it: only once steps() has passed its value read after this returns (or
+  // the loop has exited) does flips() say for certain whether it was taken.
+  absl::Status WithdrawOffer(cudaStream_t control_stream);
   // True from Launch until the loop and every step it launched have completed.
   bool Running() const;
   // Blocks until the loop has exited.

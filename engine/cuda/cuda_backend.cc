@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "engine/cuda/regime_policy.h"
 #include "graphs/device_guard.h"
 #include "graphs/device_loop.cuh"
 #include "kernels/cuda_check.h"
@@ -170,9 +171,7 @@ uint64_t CudaBackend::GpuDeadline(std::chrono::steady_clock::time_point deadline
 }
 
 int32_t CudaBackend::RegimeBound(int32_t context) const {
-  int32_t bound = 128;
-  while (bound < context && bound < model_->max_context()) bound *= 2;
-  return std::min(bound, model_->max_context());
+  return ts::RegimeBound(context, model_->max_context());
 }
 
 absl::Status CudaBackend::Init(std::unique_ptr<CudaModel> model) {
@@ -417,12 +416,10 @@ absl::StatusOr<int32_t> CudaBackend::StageRows() {
 }
 
 absl::Status CudaBackend::MaybeUpdateRegime() {
-  const int32_t bound = RegimeBound(max_active_context());
   const int32_t current = graphs_->regime().max_context_len;
-  // Grow at once (too few splits starve the GPU on long contexts); shrink only by two levels,
-  // so a batch hovering at a boundary does not update every step.
-  if (bound <= current && bound * 4 > current) return absl::OkStatus();
-  return UpdateRegimeAll(RegimeFor(bound));
+  const int32_t next = NextRegime(current, max_active_context(), model_->max_context());
+  if (next == current) return absl::OkStatus();
+  return UpdateRegimeAll(RegimeFor(next));
 }
 
 graphs::Regime CudaBackend::RegimeFor(int32_t bound) const {

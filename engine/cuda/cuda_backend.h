@@ -9,9 +9,10 @@
 // stop rule (CheckStop) and the cancel flag on the GPU, writing (seq, token, flags) records into
 // per-slot rings in host-mapped memory.
 //
-// Attention splits follow the context-length regime: when the longest active context crosses a
-// regime boundary, the backend calls GraphCache::UpdateRegime (exec update in place, never a
-// re-instantiation); the device loop exits at exactly that step so the host can.
+// Attention splits follow the context-length regime (regime_policy.h): when the longest active
+// context crosses a regime boundary, the backend calls GraphCache::UpdateRegime (exec update in
+// place, never a re-instantiation); the device loop switches at exactly that step to the regime
+// the host prepared and offered, or exits there so that the host can update.
 //
 // Pipeline parallelism (options.stages, docs/pipeline.md, The CUDA pipeline): the model is split
 // into stages, each a CudaModel with its own graphs, KV pool and stream on its own GPU, linked by
@@ -35,6 +36,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -185,13 +187,17 @@ class CudaBackend : public Backend {
   uint64_t mixed_steps() const { return mixed_steps_; }
   // Device loop: attention regime changes so far (docs/device-loop.md, The attention regime),
   // those the scheduler made by itself and those for which the loop exited. Any thread.
+  // `withdrawn` counts offers of a prepared regime taken back before the loop used them (the
+  // regime wanted changed first).
   struct RegimeChanges {
     int32_t on_device = 0;
     int32_t exits = 0;
+    int32_t withdrawn = 0;
   };
   RegimeChanges regime_changes() const {
     return {.on_device = flips_adopted_.load(std::memory_order_relaxed),
-            .exits = context_exits_.load(std::memory_order_relaxed)};
+            .exits = context_exits_.load(std::memory_order_relaxed),
+            .withdrawn = offers_withdrawn_.load(std::memory_order_relaxed)};
   }
   // The longest context (prompt + generated) among ACTIVE slots after the last step.
   int32_t max_active_context() const;
@@ -332,24 +338,25 @@ class CudaBackend : public Backend {
   absl::Status MaybeUpdateRegime();
   // The graphs' regime for contexts up to `bound` (a RegimeBound).
   graphs::Regime RegimeFor(int32_t bound) const;
-  // Device loop: while the loop, a chunk or mixed steps run, prepares in the idle execs
-  // (GraphCache::PrepareRegime) the larger regime the loop's next launch will choose (the
-  // longest context near the window's top, or a queued prompt past it), so that the launch only
-  // flips to it. One bucket per call unless `whole` (GraphCache::PrepareRegimeStep).
+  // Device loop: the regime the idle execs should hold (ts::RegimeToPrepare over the slots'
+  // next contexts): the one the loop's next launch will choose, the next one up near the
+  // window's top, or the shrink that follows once the longer streams end.
+  std::optional<graphs::Regime> RegimeToPrepare() const;
+  // Device loop: while the loop, a chunk or mixed steps run, prepares RegimeToPrepare in the idle
+  // execs (GraphCache::PrepareRegime), so that the running loop switches to it or the launch only
+  // flips to it; withdraws a standing offer that is no longer that regime. One bucket per call
+  // unless `whole` (GraphCache::PrepareRegimeStep).
   absl::Status MaybePrepareRegime(bool whole);
-  // Device loop: offers the running loop the prepared next regime up (DeviceLoop::OfferFlip), so
-  // that it switches at the step the host-driven mode would update instead of exiting; and, once
-  // it has switched and the old execs no longer run, records that in the graph cache
-  // (GraphCache::AdoptDeviceFlip), so that the regime after it can be prepared.
+  // Device loop: offers the running loop the prepared regime (DeviceLoop::OfferFlip), so that it
+  // switches at the step the host-driven mode would update instead of exiting; and, once it has
+  // switched and the old execs no longer run, or a withdrawn offer is settled, records that
+  // (GraphCache::AdoptDeviceFlip), so that another regime can be prepared.
   absl::Status MaybeOfferFlip();
   absl::Status MaybeAdoptFlip();
   FlipState FlipView() const;
-  // The lower end of the loop's window for a regime of upper bound `hi`: the loop exits below it
-  // because MaybeUpdateRegime shrinks once RegimeBound(context) * 4 <= hi.
-  static int32_t RegimeWindowLo(int32_t hi);
   absl::Status CheckErrorFlag(const char* where) const;
   void AfterStep(const std::vector<SlotId>& rows);
-  // The regime upper bound for a context: 128 * 2^k, capped at max_context.
+  // ts::RegimeBound for this model.
   int32_t RegimeBound(int32_t context) const;
 
   CudaBackendOptions options_;
@@ -392,15 +399,18 @@ class CudaBackend : public Backend {
   cudaStream_t control_stream_ = nullptr;  // the pause word's memset (stream_ is the loop's)
   PrefillQueue prefill_queue_;
   cudaEvent_t chunk_end_ = nullptr;  // behind the last chunk
-  bool chunk_pending_ = false;    // a chunk or mixed steps with no loop behind them may still run
-  bool pause_requested_ = false;  // the pause word was set, its memset not yet waited for
-  uint64_t launch_steps_ = 0;     // the loop's step counter at its last Launch
-  bool flip_offered_ = false;     // an offer stands for the running launch (MaybeOfferFlip)
+  bool chunk_pending_ = false;     // a chunk or mixed steps with no loop behind them may still run
+  bool pause_requested_ = false;   // the pause word was set, its memset not yet waited for
+  uint64_t launch_steps_ = 0;      // the loop's step counter at its last Launch
+  bool flip_offered_ = false;      // an offer stands for the running launch (MaybeOfferFlip)
+  bool withdraw_pending_ = false;  // the offer was withdrawn, and may yet have been taken
+  uint64_t withdraw_steps_ = 0;    // the loop's step counter once the withdrawal had landed
   std::atomic<int32_t> flips_adopted_ = 0;  // the loop's flips() recorded in the graph cache
   std::atomic<int32_t> context_exits_ = 0;  // relaunches after the loop exited for a regime change
-  bool launched_ = false;                   // the loop has been launched at least once
-  uint64_t mixed_steps_ = 0;                // mixed steps enqueued (each decodes every active slot)
-  bool ready_unadmitted_ = false;           // a plain chunk made slots READY; no loop has run since
+  std::atomic<int32_t> offers_withdrawn_ = 0;  // offers settled as not taken (MaybeAdoptFlip)
+  bool launched_ = false;                      // the loop has been launched at least once
+  uint64_t mixed_steps_ = 0;       // mixed steps enqueued (each decodes every active slot)
+  bool ready_unadmitted_ = false;  // a plain chunk made slots READY; no loop has run since
 };
 
 // Loads options.model_dir and builds the backend.

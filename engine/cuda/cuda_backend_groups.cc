@@ -19,6 +19,7 @@
 #include "common/status.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/cuda_ranks.h"
+#include "engine/cuda/regime_policy.h"
 #include "graphs/device_guard.h"
 #include "kernels/cuda_check.h"
 
@@ -125,9 +126,8 @@ absl::Status CudaBackend::SettleGroups() {
 
 absl::Status CudaBackend::RunGroups() {
   // A regime change updates every graph, which no step may be running.
-  const int32_t bound = RegimeBound(max_active_context());
   const int32_t current = graphs_->regime().max_context_len;
-  if (bound > current || bound * 4 <= current) {
+  if (NextRegime(current, max_active_context(), model_->max_context()) != current) {
     TS_RETURN_IF_ERROR(SettleGroups());
     TS_RETURN_IF_ERROR(MaybeUpdateRegime());
   }
@@ -165,8 +165,9 @@ absl::Status CudaBackend::RunGroups() {
   TS_RETURN_IF_ERROR(CompleteGroup(*oldest));
   // Relaunched at once, so it overlaps the other groups' steps while the engine drains this one,
   // unless the regime must change first (the next call settles and updates).
-  const int32_t next_bound = RegimeBound(max_active_context());
-  if (next_bound > current || next_bound * 4 <= current) return absl::OkStatus();
+  if (NextRegime(current, max_active_context(), model_->max_context()) != current) {
+    return absl::OkStatus();
+  }
   oldest->rows.erase(
       std::remove_if(oldest->rows.begin(), oldest->rows.end(),
                      [&](SlotId id) { return table_->state(id) != SlotState::kActive; }),

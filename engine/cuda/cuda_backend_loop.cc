@@ -33,6 +33,7 @@
 #include "common/status.h"
 #include "engine/cuda/cuda_backend.h"
 #include "engine/cuda/loop_policy.h"
+#include "engine/cuda/regime_policy.h"
 #include "engine/cuda/sampling_row.h"
 #include "graphs/device_guard.h"
 #include "graphs/device_loop.cuh"
@@ -51,11 +52,6 @@ namespace k = ::ts::kernels;
 // Without it a 32k prompt's last mixed steps cost several times its first ones: the streams
 // beside it saw their token interval grow 2.2x over its prefill (engine_cuda_long_prefill_test).
 constexpr int32_t kMixedStepKeysPerRow = 8192;
-
-// The next regime is prepared once the longest context is this close to the window's top: far
-// enough ahead for the capture to finish before the loop reaches it (one token a step), late
-// enough that a batch whose contexts stay below the top rarely pays for an unused capture.
-constexpr int32_t kPrepareRegimeAhead = 64;
 
 }  // namespace
 
@@ -276,56 +272,69 @@ absl::Status CudaBackend::RunLoop() {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::MaybePrepareRegime(bool whole) {
-  // The running loop may switch to the offered execs at any step: they stay as they are.
-  if (flip_offered_ && loop_->Running()) return absl::OkStatus();
-  TS_RETURN_IF_ERROR(MaybeAdoptFlip());  // the idle execs are the host's idea of them again
-  const int32_t hi = graphs_->regime().max_context_len;
-  if (hi >= model_->max_context()) return absl::OkStatus();  // no larger regime
-  // The loop exits when the longest context passes hi, and the host-driven mode changes regime
-  // at that same step; the launch after it then only flips to what is prepared here, if it is
-  // exactly the regime the host-driven mode picks (GraphCache::UpdateRegime), so that both modes
-  // decode with the same split counts. Capturing takes the host 1.4-3.5 ms (measured on the
-  // H200), which the running loop, a chunk or the mixed steps queued ahead of the GPU hide,
-  // instead of the GPU waiting on it. Unless `whole`, one bucket per call: the engine thread
-  // drains the rings between calls, and a whole capture held the streams' tokens back for
-  // ~3 ms (engine_cuda_long_prefill_test saw that interval as its longest).
-  // - A prompt decides it from the moment it is queued: its first decode step's context. A 32k
-  //   prompt's regime captured at the loop's relaunch behind its prefill was the longest
-  //   interval of the streams beside it (engine_cuda_long_prefill_test).
-  // - Decoding streams decide it kPrepareRegimeAhead steps before the longest reaches hi.
-  const int32_t active = max_active_context();
-  int32_t next = active + 1;  // the longest context of the next step
+std::optional<graphs::Regime> CudaBackend::RegimeToPrepare() const {
+  // The loop exits when the longest context leaves its window, and the host-driven mode changes
+  // regime at that same step. The regime it changes to is prepared in the idle execs, so that the
+  // running loop switches to it by itself (MaybeOfferFlip) or, failing that, the launch after the
+  // exit only flips to it. Capturing takes the host 1.4-3.5 ms (measured on the H200), which the
+  // running loop, a chunk or the mixed steps queued ahead of the GPU hide, instead of the GPU
+  // waiting on it. A queued prompt counts from the moment it is queued: a 32k prompt's regime
+  // captured at the loop's relaunch behind its prefill was the longest interval of the streams
+  // beside it (engine_cuda_long_prefill_test).
+  RegimeOutlook o{.current = graphs_->regime().max_context_len,
+                  .max_context = model_->max_context()};
+  const int32_t lo = RegimeWindowLo(o.current);
   for (SlotId i = 0; i < info_.max_slots; ++i) {
-    if (table_->state(i) == SlotState::kQueued) next = std::max(next, slots_[i].prompt_len + 1);
+    const SlotState state = table_->state(i);
+    int32_t next = 0;  // the context of the slot's next decode step
+    if (state == SlotState::kActive) next = slots_[i].prompt_len + slots_[i].generated + 1;
+    if (state == SlotState::kQueued) next = slots_[i].prompt_len + 1;
+    o.longest = std::max(o.longest, next);
+    if (next <= lo) o.rest = std::max(o.rest, next);
   }
-  if (next <= hi) {
-    if (active + kPrepareRegimeAhead <= hi) return absl::OkStatus();
-    next = hi + 1;
+  const std::optional<int32_t> bound = ts::RegimeToPrepare(o);
+  if (!bound) return std::nullopt;
+  return RegimeFor(*bound);
+}
+
+absl::Status CudaBackend::MaybePrepareRegime(bool whole) {
+  if (flip_offered_ && loop_->Running()) {
+    // The running loop may switch to the offered execs at any step: they stay as they are, unless
+    // the regime wanted has changed (a shrink's remaining contexts outgrew its bound, or the
+    // longest stream neared the top after all), in which case the offer is withdrawn first.
+    if (!withdraw_pending_ && RegimeToPrepare() != graphs_->prepared()) {
+      TS_RETURN_IF_ERROR(loop_->WithdrawOffer(control_stream_));
+      withdraw_pending_ = true;
+      withdraw_steps_ = loop_->steps();  // a step claimed after this one saw the cleared word
+    }
+    TS_RETURN_IF_ERROR(MaybeAdoptFlip());
+    if (flip_offered_ && loop_->Running()) return absl::OkStatus();
   }
+  TS_RETURN_IF_ERROR(MaybeAdoptFlip());  // the idle execs are the host's idea of them again
   // While the loop runs, only once it has stepped: the last flip, before its launch on the same
   // stream, has then run, and PrepareRegime does not wait for it. Once the loop has exited, its
   // flip has run too.
   if (loop_->Running() && loop_->steps() <= launch_steps_) return absl::OkStatus();
-  const graphs::Regime regime = RegimeFor(RegimeBound(next));
-  if (whole) return graphs_->PrepareRegime(regime);  // a no-op when prepared
-  return graphs_->PrepareRegimeStep(regime).status();
+  const std::optional<graphs::Regime> regime = RegimeToPrepare();
+  if (!regime) return absl::OkStatus();
+  // Unless `whole`, one bucket per call: the engine thread drains the rings between calls, and a
+  // whole capture held the streams' tokens back for ~3 ms (engine_cuda_long_prefill_test saw
+  // that interval as its longest).
+  if (whole) return graphs_->PrepareRegime(*regime);  // a no-op when prepared
+  return graphs_->PrepareRegimeStep(*regime).status();
 }
 
 FlipState CudaBackend::FlipView() const {
-  const int32_t hi = graphs_->regime().max_context_len;
-  // The regime the host-driven mode updates to at the step whose longest context passes hi.
-  const bool larger = hi < model_->max_context();
-  return FlipState{
-      .loop_running = loop_->Running(),
-      .stepped_since_launch = loop_->steps() > launch_steps_,
-      .offered = flip_offered_,
-      .flips = loop_->flips(),
-      .flips_adopted = flips_adopted_.load(std::memory_order_relaxed),
-      .steps = loop_->steps(),
-      .flip_step = loop_->flip_step(),
-      .prompts_queued = !prefill_queue_.empty(),
-      .next_prepared = larger && graphs_->prepared() == RegimeFor(RegimeBound(hi + 1))};
+  const std::optional<graphs::Regime>& prepared = graphs_->prepared();
+  return FlipState{.loop_running = loop_->Running(),
+                   .stepped_since_launch = loop_->steps() > launch_steps_,
+                   .offered = flip_offered_,
+                   .flips = loop_->flips(),
+                   .flips_adopted = flips_adopted_.load(std::memory_order_relaxed),
+                   .steps = loop_->steps(),
+                   .flip_step = loop_->flip_step(),
+                   .prompts_queued = !prefill_queue_.empty(),
+                   .wanted_prepared = prepared.has_value() && prepared == RegimeToPrepare()};
 }
 
 // Both run on every pass of the engine thread: the common case returns after one host read.
@@ -333,12 +342,28 @@ absl::Status CudaBackend::MaybeOfferFlip() {
   if (flip_offered_ || !ShouldOfferFlip(FlipView())) return absl::OkStatus();
   const int32_t hi = graphs_->prepared()->max_context_len;
   TS_ASSIGN_OR_RETURN(const cudaGraphExec_t* table, graphs_->PreparedTable(control_stream_));
-  TS_RETURN_IF_ERROR(loop_->OfferFlip(table, RegimeWindowLo(hi), hi, control_stream_));
+  // The scheduler takes it where RegimeBound gives hi, the host-driven mode's choice, from
+  // whichever side the longest context leaves the window.
+  TS_RETURN_IF_ERROR(
+      loop_->OfferFlip(table, RegimeTakeLo(hi), RegimeWindowLo(hi), hi, control_stream_));
   flip_offered_ = true;
   return absl::OkStatus();
 }
 
 absl::Status CudaBackend::MaybeAdoptFlip() {
+  if (withdraw_pending_) {
+    // Running first, then the step counter, then flips: a scheduler writes flips before the
+    // step counter, and one that claims a step after withdraw_steps_ read the cleared word.
+    const bool running = loop_->Running();
+    if (!WithdrawalSettled(running, loop_->steps(), withdraw_steps_)) return absl::OkStatus();
+    withdraw_pending_ = false;
+    if (loop_->flips() == flips_adopted_.load(std::memory_order_relaxed)) {
+      flip_offered_ = false;
+      offers_withdrawn_.fetch_add(1, std::memory_order_relaxed);
+      return absl::OkStatus();
+    }
+    // Taken just before the clear landed: recorded below, as any switch.
+  }
   if (loop_->flips() == flips_adopted_.load(std::memory_order_relaxed)) return absl::OkStatus();
   const FlipState s = FlipView();
   if (!CanAdoptFlip(s)) return absl::OkStatus();
@@ -346,12 +371,6 @@ absl::Status CudaBackend::MaybeAdoptFlip() {
   flips_adopted_.store(s.flips, std::memory_order_relaxed);
   flip_offered_ = false;
   return absl::OkStatus();
-}
-
-int32_t CudaBackend::RegimeWindowLo(int32_t hi) {
-  int32_t lo = 0;
-  for (int32_t v = 128; v < hi && 4 * v <= hi; v *= 2) lo = v;
-  return lo;
 }
 
 absl::Status CudaBackend::LaunchLoop() {
@@ -381,6 +400,7 @@ absl::Status CudaBackend::LaunchLoop() {
   const int32_t hi = graphs_->regime().max_context_len;
   launch_steps_ = loop_->steps();
   flip_offered_ = false;  // Launch clears the offer
+  withdraw_pending_ = false;
   TS_RETURN_IF_ERROR(loop_->Launch(stream_, RegimeWindowLo(hi), hi));
   launched_ = true;
   chunk_pending_ = false;     // the loop's end implies the chunk's

@@ -47,9 +47,11 @@ inline LoopAction NextLoopAction(const LoopState& s) {
 }
 
 // The loop's own regime switch (docs/device-loop.md, The attention regime): the host offers the
-// running loop the prepared next regime up (DeviceLoop::OfferFlip), the scheduler takes it at the
-// step whose longest context passes the window, and the host then records it in the graph cache
-// (GraphCache::AdoptDeviceFlip) before it may prepare the regime after it.
+// running loop the regime it prepared (DeviceLoop::OfferFlip), larger or smaller, the scheduler
+// takes it at the step whose longest context leaves the window where the host-driven mode would
+// choose exactly that regime, and the host then records it in the graph cache
+// (GraphCache::AdoptDeviceFlip) before it may prepare another. An offer whose regime is no longer
+// the one wanted is withdrawn (DeviceLoop::WithdrawOffer) and settled before anything else.
 struct FlipState {
   bool loop_running = false;
   bool stepped_since_launch = false;  // as LoopState's: the launch's clear of the offer has landed
@@ -59,7 +61,9 @@ struct FlipState {
   uint64_t steps = 0;                 // the loop's step counter
   uint64_t flip_step = 0;             // the first step run from the last offer taken
   bool prompts_queued = false;
-  bool next_prepared = false;  // every idle exec holds the next regime up (GraphCache::prepared)
+  // Every idle exec holds the regime the host wants next (GraphCache::prepared): the next one up
+  // near the window's top, or a shrink once longer streams end (CudaBackend::RegimeToPrepare).
+  bool wanted_prepared = false;
 };
 
 // A switch the scheduler made is recorded once none of the old execs runs: the loop has exited,
@@ -73,7 +77,14 @@ inline bool CanAdoptFlip(const FlipState& s) {
 // them soon, and a prompt's first step may need another regime prepared.
 inline bool ShouldOfferFlip(const FlipState& s) {
   return s.loop_running && s.stepped_since_launch && !s.offered && s.flips == s.flips_adopted &&
-         !s.prompts_queued && s.next_prepared;
+         !s.prompts_queued && s.wanted_prepared;
+}
+
+// Whether a withdrawn offer may still be taken: a scheduler that read it before the clear landed
+// claims at most the step after `withdraw_steps` (the counter read once the clear had landed),
+// and writes flips before that step's count. Once settled, flips says whether it was taken.
+inline bool WithdrawalSettled(bool loop_running, uint64_t steps, uint64_t withdraw_steps) {
+  return !loop_running || steps > withdraw_steps;
 }
 
 }  // namespace ts

@@ -252,10 +252,97 @@ TEST(DeviceLoopTest, GenerationFarLongerThanTheRingStreamsInOrder) {
   int32_t bounds = 0;
   for (int32_t b = 128; b < 2048; b *= 2) bounds += first <= b && b < last;
   ASSERT_GE(bounds, 3) << "the reference prompt no longer crosses the regime bounds";
-  std::printf("regime changes: %d on the device, %d loop exits\n", changes.on_device,
-              changes.exits);
+  std::printf("regime changes: %d on the device, %d loop exits, %d offers withdrawn\n",
+              changes.on_device, changes.exits, changes.withdrawn);
   EXPECT_EQ(changes.exits, 0);
   EXPECT_EQ(changes.on_device, bounds);
+}
+
+// A long stream takes the regime to 1024 (window (256, 1024]); a short one joins late and is
+// below 256 when the long one ends, which shrinks the regime to 256 at that step. The host
+// prepares the shrink while both run, first for the short stream's context then (once it passes
+// 128) for 256, withdrawing the first offer; the loop makes every change, the shrink included,
+// by itself, and both streams' tokens equal the host-driven mode's for the same arrival step.
+TEST(DeviceLoopTest, AShrinkWhenTheLongStreamEndsIsMadeOnTheDevice) {
+  const std::vector<DefaultCase> cases = LoadDefaultReference("bf16");
+  ASSERT_FALSE(cases.empty());
+  const int32_t p = static_cast<int32_t>(cases[0].prompt_ids.size());
+  ASSERT_LT(p, 100);
+  std::vector<GenerateRequest> reqs(2);
+  for (GenerateRequest& r : reqs) {
+    r.prompt = cases[0].prompt_ids;
+    r.stop.ignore_eos = true;
+    r.sampling.temperature = 0.0f;
+  }
+  // The long stream's step g has context p + g: its last step is 899, and step 900 is the first
+  // without it. The short one, arriving after step `arrival`, has context p + g - arrival, which
+  // at step 900 lies in (128, 256] for arrival in [p + 644, p + 772).
+  reqs[0].stop.max_new_tokens = 900;
+  reqs[1].stop.max_new_tokens = 257 - p;  // its last context is 256
+  const uint64_t earliest = static_cast<uint64_t>(p) + 644;
+  std::vector<Event> events;
+  std::vector<Outcome> loop_out, host_out;
+  CudaBackend::RegimeChanges changes;
+  {
+    auto made = CudaBackend::Create(Options(DefaultModelDir(), true, 2048, 1024));
+    ASSERT_TRUE(made.ok()) << made.status();
+    CudaBackend& b = **made;
+    ScriptDriver d(b, reqs, 2048);
+    events.push_back(Event{.at_step = 0, .request = 0, .slot = 0});
+    d.Arrive(0, 0);
+    bool joined = false;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (d.finished() < 2 && std::chrono::steady_clock::now() < deadline) {
+      ASSERT_TRUE(b.Run(RunMode::kLoop).ok());
+      d.Drain();
+      if (!joined && b.Poll()->steps >= earliest) {
+        ASSERT_TRUE(b.Pause().ok());
+        const uint64_t steps = b.Poll()->steps;
+        ASSERT_LT(steps, static_cast<uint64_t>(p) + 740) << "paused too late for the scenario";
+        d.Drain();
+        events.push_back(Event{.at_step = steps, .request = 1, .slot = 1});
+        d.Arrive(1, 1);
+        ASSERT_TRUE(b.WaitForPrefills().ok());
+        joined = true;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    ASSERT_EQ(d.finished(), 2);
+    loop_out = d.out();
+    changes = b.regime_changes();
+  }
+  {
+    auto made = CudaBackend::Create(Options(DefaultModelDir(), false, 2048, 1024));
+    ASSERT_TRUE(made.ok()) << made.status();
+    CudaBackend& b = **made;
+    ScriptDriver d(b, reqs, 2048);
+    size_t e = 0;
+    for (int iter = 0; iter < 10000 && d.finished() < 2; ++iter) {
+      const uint64_t steps = b.Poll()->steps;
+      for (; e < events.size() && events[e].at_step == steps; ++e) {
+        d.Arrive(events[e].request, events[e].slot);
+        d.Drain();  // the first token
+      }
+      ASSERT_TRUE(b.Run(RunMode::kOneStep).ok());
+      d.Drain();
+    }
+    ASSERT_EQ(e, events.size());
+    host_out = d.out();
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(loop_out[i].tokens.size(), static_cast<size_t>(reqs[i].stop.max_new_tokens));
+    EXPECT_EQ(loop_out[i].tokens, host_out[i].tokens);
+    EXPECT_EQ(loop_out[i].reason, FinishReason::kLength);
+  }
+  std::printf(
+      "shrink: the short stream joined after step %llu; regime changes: %d on the device, "
+      "%d loop exits, %d offers withdrawn\n",
+      static_cast<unsigned long long>(events.back().at_step), changes.on_device, changes.exits,
+      changes.withdrawn);
+  // Grows past 128, 256 and 512, then the shrink from 1024 to 256: none by an exit.
+  EXPECT_EQ(changes.exits, 0);
+  EXPECT_EQ(changes.on_device, 4);
 }
 
 TEST(DeviceLoopTest, SoakEndsWithEverySlotFreeAndThePoolFull) {

@@ -95,12 +95,12 @@ TEST(LoopPolicyTest, EveryFlipViewGetsTheDecisionItsRulesGive) {
                         .steps = steps,
                         .flip_step = 10,
                         .prompts_queued = (bits & 16) != 0,
-                        .next_prepared = (bits & 32) != 0};
+                        .wanted_prepared = (bits & 32) != 0};
       const bool unadopted = s.flips != s.flips_adopted;
       EXPECT_EQ(CanAdoptFlip(s), unadopted && (!s.loop_running || steps > 10))
           << bits << " " << steps;
       EXPECT_EQ(ShouldOfferFlip(s), s.loop_running && s.stepped_since_launch && !s.offered &&
-                                        !unadopted && !s.prompts_queued && s.next_prepared)
+                                        !unadopted && !s.prompts_queued && s.wanted_prepared)
           << bits << " " << steps;
     }
   }
@@ -122,7 +122,7 @@ TEST(LoopPolicyTest, AFlipIsAdoptedOnlyOnceTheOldExecsAreDone) {
 // The launch clears the offer on the loop's stream, so an offer before the launch's first step
 // could be undone, as a pause could; and a switch not yet adopted leaves no prepared execs.
 TEST(LoopPolicyTest, AnOfferWaitsForTheFirstStepAndTheLastAdoption) {
-  FlipState s{.loop_running = true, .next_prepared = true};
+  FlipState s{.loop_running = true, .wanted_prepared = true};
   EXPECT_FALSE(ShouldOfferFlip(s));
   s.stepped_since_launch = true;
   EXPECT_TRUE(ShouldOfferFlip(s));
@@ -132,6 +132,15 @@ TEST(LoopPolicyTest, AnOfferWaitsForTheFirstStepAndTheLastAdoption) {
   EXPECT_TRUE(ShouldOfferFlip(s));
   s.offered = true;
   EXPECT_FALSE(ShouldOfferFlip(s));
+}
+
+// A withdrawn offer may have been read by the scheduler of the step after the counter the host
+// read once the clear had landed; that scheduler writes flips before the count, so only a count
+// past it (or the loop's end) makes flips final.
+TEST(LoopPolicyTest, AWithdrawalSettlesOnlyAfterTheNextStepOrTheExit) {
+  EXPECT_FALSE(WithdrawalSettled(/*loop_running=*/true, /*steps=*/7, /*withdraw_steps=*/7));
+  EXPECT_TRUE(WithdrawalSettled(true, 8, 7));
+  EXPECT_TRUE(WithdrawalSettled(false, 7, 7));
 }
 
 }  // namespace

@@ -265,6 +265,53 @@ TEST_F(DeviceLoopTest, ExitsAtTheStepWhereTheLongestContextLeavesTheWindow) {
   EXPECT_FALSE(loop_->Launch(stream_, 5, 5).ok());  // an empty window
 }
 
+// The scheduler switches to an offered regime only at a step whose longest context has left the
+// window and lies in the offer's take range, which is where the host-driven mode would choose
+// exactly that regime; a shrink works as a grow does, and a withdrawn offer is never taken.
+TEST_F(DeviceLoopTest, AnOfferIsTakenOnlyInItsTakeRangeAndNeverOnceWithdrawn) {
+  TS_ASSERT_OK(cache_->PrepareRegime(Regime{.attention_num_splits = 2, .max_context_len = 4096}));
+  absl::StatusOr<const cudaGraphExec_t*> table = cache_->PreparedTable(control_);
+  TS_ASSERT_OK(table.status());
+  // Slot 3: contexts 6000..7999 over steps 1..2000; slot 9: context 9 + step, 2,500 steps. From
+  // step 2001 the longest context is slot 9's 2010, far below the launch's window.
+  enum class Offer { kTaken, kOutsideTakeRange, kWithdrawn };
+  for (Offer offer : {Offer::kTaken, Offer::kOutsideTakeRange, Offer::kWithdrawn}) {
+    SCOPED_TRACE(static_cast<int>(offer));
+    state_[3] = k::kSlotActive;
+    prompt_len_[3] = 6000;
+    remaining_host_[3] = 2000;
+    state_[9] = k::kSlotActive;
+    prompt_len_[9] = 10;
+    remaining_host_[9] = 2500;
+    Upload();
+    const uint64_t steps0 = loop_->steps();
+    const int32_t flips0 = loop_->flips();
+    TS_ASSERT_OK(loop_->Launch(stream_, 4096, 8192));
+    // Launch clears any offer on the loop's stream: offer once its first step has run.
+    while (loop_->steps() == steps0 && loop_->Running()) std::this_thread::yield();
+    ASSERT_LT(loop_->steps(), steps0 + 1000) << "the offer would land too late to mean anything";
+    const int32_t take_lo = offer == Offer::kOutsideTakeRange ? 2048 : 1024;
+    TS_ASSERT_OK(loop_->OfferFlip(*table, take_lo, 512, 4096, control_));
+    if (offer == Offer::kWithdrawn) TS_ASSERT_OK(loop_->WithdrawOffer(control_));
+    TS_ASSERT_OK(loop_->Wait());
+    TS_ASSERT_OK(loop_->status());
+    if (offer == Offer::kTaken) {
+      // Switched at step 2001 and ran slot 9 to its end in the offered window (512, 4096].
+      EXPECT_EQ(loop_->flips(), flips0 + 1);
+      EXPECT_EQ(loop_->flip_step(), steps0 + 2001);
+      EXPECT_EQ(loop_->exit_reason(), kLoopExitIdle);
+      EXPECT_EQ(loop_->steps(), steps0 + 2500);
+    } else {
+      EXPECT_EQ(loop_->flips(), flips0);
+      EXPECT_EQ(loop_->exit_reason(), kLoopExitContext);
+      EXPECT_EQ(loop_->steps(), steps0 + 2000);
+    }
+  }
+  EXPECT_FALSE(loop_->OfferFlip(*table, 4096, 512, 4096, control_).ok());  // empty take range
+  EXPECT_FALSE(loop_->OfferFlip(*table, 256, 512, 4096, control_).ok());   // below the window
+  EXPECT_FALSE(loop_->OfferFlip(nullptr, 1024, 512, 4096, control_).ok());
+}
+
 TEST_F(DeviceLoopTest, PauseStopsAtABoundaryAndALaunchResumes) {
   state_[2] = k::kSlotActive;
   remaining_host_[2] = 1 << 30;  // would run for hours
