@@ -75,7 +75,10 @@ inline std::optional<int32_t> RegimeToPrepare(const RegimeOutlook& o) {
   if (o.longest == 0) return std::nullopt;
   const int32_t lo = RegimeWindowLo(o.current);
   if (o.longest > o.current || o.longest <= lo) {
-    return NextRegime(o.current, o.longest, o.max_context);
+    // A context past the model's length (a stream at its last token) keeps the largest regime.
+    const int32_t next = NextRegime(o.current, o.longest, o.max_context);
+    if (next == o.current) return std::nullopt;
+    return next;
   }
   if (o.current < o.max_context && o.longest + kPrepareRegimeAhead > o.current) {
     return RegimeBound(o.current + 1, o.max_context);

@@ -90,6 +90,7 @@ TEST(RegimePolicyTest, PreparesTheNextLaunchsRegimeThenTheNextUpThenTheShrink) {
   EXPECT_EQ(prepare(1024, 1024 - kPrepareRegimeAhead + 1, 0), 2048);
   EXPECT_EQ(prepare(1024, 1024 - kPrepareRegimeAhead + 1, 100), 2048);
   EXPECT_EQ(prepare(4096, 4090, 0), std::nullopt);  // none larger
+  EXPECT_EQ(prepare(4096, 4097, 0), std::nullopt);  // nor past the model's length
   // Far from the top: the shrink that follows once the streams above 256 end.
   EXPECT_EQ(prepare(1024, 1024 - kPrepareRegimeAhead, 0), std::nullopt);
   EXPECT_EQ(prepare(1024, 700, 100), 128);
