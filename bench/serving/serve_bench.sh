@@ -16,7 +16,9 @@
 # columns are p99s of the server's own Timing: its TTFT, and the queue (a slot and KV blocks), wait
 # (behind other prompts) and prefill parts of it; results.jsonl has them per request, and $OUT/serve-<mode>-<rate>.ttft-tail.txt
 # splits the slowest first tokens (bench/serving/ttft_tail.py), .itl-tail.txt the slowest token
-# intervals (bench/serving/itl_tail.py).
+# intervals (bench/serving/itl_tail.py). The device loop's server prints, as it exits, its step
+# counts and how its attention regime changed (on the device, or by an exit that leaves the GPU
+# idle for the update); the script echoes that line and keeps it in $OUT/serve-exits.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/serve-out}
@@ -77,6 +79,9 @@ EOF
   done
   kill -TERM $pid; wait $pid
   echo "$mode: server exit $?" >> "$OUT/serve-exits.txt"
+  # The device loop's totals over every rate of this server: steps, and regime changes made on
+  # the device or by an exit (an exit leaves the GPU idle while the host updates the graphs).
+  grep "device loop:" "$log" | sed "s/^/$mode$TAG: /" | tee -a "$OUT/serve-exits.txt" || true
 done
 echo "mode        rate  ttft_p50  ttft_p99  itl_p50  itl_p99 p99/p50    ok fail  srv_ttft srv_queue  srv_wait srv_prefill (p99)"
 printf '%s\n' "${rows[@]}"

@@ -27,6 +27,7 @@
 // backend drops it and writes the FINISHED record itself).
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -82,6 +83,16 @@ absl::Status CudaBackend::BindLoop() {
 void CudaBackend::StopLoop() {
   if (loop_ != nullptr) {
     (void)Pause();
+    if (options_.log_progress && launched_) {
+      // How often the loop left the GPU idle for a regime update (bench/serving collects it).
+      const RegimeChanges c = regime_changes();
+      std::fprintf(stderr,
+                   "tailserve: device loop: %llu steps, %llu mixed steps; attention regime "
+                   "changes: %d on the device, %d by an exit, %d offers withdrawn\n",
+                   static_cast<unsigned long long>(loop_->steps()),
+                   static_cast<unsigned long long>(mixed_steps_), c.on_device, c.exits,
+                   c.withdrawn);
+    }
     loop_.reset();
   }
   if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);  // a chunk may still run
