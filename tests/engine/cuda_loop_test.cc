@@ -1,7 +1,8 @@
 // The device-resident loop (issue #13, docs/device-loop.md) against the host-driven mode, both
 // through the Engine: the same requests give the same tokens with arrivals while others decode,
 // cancellations and finishes at any step; a generation far longer than the ring streams every
-// token in order; a soak of more than 10,000 steps ends with every slot free and the KV pool
+// token in order, and every attention regime change, growing or shrinking, is made on the device
+// with no loop exit; a soak of more than 10,000 steps ends with every slot free and the KV pool
 // full; a pause stops every ring at a step boundary, and a cancel then ends its stream at the
 // very next step without touching the other stream's tokens.
 #include <algorithm>
