@@ -309,19 +309,17 @@ std::optional<graphs::Regime> CudaBackend::RegimeToPrepare() const {
 }
 
 absl::Status CudaBackend::MaybePrepareRegime(bool whole) {
-  if (flip_offered_ && loop_->Running()) {
-    // The running loop may switch to the offered execs at any step: they stay as they are, unless
-    // the regime wanted has changed (a shrink's remaining contexts outgrew its bound, or the
-    // longest stream neared the top after all), in which case the offer is withdrawn first.
-    if (!withdraw_pending_ && RegimeToPrepare() != graphs_->prepared()) {
-      TS_RETURN_IF_ERROR(loop_->WithdrawOffer(control_stream_));
-      withdraw_pending_ = true;
-      withdraw_steps_ = loop_->steps();  // a step claimed after this one saw the cleared word
-    }
-    TS_RETURN_IF_ERROR(MaybeAdoptFlip());
-    if (flip_offered_ && loop_->Running()) return absl::OkStatus();
+  // The running loop may switch to the offered execs at any step: they stay as they are, unless
+  // the regime wanted has changed (a shrink's remaining contexts outgrew its bound, or the longest
+  // stream neared the top after all), in which case the offer is withdrawn first.
+  if (flip_offered_ && !withdraw_pending_ && loop_->Running() &&
+      RegimeToPrepare() != graphs_->prepared()) {
+    TS_RETURN_IF_ERROR(loop_->WithdrawOffer(control_stream_));
+    withdraw_pending_ = true;
+    withdraw_steps_ = loop_->steps();  // a step claimed after this one saw the cleared word
   }
   TS_RETURN_IF_ERROR(MaybeAdoptFlip());  // the idle execs are the host's idea of them again
+  if (flip_offered_ && loop_->Running()) return absl::OkStatus();
   // While the loop runs, only once it has stepped: the last flip, before its launch on the same
   // stream, has then run, and PrepareRegime does not wait for it. Once the loop has exited, its
   // flip has run too.
