@@ -124,7 +124,9 @@ TEST(PrefillQueueTest, AttentionWeightedChunksShrinkWithThePrefix) {
     double cost = 0;
     for (int32_t pos = p.start; pos < p.start + p.len; ++pos) cost += 1.0 + (pos + 1) / 100.0;
     EXPECT_LE(cost, 64.0 + 1e-9) << "chunk at " << p.start;
-    if (!p.last) EXPECT_GT(cost + 1.0 + (p.start + p.len + 1) / 100.0, 64.0);
+    if (!p.last) {
+      EXPECT_GT(cost + 1.0 + (p.start + p.len + 1) / 100.0, 64.0);
+    }
     for (int32_t t = 0; t < p.len; ++t) seen.push_back(p.init->prompt[p.start + t]);
     lens.push_back(p.len);
     q.PopFinished();
@@ -142,7 +144,9 @@ TEST(PrefillQueueTest, AttentionWeightedChunksShrinkWithThePrefix) {
     ASSERT_LT(round, 7000);
     const std::vector<PrefillQueue::Piece> chunk = big.NextChunk(64, 100);
     ASSERT_EQ(chunk.size(), 1u);
-    if (chunk[0].start > 6300) EXPECT_EQ(chunk[0].len, 1);
+    if (chunk[0].start > 6300) {
+      EXPECT_EQ(chunk[0].len, 1);
+    }
     handed += chunk[0].len;
     big.PopFinished();
   }
