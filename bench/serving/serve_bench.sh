@@ -79,8 +79,7 @@ EOF
   done
   kill -TERM $pid; wait $pid
   echo "$mode: server exit $?" >> "$OUT/serve-exits.txt"
-  # The device loop's totals over every rate of this server: steps, and regime changes made on
-  # the device or by an exit (an exit leaves the GPU idle while the host updates the graphs).
+  # The loop's totals over every rate of this server (see the header).
   grep "device loop:" "$log" | sed "s/^/$mode$TAG: /" | tee -a "$OUT/serve-exits.txt" || true
 done
 echo "mode        rate  ttft_p50  ttft_p99  itl_p50  itl_p99 p99/p50    ok fail  srv_ttft srv_queue  srv_wait srv_prefill (p99)"
