@@ -6,12 +6,19 @@
 // is present but cannot be initialised, a driver/runtime mismatch, or, with TS_REQUIRE_GPU=1 (set
 // by tests/gpu/run-bundle.sh on the GPU machine), no device at all. Otherwise a broken GPU machine
 // would report a green suite of skips.
+//
+// A crash prints the faulting PC and, where it can unwind, the symbolised stack (abseil's failure
+// signal handler): runs on the GPU machine are unattended, and under compute-sanitizer a crashed
+// test otherwise leaves only "the application may have hit an error" behind.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+
+#include "absl/debugging/failure_signal_handler.h"
+#include "absl/debugging/symbolize.h"
 
 namespace {
 
@@ -28,6 +35,8 @@ bool MeansNoGpu(cudaError_t err) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  absl::InitializeSymbolizer(argv[0]);
+  absl::InstallFailureSignalHandler({});
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err == cudaSuccess && count == 0) err = cudaErrorNoDevice;
