@@ -115,6 +115,16 @@ class DeviceLoopTest : public ::testing::Test {
               cudaSuccess);
     return log;
   }
+  // Polls the loop's step counter until it passes `steps` (false after 30 s). The test asks for a
+  // number of steps, not a time: under compute-sanitizer a step takes milliseconds.
+  bool RunsPast(uint64_t steps) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (loop_->steps() <= steps) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return true;
+  }
 
   cudaStream_t stream_ = nullptr, control_ = nullptr;
   k::SlotRow* slots_ = nullptr;
@@ -320,7 +330,7 @@ TEST_F(DeviceLoopTest, PauseStopsAtABoundaryAndALaunchResumes) {
   Upload();
   TS_ASSERT_OK(loop_->Launch(stream_));
   EXPECT_FALSE(loop_->Launch(stream_).ok());  // one loop at a time
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(RunsPast(10));
   EXPECT_TRUE(loop_->Running());
   TS_ASSERT_OK(loop_->RequestPause(control_));
   TS_ASSERT_OK(loop_->Wait());
@@ -337,7 +347,7 @@ TEST_F(DeviceLoopTest, PauseStopsAtABoundaryAndALaunchResumes) {
   std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(loop_->steps(), first);  // nothing runs while paused
   TS_ASSERT_OK(loop_->Launch(stream_));
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(RunsPast(first + 10));
   TS_ASSERT_OK(loop_->RequestPause(control_));
   TS_ASSERT_OK(loop_->Wait());
   TS_ASSERT_CUDA_OK(cudaStreamSynchronize(control_));
