@@ -42,6 +42,8 @@ grpc::StatusCode ToGrpcCode(absl::StatusCode code) {
       return grpc::StatusCode::DATA_LOSS;
     case absl::StatusCode::kUnauthenticated:
       return grpc::StatusCode::UNAUTHENTICATED;
+    default:  // abseil reserves values for codes it may add later
+      break;
   }
   return grpc::StatusCode::UNKNOWN;
 }

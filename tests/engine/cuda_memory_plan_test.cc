@@ -119,8 +119,12 @@ TEST(CudaMemoryPlanTest, PrefillGemmRowsPadLittleAndEndAtTheChunk) {
     for (int32_t rows = 1; rows <= chunk; ++rows) {
       const int32_t padded = *std::lower_bound(sizes.begin(), sizes.end(), rows);
       EXPECT_GE(padded, rows);
-      if (rows > 16 && rows <= 512) EXPECT_LT(padded - rows, 64) << rows << " of " << chunk;
-      if (rows > 512) EXPECT_LT(padded - rows, 256) << rows << " of " << chunk;
+      if (rows > 16 && rows <= 512) {
+        EXPECT_LT(padded - rows, 64) << rows << " of " << chunk;
+      }
+      if (rows > 512) {
+        EXPECT_LT(padded - rows, 256) << rows << " of " << chunk;
+      }
     }
   }
   EXPECT_EQ(PrefillGemmRows(2048).size(), 16u);
