@@ -72,8 +72,8 @@ struct SlotInit {
   SlotId slot = -1;
   std::span<const int32_t> prompt;       // [prompt_len], prompt_len >= 1
   std::span<const int32_t> block_table;  // [ceil((prompt_len + max_new_tokens) / block_size)]
-  SamplingParams sampling;
-  StopParams stop;
+  SamplingParams sampling{};
+  StopParams stop{};
 };
 
 struct BackendInfo {

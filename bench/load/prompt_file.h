@@ -23,7 +23,7 @@ namespace ts::load {
 struct FilePrompt {
   std::string text;
   // The turn that answered the prompt (conversations and messages only).
-  std::optional<std::string> reply;
+  std::optional<std::string> reply{};
   int64_t entry = 0;  // 0-based position among the file's entries, skipped ones included
   int64_t line = 0;   // 1-based line where the entry starts
 };

@@ -49,13 +49,13 @@ struct TextPromptSet {
 
 struct WorkloadOptions {
   uint64_t seed = 0;
-  LengthDist input;            // random path only
+  LengthDist input{};          // random path only
   LengthDist output;           // text path: for prompts without a reply, or all of them
   int32_t vocab_size = 0;      // prompt ids are drawn from [0, vocab_size)
   int32_t max_context = 0;     // prompt + output must fit; 0 = no limit
   int32_t max_new_tokens = 0;  // output cap; 0 = no limit
   // Set: the text path. Shared, because every phase copies its WorkloadOptions.
-  std::shared_ptr<const TextPromptSet> text;
+  std::shared_ptr<const TextPromptSet> text{};
 };
 
 struct RequestSpec {
