@@ -215,8 +215,12 @@ TEST_F(TextClientTest, CountsOncePerPromptFitsAndSendsTheNamedPrompt) {
     EXPECT_EQ(r.input_tokens, by_entry.at(r.prompt_entry).input_tokens);
     EXPECT_EQ(r.usage_prompt_tokens, r.input_tokens);
     EXPECT_EQ(r.OutputTokens(), r.requested_output_tokens);
-    if (r.prompt_entry == 2) EXPECT_EQ(r.requested_output_tokens, 5);
-    if (r.prompt_entry == 0) EXPECT_EQ(r.requested_output_tokens, 32);  // --output_len default
+    if (r.prompt_entry == 2) {
+      EXPECT_EQ(r.requested_output_tokens, 5);
+    }
+    if (r.prompt_entry == 0) {
+      EXPECT_EQ(r.requested_output_tokens, 32);  // --output_len default
+    }
     ++uses[r.prompt_entry];
   }
   // 8 requests over 4 prompts in a permutation: each prompt twice.

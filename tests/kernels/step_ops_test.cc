@@ -269,7 +269,9 @@ TEST(FillUniformTest, EqualsTheHostPhiloxValuesInRange) {
       sum += g;
     }
     EXPECT_LE(off_by_one_ulp, n / 100 + 1);
-    if (n > 1000) EXPECT_NEAR(sum / static_cast<double>(n), 0.0, 1e-3);  // centred
+    if (n > 1000) {
+      EXPECT_NEAR(sum / static_cast<double>(n), 0.0, 1e-3);  // centred
+    }
     EXPECT_TRUE(out.GuardsIntact());
   }
 }
