@@ -22,6 +22,7 @@
 #include "engine/engine.h"
 #include "engine/scheduler.h"
 #include "nlohmann/json.hpp"
+#include "tests/common/eventually.h"
 #include "tests/common/test_paths.h"
 #include "tests/engine/gate.h"
 #include "tests/engine/stream_reader.h"
@@ -29,6 +30,7 @@
 namespace ts {
 namespace {
 
+using ::ts::testing::Eventually;
 using ::ts::testing::Gate;
 using ::ts::testing::GatedBackend;
 using ::ts::testing::kWaitTimeout;
@@ -124,17 +126,6 @@ std::vector<StreamReader> HostDriven(const std::vector<GenerateRequest>& reqs) {
     if (r.stream != nullptr) ReadToEnd(&r);
   }
   return out;
-}
-
-// Polls `done` until it holds; false after kWaitTimeout. For conditions on ring contents, which
-// have nothing to wait on.
-bool Eventually(const std::function<bool()>& done) {
-  const auto deadline = Clock::now() + kWaitTimeout;
-  while (!done()) {
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-  return true;
 }
 
 // Forwards to a real backend and lets the test wait until the engine thread's Cancel for a slot

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "graphs/graph_cache.h"
+#include "tests/common/eventually.h"
 #include "tests/graphs/loop_test_kernels.cuh"
 #include "tests/kernels/kernel_test_util.h"
 
@@ -23,6 +24,7 @@ namespace {
 
 namespace k = ::ts::kernels;
 using testing::SimStepParams;
+using ::ts::testing::Eventually;
 
 constexpr int32_t kSlots = 40;
 constexpr int32_t kMaxSteps = 4096;
@@ -115,15 +117,9 @@ class DeviceLoopTest : public ::testing::Test {
               cudaSuccess);
     return log;
   }
-  // Polls the loop's step counter until it passes `steps` (false after 30 s). The test asks for a
-  // number of steps, not a time: under compute-sanitizer a step takes milliseconds.
+  // The pause test asks for steps, not a time: under compute-sanitizer a step takes milliseconds.
   bool RunsPast(uint64_t steps) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (loop_->steps() <= steps) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    return true;
+    return Eventually([&] { return loop_->steps() > steps; }, std::chrono::seconds(30));
   }
 
   cudaStream_t stream_ = nullptr, control_ = nullptr;
