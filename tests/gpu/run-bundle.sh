@@ -19,7 +19,10 @@
 #     engine_cuda_loop_test measures the loop at its real speed: under memcheck its scripted run
 #     outlasts its 120 s and the host prepares a shrink too late, and racecheck's own library
 #     crashes in it (bench/results/2026-12-07e-h200.md). Leave it out of racecheck runs, and read
-#     its memcheck result by the error summary.
+#     its memcheck result by the error summary. Under racecheck kernels_decode_attention_test,
+#     kernels_sampling_test and kernels_gemv_test each need more than one device call's 600 s
+#     with other tools beside them (bench/results/2026-12-07f-h100.md): run them alone, a
+#     --gtest_filter at a time.
 #   TESTS: a regex of the binaries to run (default: all).
 # TS_REQUIRE_GPU=1 turns "no CUDA device" into a failure: on this machine a skip would hide a
 # broken device (tests/common/gpu_main.cc).
