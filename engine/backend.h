@@ -92,10 +92,21 @@ struct StepReport {
 };
 
 // Where a backend's decoding stands (Backend::Poll): the step counter replaces per-step reports
-// for stats and for the watchdog, since in loop mode no host call sees each step.
+// for stats and for the watchdog, since in loop mode no host call sees each step. The other
+// counters are for stats too (docs/device-loop.md); all count since creation, and stay 0 where a
+// backend has no such thing.
 struct LoopStatus {
   uint64_t steps = 0;    // decode steps completed since creation (at least one row each)
   bool running = false;  // a loop is decoding now (kLoop mode)
+  // Starts of the loop: the first, and each one after it stopped. The device loop stops when no
+  // slot decodes, while prompts are prefilled in mixed steps, and for an attention regime it could
+  // not switch to by itself; the CPU loop thread waits instead of stopping, so only Pause does.
+  uint64_t launches = 0;
+  uint64_t mixed_steps = 0;  // of `steps`: those that also prefilled prompt rows
+  // Changes of the decode graphs' attention regime: made by the running loop at a step, and made
+  // by stopping it and launching it again.
+  uint64_t regime_changes_on_device = 0;
+  uint64_t regime_changes_by_exit = 0;
 };
 
 enum class RunMode {

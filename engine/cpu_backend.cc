@@ -102,7 +102,10 @@ CpuBackend::CpuBackend(std::unique_ptr<CpuForward> forward, const CpuBackendOpti
   info_.num_kv_blocks = num_kv_blocks;
   info_.ring_capacity = options.ring_capacity;
   info_.name = "cpu";
-  if (options.loop_thread) loop_ = std::thread([this] { LoopMain(); });
+  if (options.loop_thread) {
+    loop_launches_ = 1;
+    loop_ = std::thread([this] { LoopMain(); });
+  }
 }
 
 CpuBackend::~CpuBackend() {
@@ -281,6 +284,7 @@ absl::Status CpuBackend::Run(RunMode mode) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!loop_error_.ok()) return loop_error_;
+      if (pause_ == PauseState::kPaused) ++loop_launches_;
       pause_ = PauseState::kRunning;
     }
     work_cv_.notify_one();
@@ -309,6 +313,7 @@ absl::StatusOr<LoopStatus> CpuBackend::Poll() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!loop_error_.ok()) return loop_error_;
   status.running = pause_ == PauseState::kRunning && (!pending_.empty() || AnyActive());
+  status.launches = loop_launches_;
   return status;
 }
 

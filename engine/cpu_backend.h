@@ -145,7 +145,8 @@ class CpuBackend : public Backend {
   std::condition_variable paused_cv_;  // Pause waits here for the loop to reach a boundary
   std::vector<PrefillJob> pending_;    // handed over by Prefill, taken at the next step boundary
   PauseState pause_ = PauseState::kRunning;
-  absl::Status loop_error_;  // sticky: the first failed Forward on the loop thread
+  uint64_t loop_launches_ = 0;  // the loop thread's start, then each Run(kLoop) after a Pause
+  absl::Status loop_error_;     // sticky: the first failed Forward on the loop thread
   bool stop_ = false;
   StepReport last_;
 

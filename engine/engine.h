@@ -132,6 +132,11 @@ struct EngineStats {
   uint64_t steps = 0;
   uint64_t tokens_generated = 0;
   uint64_t requests_finished = 0;
+  // The backend's loop (LoopStatus): starts, mixed steps among `steps`, regime changes.
+  uint64_t loop_launches = 0;
+  uint64_t mixed_steps = 0;
+  uint64_t regime_changes_on_device = 0;
+  uint64_t regime_changes_by_exit = 0;
 };
 
 class Engine {

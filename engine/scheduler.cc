@@ -357,7 +357,7 @@ absl::Status Scheduler::RunBackend(StepTrace* trace) {
   TS_RETURN_IF_ERROR(backend_->Run(options_.run_mode));
   if (options_.run_mode == RunMode::kOneStep) trace->report = backend_->last_step();
   TS_ASSIGN_OR_RETURN(const LoopStatus loop, backend_->Poll());
-  steps_ = loop.steps;
+  loop_ = loop;
   return absl::OkStatus();
 }
 
@@ -509,9 +509,13 @@ void Scheduler::PublishStatsLocked() {
   stats_.running = static_cast<int32_t>(running_.size());
   stats_.kv_blocks_total = blocks_.num_blocks();
   stats_.kv_blocks_free = blocks_.num_free();
-  stats_.steps = steps_;
+  stats_.steps = loop_.steps;
   stats_.tokens_generated = tokens_generated_;
   stats_.requests_finished = requests_finished_;
+  stats_.loop_launches = loop_.launches;
+  stats_.mixed_steps = loop_.mixed_steps;
+  stats_.regime_changes_on_device = loop_.regime_changes_on_device;
+  stats_.regime_changes_by_exit = loop_.regime_changes_by_exit;
 }
 
 }  // namespace ts

@@ -91,7 +91,7 @@ class Scheduler {
   std::vector<bool> slot_used_;                    // [max_slots]
   std::vector<RingEntry> drain_buf_;
   std::vector<int32_t> token_buf_;
-  uint64_t steps_ = 0;
+  LoopStatus loop_;  // the backend's last Poll
   uint64_t tokens_generated_ = 0;
   uint64_t requests_finished_ = 0;
 

@@ -408,7 +408,7 @@ class CudaBackend : public Backend {
   std::atomic<int32_t> flips_adopted_ = 0;  // the loop's flips() recorded in the graph cache
   std::atomic<int32_t> context_exits_ = 0;  // relaunches after the loop exited for a regime change
   std::atomic<int32_t> offers_withdrawn_ = 0;  // offers settled as not taken (MaybeAdoptFlip)
-  bool launched_ = false;                      // the loop has been launched at least once
+  uint64_t loop_launches_ = 0;                 // LaunchLoop's launches of the loop
   uint64_t mixed_steps_ = 0;       // mixed steps enqueued (each decodes every active slot)
   bool ready_unadmitted_ = false;  // a plain chunk made slots READY; no loop has run since
 };

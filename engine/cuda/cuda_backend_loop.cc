@@ -83,7 +83,7 @@ absl::Status CudaBackend::BindLoop() {
 void CudaBackend::StopLoop() {
   if (loop_ != nullptr) {
     (void)Pause();
-    if (options_.log_progress && launched_) {
+    if (options_.log_progress && loop_launches_ > 0) {
       // How often the loop left the GPU idle for a regime update (bench/serving collects it).
       const RegimeChanges c = regime_changes();
       std::fprintf(stderr,
@@ -402,7 +402,7 @@ absl::Status CudaBackend::LaunchLoop() {
   // correctness, only its summation order.
   RefreshSlots();
   TS_RETURN_IF_ERROR(MaybeAdoptFlip());  // a switch just before the exit
-  if (launched_ && loop_->exit_reason() == graphs::kLoopExitContext) {
+  if (loop_launches_ > 0 && loop_->exit_reason() == graphs::kLoopExitContext) {
     context_exits_.fetch_add(1, std::memory_order_relaxed);
   }
   TS_RETURN_IF_ERROR(MaybeUpdateRegime());
@@ -411,7 +411,7 @@ absl::Status CudaBackend::LaunchLoop() {
   flip_offered_ = false;  // Launch clears the offer
   withdraw_pending_ = false;
   TS_RETURN_IF_ERROR(loop_->Launch(stream_, RegimeWindowLo(hi), hi));
-  launched_ = true;
+  ++loop_launches_;
   chunk_pending_ = false;     // the loop's end implies the chunk's
   ready_unadmitted_ = false;  // its first step admits them, paused or not
   return absl::OkStatus();
@@ -441,8 +441,13 @@ absl::Status CudaBackend::Pause() {
 absl::StatusOr<LoopStatus> CudaBackend::Poll() {
   if (loop_ == nullptr) return LoopStatus{.steps = steps_, .running = false};
   TS_RETURN_IF_ERROR(LoopError());
+  const RegimeChanges c = regime_changes();
   return LoopStatus{.steps = loop_->steps() + mixed_steps_,
-                    .running = loop_->Running() || chunk_pending_};
+                    .running = loop_->Running() || chunk_pending_,
+                    .launches = loop_launches_,
+                    .mixed_steps = mixed_steps_,
+                    .regime_changes_on_device = static_cast<uint64_t>(c.on_device),
+                    .regime_changes_by_exit = static_cast<uint64_t>(c.exits)};
 }
 
 }  // namespace ts

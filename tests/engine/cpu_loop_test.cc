@@ -705,7 +705,7 @@ TEST(CpuLoop, ADeadlineEndsItsStreamAtTheNextStepInBothModes) {
   }
 }
 
-TEST(CpuLoop, PollCountsStepsThatDecodedARow) {
+TEST(CpuLoop, PollCountsStepsThatDecodedARowAndTheLoopsStarts) {
   const Reference ref = LoadReference();
   Inits in;
   in.Add(ref.prompts[0], 3);
@@ -732,6 +732,7 @@ TEST(CpuLoop, PollCountsStepsThatDecodedARow) {
   ASSERT_TRUE(host->Run(RunMode::kOneStep).ok());
   EXPECT_EQ(PollOk(*host).steps, 4u);
   EXPECT_FALSE(PollOk(*host).running);
+  EXPECT_EQ(PollOk(*host).launches, 0u);  // no loop
   ASSERT_EQ(ReadRing(host->Ring(2)).size(), 2u);
 
   // Loop thread, parked at step kHoldAt: running, with the count so far.
@@ -749,6 +750,7 @@ TEST(CpuLoop, PollCountsStepsThatDecodedARow) {
   LoopStatus st = PollOk(*b);
   EXPECT_EQ(st.steps, kHoldAt);
   EXPECT_TRUE(st.running);
+  EXPECT_EQ(st.launches, 1u);  // started with the backend; Run(kLoop) found it running
   gate->Open();
   // A step is counted before its tokens reach the rings, so once FINISHED shows the count is final.
   ASSERT_TRUE(Eventually([&] { return RingFinished(b->Ring(2)); }));
@@ -766,6 +768,9 @@ TEST(CpuLoop, PollCountsStepsThatDecodedARow) {
   EXPECT_EQ(cancelled[1].token, -1);
   EXPECT_EQ(RingReason(cancelled[1].flags), FinishReason::kCancelled);
   EXPECT_EQ(PollOk(*b).steps, 9u);
+  EXPECT_EQ(PollOk(*b).launches, 2u);  // the Run after the Pause started it again
+  ASSERT_TRUE(b->Run(RunMode::kLoop).ok());
+  EXPECT_EQ(PollOk(*b).launches, 2u);
 }
 
 }  // namespace

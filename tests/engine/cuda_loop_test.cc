@@ -228,6 +228,7 @@ TEST(DeviceLoopTest, GenerationFarLongerThanTheRingStreamsInOrder) {
   r.sampling.temperature = 0.0f;
   std::vector<int32_t> host_tokens, loop_tokens;
   CudaBackend::RegimeChanges changes;
+  EngineStats loop_stats;
   for (bool loop : {false, true}) {
     CudaBackend* backend = nullptr;
     auto engine = MakeEngine(DefaultModelDir(), loop, 2048, 64, &backend);
@@ -239,7 +240,11 @@ TEST(DeviceLoopTest, GenerationFarLongerThanTheRingStreamsInOrder) {
     EXPECT_TRUE(reader.status.ok()) << reader.status;
     EXPECT_EQ(reader.reason, FinishReason::kLength);
     (loop ? loop_tokens : host_tokens) = reader.tokens;
-    if (loop) changes = backend->regime_changes();
+    if (loop) {
+      changes = backend->regime_changes();
+      WaitIdle(*engine);
+      loop_stats = engine->stats();
+    }
   }
   EXPECT_EQ(host_tokens.size(), 1800u);
   // One stream, so the same batch at every step in both modes: the same tokens, through the
@@ -257,6 +262,10 @@ TEST(DeviceLoopTest, GenerationFarLongerThanTheRingStreamsInOrder) {
               changes.on_device, changes.exits, changes.withdrawn);
   EXPECT_EQ(changes.exits, 0);
   EXPECT_EQ(changes.on_device, bounds);
+  // The engine's stats carry the loop's counters (Backend::Poll).
+  EXPECT_EQ(loop_stats.regime_changes_on_device, static_cast<uint64_t>(bounds));
+  EXPECT_EQ(loop_stats.regime_changes_by_exit, 0u);
+  EXPECT_GE(loop_stats.loop_launches, 1u);
 }
 
 // A long stream takes the regime to 1024 (window (256, 1024]); a short one joins late and is

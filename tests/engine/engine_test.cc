@@ -88,6 +88,26 @@ TEST(Engine, ManyClientThreadsEachGetTheirOwnStream) {
   EXPECT_EQ(st.running, 0);
 }
 
+// The backend's loop counters reach EngineStats as Poll reported them.
+TEST(Engine, StatsCarryTheBackendsLoopCounters) {
+  MockBackendOptions mo;
+  mo.loop_counters = {
+      .launches = 7, .mixed_steps = 3, .regime_changes_on_device = 5, .regime_changes_by_exit = 2};
+  auto engine = MakeEngine({}, mo);
+  EXPECT_EQ(engine->stats().loop_launches, 0u);  // nothing polled yet
+  auto s = engine->Submit(Req({4, 5}, 6));
+  ASSERT_TRUE(s.ok()) << s.status();
+  StreamReader r(*s);
+  ReadToEnd(&r);
+  WaitIdle(*engine);
+  const EngineStats st = engine->stats();
+  EXPECT_EQ(st.steps, 5u);  // six tokens: the prefill's, then one a step
+  EXPECT_EQ(st.loop_launches, 7u);
+  EXPECT_EQ(st.mixed_steps, 3u);
+  EXPECT_EQ(st.regime_changes_on_device, 5u);
+  EXPECT_EQ(st.regime_changes_by_exit, 2u);
+}
+
 TEST(Engine, CancelFromAnotherThreadFreesTheRequest) {
   auto gate = std::make_shared<Gate>();
   MockBackend* mock = nullptr;

@@ -30,6 +30,9 @@ struct MockBackendOptions {
   uint32_t ring_capacity = 64;
   std::vector<int32_t> buckets = {1, 2, 4, 8, 16, 24, 32, 48, 64};
   int32_t tokens_per_run = 1;  // > ring_capacity provokes a ring overrun
+  // What Poll reports besides the steps it counts and `running`: the loop's launches, mixed steps
+  // and regime changes, as a loop backend would.
+  LoopStatus loop_counters;
 };
 
 // The default script: a token that depends on the prompt and the index, never an EOS id (< 10).
@@ -134,7 +137,12 @@ class MockBackend : public Backend {
     table_->set_state(slot, SlotState::kFree);
   }
   StepReport last_step() const override { return last_; }
-  absl::StatusOr<LoopStatus> Poll() override { return LoopStatus{.steps = steps_}; }
+  absl::StatusOr<LoopStatus> Poll() override {
+    LoopStatus s = o_.loop_counters;
+    s.steps = steps_;
+    s.running = false;
+    return s;
+  }
 
   bool slot_free(SlotId slot) const { return table_->state(slot) == SlotState::kFree; }
 
