@@ -532,6 +532,10 @@ grpc::ServerUnaryReactor* GenerationService::GetStats(grpc::CallbackServerContex
   response->set_steps(s.steps);
   response->set_tokens_generated(s.tokens_generated);
   response->set_requests_finished(s.requests_finished);
+  response->set_loop_launches(s.loop_launches);
+  response->set_mixed_steps(s.mixed_steps);
+  response->set_regime_changes_on_device(s.regime_changes_on_device);
+  response->set_regime_changes_by_exit(s.regime_changes_by_exit);
   response->set_active_streams(active_streams());
   response->set_draining(draining());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();

@@ -510,12 +510,17 @@ absl::StatusOr<Loaded> Load(const pipeline::Topology& topology) {
 void LogStats(TailServer& server, Engine& engine, const char* prefix) {
   const EngineStats s = engine.stats();
   std::fprintf(stderr,
-               "%s: queued %d running %d streams %d kv_free %d/%d steps %llu tokens %llu "
-               "finished %llu\n",
+               "%s: queued %d running %d streams %d kv_free %d/%d steps %llu (mixed %llu) tokens "
+               "%llu finished %llu loop_launches %llu regime_changes %llu on device, %llu by "
+               "exit\n",
                prefix, s.queued, s.running, server.service().active_streams(), s.kv_blocks_free,
                s.kv_blocks_total, static_cast<unsigned long long>(s.steps),
+               static_cast<unsigned long long>(s.mixed_steps),
                static_cast<unsigned long long>(s.tokens_generated),
-               static_cast<unsigned long long>(s.requests_finished));
+               static_cast<unsigned long long>(s.requests_finished),
+               static_cast<unsigned long long>(s.loop_launches),
+               static_cast<unsigned long long>(s.regime_changes_on_device),
+               static_cast<unsigned long long>(s.regime_changes_by_exit));
 }
 
 // Waits up to `timeout` for one of the signals in `set`; returns it, or 0 on timeout.

@@ -263,6 +263,13 @@ TEST(ServerLoopTest, LoopModeStreamsAsTheHostDrivenModeDoes) {
               open.result.status.error_code() == grpc::StatusCode::CANCELLED)
       << open.result.status.error_message();
   server->WaitSettled();
+  // GetStats carries the loop's counters: the CPU loop thread started with the backend, and the
+  // engine never pauses it; it has no mixed steps or attention regimes.
+  const pb::ServerStats s = server->Stats();
+  EXPECT_GT(s.steps(), 0u);
+  EXPECT_EQ(s.loop_launches(), 1u);
+  EXPECT_EQ(s.mixed_steps(), 0u);
+  EXPECT_EQ(s.regime_changes_on_device() + s.regime_changes_by_exit(), 0u);
 }
 
 TEST_F(ServerE2ETest, ClientCancelFreesKvBlocks) {
