@@ -336,6 +336,23 @@ nlohmann::json ModelInfoToJson(const v1::ModelInfo& info) {
   return nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
 }
 
+nlohmann::json ServerCountersToJson(const v1::ServerStats& before, const v1::ServerStats& after) {
+  // A counter that went backwards means another server answered (a restart): no delta then.
+  auto delta = [](uint64_t b, uint64_t a) -> nlohmann::json {
+    if (a < b) return nullptr;
+    return a - b;
+  };
+  return {{"steps", delta(before.steps(), after.steps())},
+          {"mixed_steps", delta(before.mixed_steps(), after.mixed_steps())},
+          {"tokens_generated", delta(before.tokens_generated(), after.tokens_generated())},
+          {"requests_finished", delta(before.requests_finished(), after.requests_finished())},
+          {"loop_launches", delta(before.loop_launches(), after.loop_launches())},
+          {"regime_changes_on_device",
+           delta(before.regime_changes_on_device(), after.regime_changes_on_device())},
+          {"regime_changes_by_exit",
+           delta(before.regime_changes_by_exit(), after.regime_changes_by_exit())}};
+}
+
 absl::StatusOr<std::unique_ptr<LoadClient>> LoadClient::Connect(const LoadOptions& options) {
   std::unique_ptr<LoadClient> client(new LoadClient(options));
   const auto deadline = std::chrono::system_clock::now() +
@@ -374,6 +391,21 @@ absl::StatusOr<v1::ModelInfo> LoadClient::GetModelInfo() {
   return info;
 }
 
+absl::StatusOr<v1::ServerStats> LoadClient::GetStats() {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                           std::chrono::duration<double>(options_.connect_timeout_s)));
+  v1::ServerStats stats;
+  const grpc::Status s = stubs_.front()->GetStats(&context, v1::GetStatsRequest(), &stats);
+  if (!s.ok()) {
+    return absl::UnavailableError(absl::StrCat("GetStats on ", options_.target,
+                                               " failed: ", StatusCodeName(s.error_code()), ": ",
+                                               s.error_message()));
+  }
+  return stats;
+}
+
 absl::StatusOr<RunResult> LoadClient::Run(const WorkloadOptions& workload) {
   const std::string pid = std::to_string(::getpid());
   if (options_.warmup_requests > 0) {
@@ -399,8 +431,15 @@ absl::StatusOr<RunResult> LoadClient::Run(const WorkloadOptions& workload) {
                  .duration_s = options_.duration_s,
                  .index_base = 0,
                  .id_prefix = absl::StrCat("load-", pid)};
+  absl::StatusOr<v1::ServerStats> before = GetStats();
   Phase phase(this, spec, workload);
-  return phase.Run();
+  TS_ASSIGN_OR_RETURN(RunResult result, phase.Run());
+  absl::StatusOr<v1::ServerStats> after = GetStats();
+  if (before.ok() && after.ok()) {
+    result.server_before = *std::move(before);
+    result.server_after = *std::move(after);
+  }
+  return result;
 }
 
 }  // namespace ts::load

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,10 @@ struct RunResult {
   double wall_s = 0;                   // measured phase, first send to last stream end
   int64_t cancelled_at_drain = 0;      // in flight when drain_timeout_s ran out
   bool interrupted = false;            // RequestStop() was called
+  // The server's GetStats just before the measured phase (after the warmup) and just after it;
+  // absent where a call failed. Its counters are published once per engine step, so a delta may
+  // miss or include the tokens of a step at either edge.
+  std::optional<tailserve::v1::ServerStats> server_before, server_after;
 };
 
 class LoadClient {
@@ -30,6 +35,7 @@ class LoadClient {
   static absl::StatusOr<std::unique_ptr<LoadClient>> Connect(const LoadOptions& options);
 
   absl::StatusOr<tailserve::v1::ModelInfo> GetModelInfo();
+  absl::StatusOr<tailserve::v1::ServerStats> GetStats();
 
   // Sends options.warmup_requests (closed loop, not recorded), then the measured run. Per-request
   // failures are recorded, not returned; an error here means the run itself could not proceed.
@@ -53,5 +59,8 @@ bool StopRequested();
 std::string StatusCodeName(int code);
 
 nlohmann::json ModelInfoToJson(const tailserve::v1::ModelInfo& info);
+// What the server's counters moved by between two GetStats (docs/load-client.md, Server counters).
+nlohmann::json ServerCountersToJson(const tailserve::v1::ServerStats& before,
+                                    const tailserve::v1::ServerStats& after);
 
 }  // namespace ts::load

@@ -229,6 +229,20 @@ int Main(int argc, char** argv) {
           : absl::StrCat("closed loop, concurrency ", options->concurrency, ", seed ",
                          options->seed);
   std::fputs(FormatSummaryTable(metrics, headline).c_str(), stdout);
+  nlohmann::json server_counters = nullptr;
+  if (result->server_before && result->server_after) {
+    server_counters = ServerCountersToJson(*result->server_before, *result->server_after);
+    const nlohmann::json& c = server_counters;
+    auto num = [&](const char* key) {
+      return c[key].is_number() ? std::to_string(c[key].get<uint64_t>()) : std::string("?");
+    };
+    std::printf(
+        "  server during the run: %s steps (%s mixed), %s tokens; its decode loop: %s launches, "
+        "%s regime changes on the device, %s by an exit\n",
+        num("steps").c_str(), num("mixed_steps").c_str(), num("tokens_generated").c_str(),
+        num("loop_launches").c_str(), num("regime_changes_on_device").c_str(),
+        num("regime_changes_by_exit").c_str());
+  }
   if (result->cancelled_at_drain > 0) {
     std::printf(
         "  %lld requests were still in flight after --drain_timeout_s=%g and were "
@@ -243,7 +257,8 @@ int Main(int argc, char** argv) {
                           .run = {{"wall_s", result->wall_s},
                                   {"cancelled_at_drain", result->cancelled_at_drain},
                                   {"interrupted", result->interrupted},
-                                  {"prompts", prompt_facts}},
+                                  {"prompts", prompt_facts},
+                                  {"server_counters", server_counters}},
                           .records = result->records,
                           .metrics = &metrics};
     if (auto s = WriteReport(options->out_dir, in); !s.ok()) return Fail(kNoOutput, s);

@@ -16,7 +16,9 @@
 # columns are p99s of the server's own Timing: its TTFT, and the queue (a slot and KV blocks), wait
 # (behind other prompts) and prefill parts of it; results.jsonl has them per request, and $OUT/serve-<mode>-<rate>.ttft-tail.txt
 # splits the slowest first tokens (bench/serving/ttft_tail.py), .itl-tail.txt the slowest token
-# intervals (bench/serving/itl_tail.py). The device loop's server prints, as it exits, its step
+# intervals (bench/serving/itl_tail.py). The last two columns are the server's counters over each
+# rate's run (tailserve-load's server_counters): the share of mixed steps (decode and prefill in
+# one step) and the loop's launches. The device loop's server prints, as it exits, its step
 # counts and how its attention regime changed (on the device, or by an exit that leaves the GPU
 # idle for the update); the script echoes that line and keeps it in $OUT/serve-exits.txt.
 set -uo pipefail
@@ -65,15 +67,21 @@ for mode in $MODES; do
     python3 bench/serving/itl_tail.py "$dir/results.jsonl" > "$dir.itl-tail.txt" 2>&1
     rows+=("$(python3 - "$dir/summary.json" "$mode$TAG" "$rate" <<'EOF'
 import json, sys
-m = json.load(open(sys.argv[1]))["metrics"]
+s = json.load(open(sys.argv[1]))
+m = s["metrics"]
 t, i = m["ttft_ms"], m["itl_ms"]
+# The server's counters over this rate's run: the share of its steps that were mixed, and how
+# often the loop was launched (each launch after an exit: the host stood between two steps).
+c = s["run"].get("server_counters") or {}
+mixed = f"{100 * c['mixed_steps'] / c['steps']:6.1f}" if c.get("steps") else f"{'-':>6}"
+launches = f"{c['loop_launches']:8d}" if c.get("loop_launches") is not None else f"{'-':>8}"
 # The server's share of the TTFT tail (its Timing): waiting for a slot, and prefill to first token.
 srv = [m.get(k, {}).get("p99")
        for k in ("server_ttft_ms", "server_queue_ms", "server_prefill_wait_ms", "server_prefill_ms")]
 srv = " ".join(f"{v:9.1f}" if v is not None else f"{'-':>9}" for v in srv)
 print(f"{sys.argv[2]:10} {sys.argv[3]:>5} {t['median']:9.1f} {t['p99']:9.1f} {i['median']:8.2f} "
       f"{i['p99']:8.2f} {i['p99'] / i['median']:7.2f} {m['requests_ok']:5d} {m['requests_failed']:4d} "
-      f"{srv}")
+      f"{srv} {mixed} {launches}")
 EOF
 )")
   done
@@ -82,5 +90,5 @@ EOF
   # The loop's totals over every rate of this server (see the header).
   grep "device loop:" "$log" | sed "s/^/$mode$TAG: /" | tee -a "$OUT/serve-exits.txt" || true
 done
-echo "mode        rate  ttft_p50  ttft_p99  itl_p50  itl_p99 p99/p50    ok fail  srv_ttft srv_queue  srv_wait srv_prefill (p99)"
+echo "mode        rate  ttft_p50  ttft_p99  itl_p50  itl_p99 p99/p50    ok fail  srv_ttft srv_queue  srv_wait srv_prefill (p99)  mixed% launches"
 printf '%s\n' "${rows[@]}"

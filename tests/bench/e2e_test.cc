@@ -123,6 +123,16 @@ class LoadE2eTest : public ::testing::Test {
     EXPECT_EQ(summary["model_info"]["backend"], "cpu");
     EXPECT_EQ(summary["model_info"]["vocab_size"], 311);  // the fixture's config.json
     EXPECT_EQ(summary["config"]["num_requests"], kRequests);
+    // The server's counters over the measured phase alone: a step's tokens may fall on either side
+    // of an edge, but not the warmup's or the run before this one (the closed run comes second).
+    const nlohmann::json& c = summary["run"]["server_counters"];
+    ASSERT_TRUE(c.is_object()) << summary["run"].dump();
+    EXPECT_GT(c["steps"].get<uint64_t>(), 0u);
+    EXPECT_GE(c["tokens_generated"].get<int>(), kRequests * kOutputLen - kRequests);
+    EXPECT_LE(c["tokens_generated"].get<int>(), kRequests * kOutputLen + kRequests);
+    EXPECT_EQ(c["mixed_steps"], 0) << "the CPU server decodes host-driven";
+    EXPECT_EQ(c["loop_launches"], 0);
+    EXPECT_NE(run.output.find("server during the run:"), std::string::npos) << run.output;
 
     std::ifstream html_file(out / "report.html");
     const std::string html((std::istreambuf_iterator<char>(html_file)),
