@@ -376,34 +376,37 @@ absl::StatusOr<std::unique_ptr<LoadClient>> LoadClient::Connect(const LoadOption
   return client;
 }
 
-absl::StatusOr<v1::ModelInfo> LoadClient::GetModelInfo() {
+namespace {
+
+// A unary call on `stub` under --connect_timeout_s; UNAVAILABLE naming the call and the target.
+template <typename Response, typename Call>
+absl::StatusOr<Response> UnaryCall(const LoadOptions& options, const char* name, Call call) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                           std::chrono::duration<double>(options_.connect_timeout_s)));
-  v1::ModelInfo info;
-  const grpc::Status s = stubs_.front()->GetModelInfo(&context, v1::GetModelInfoRequest(), &info);
+                           std::chrono::duration<double>(options.connect_timeout_s)));
+  Response response;
+  const grpc::Status s = call(&context, &response);
   if (!s.ok()) {
-    return absl::UnavailableError(absl::StrCat("GetModelInfo on ", options_.target,
+    return absl::UnavailableError(absl::StrCat(name, " on ", options.target,
                                                " failed: ", StatusCodeName(s.error_code()), ": ",
                                                s.error_message()));
   }
-  return info;
+  return response;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ModelInfo> LoadClient::GetModelInfo() {
+  return UnaryCall<v1::ModelInfo>(options_, "GetModelInfo", [&](auto* context, auto* info) {
+    return stubs_.front()->GetModelInfo(context, v1::GetModelInfoRequest(), info);
+  });
 }
 
 absl::StatusOr<v1::ServerStats> LoadClient::GetStats() {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                           std::chrono::duration<double>(options_.connect_timeout_s)));
-  v1::ServerStats stats;
-  const grpc::Status s = stubs_.front()->GetStats(&context, v1::GetStatsRequest(), &stats);
-  if (!s.ok()) {
-    return absl::UnavailableError(absl::StrCat("GetStats on ", options_.target,
-                                               " failed: ", StatusCodeName(s.error_code()), ": ",
-                                               s.error_message()));
-  }
-  return stats;
+  return UnaryCall<v1::ServerStats>(options_, "GetStats", [&](auto* context, auto* stats) {
+    return stubs_.front()->GetStats(context, v1::GetStatsRequest(), stats);
+  });
 }
 
 absl::StatusOr<RunResult> LoadClient::Run(const WorkloadOptions& workload) {
