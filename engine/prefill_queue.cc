@@ -6,13 +6,14 @@
 
 namespace ts {
 
-void PrefillQueue::Push(const SlotInit& init) {
+void PrefillQueue::Push(const SlotInit& init, Clock::time_point queued_at) {
   auto job = std::make_unique<Job>();
   job->prompt.assign(init.prompt.begin(), init.prompt.end());
   job->block_table.assign(init.block_table.begin(), init.block_table.end());
   job->init = init;
   job->init.prompt = job->prompt;
   job->init.block_table = job->block_table;
+  job->queued_at = queued_at;
   jobs_.push_back(std::move(job));
 }
 
@@ -25,6 +26,14 @@ int64_t PrefillQueue::pending_rows() const {
 bool PrefillQueue::Contains(SlotId slot) const {
   return std::any_of(jobs_.begin(), jobs_.end(),
                      [&](const std::unique_ptr<Job>& j) { return j->init.slot == slot; });
+}
+
+std::optional<PrefillQueue::Clock::time_point> PrefillQueue::oldest_unstarted() const {
+  // Jobs are in arrival order, so the first unstarted one waited longest.
+  for (const auto& j : jobs_) {
+    if (j->next == 0) return j->queued_at;
+  }
+  return std::nullopt;
 }
 
 std::vector<PrefillQueue::Piece> PrefillQueue::NextChunk(int32_t max_rows, int32_t keys_per_row) {

@@ -4,9 +4,11 @@
 // pieces of as many prompts as fit. Host-only and single-threaded: the backend's caller owns it.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -25,13 +27,19 @@ class PrefillQueue {
     bool last = false;   // its prompt's last piece: the first token is sampled after it
   };
 
+  using Clock = std::chrono::steady_clock;
+
   // Copies the prompt and block table: the caller's spans need not outlive the call.
-  void Push(const SlotInit& init);
+  void Push(const SlotInit& init, Clock::time_point queued_at);
   bool empty() const { return jobs_.empty(); }
   int32_t size() const { return static_cast<int32_t>(jobs_.size()); }
   // Prompt rows not yet handed out in a chunk.
   int64_t pending_rows() const;
   bool Contains(SlotId slot) const;
+  // When the longest-waiting prompt that no chunk has started yet was pushed; none when every
+  // queued prompt has started. How long prompts wait behind the ones ahead of them, the backlog
+  // a mixed step's catch-up budget answers (MixedStepPromptRows, engine/cuda/loop_policy.h).
+  std::optional<Clock::time_point> oldest_unstarted() const;
 
   // The next chunk of at most max_rows (>= 1) rows, in arrival order: whole prompts while they
   // fit, then the front part of the next one. Pieces stay valid until PopFinished.
@@ -56,6 +64,7 @@ class PrefillQueue {
     std::vector<int32_t> prompt;
     std::vector<int32_t> block_table;
     int32_t next = 0;  // prompt rows handed out so far
+    Clock::time_point queued_at;
   };
   std::deque<std::unique_ptr<Job>> jobs_;
 };

@@ -63,6 +63,8 @@ CudaBackendOptions OptionsFor(const CudaServeFlags& f, std::vector<CudaStageOpti
                             .max_context = f.max_context,
                             .device = f.device,
                             .prefill_step_tokens = f.prefill_step_tokens,
+                            .prefill_catchup_tokens = f.prefill_catchup_tokens,
+                            .prefill_catchup_after = f.prefill_catchup_after,
                             .device_loop = f.device_loop,
                             .stages = std::move(stages),
                             .link_timeout = f.pipeline_timeout,

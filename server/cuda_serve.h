@@ -26,6 +26,8 @@ struct CudaServeFlags {
   double gpu_memory_fraction = 0.9;
   int device = 0;
   int32_t prefill_step_tokens = 256;
+  int32_t prefill_catchup_tokens = 384;
+  std::chrono::milliseconds prefill_catchup_after{0};
   int32_t pipeline_stages = 1;
   std::string pipeline_devices;  // comma-separated, one per stage; empty: 0..stages-1
   std::chrono::milliseconds pipeline_timeout{60000};

@@ -84,6 +84,14 @@ ABSL_FLAG(int32_t, prefill_step_tokens, 256,
           "CUDA device loop: the rows of a mixed step, decode and prompt, while prompts wait "
           "beside decoding streams (a larger value: shorter time to first token, longer token "
           "intervals while prompts arrive; docs/device-loop.md).");
+ABSL_FLAG(int32_t, prefill_catchup_ms, 0,
+          "CUDA device loop: once a prompt has waited this long behind the prompts ahead of it, "
+          "mixed steps hold --prefill_catchup_tokens rows until that backlog is through: a burst's "
+          "first tokens come sooner, the streams' token intervals during it are longer; a lone "
+          "prompt never triggers it. 0: off (docs/device-loop.md, Catching up after a burst).");
+ABSL_FLAG(int32_t, prefill_catchup_tokens, 384,
+          "CUDA device loop: the rows of a mixed step while prompts catch up "
+          "(--prefill_catchup_ms); a value at or below --prefill_step_tokens changes nothing.");
 ABSL_FLAG(std::string, buckets, "",
           "Comma list of batch-size buckets, ascending; default: 1,2,4,8,16,24,32,48,64,96,128 "
           "below max_batch, then max_batch.");
@@ -338,6 +346,8 @@ CudaServeFlags CudaFlags(const std::vector<int32_t>& buckets, int32_t context, i
       .gpu_memory_fraction = absl::GetFlag(FLAGS_gpu_memory_fraction),
       .device = absl::GetFlag(FLAGS_device),
       .prefill_step_tokens = absl::GetFlag(FLAGS_prefill_step_tokens),
+      .prefill_catchup_tokens = absl::GetFlag(FLAGS_prefill_catchup_tokens),
+      .prefill_catchup_after = std::chrono::milliseconds(absl::GetFlag(FLAGS_prefill_catchup_ms)),
       .pipeline_stages = absl::GetFlag(FLAGS_pipeline_stages),
       .pipeline_devices = absl::GetFlag(FLAGS_pipeline_devices),
       .pipeline_timeout = std::chrono::milliseconds(absl::GetFlag(FLAGS_pipeline_timeout_ms)),
@@ -650,6 +660,10 @@ absl::Status CheckFlagRanges() {
   TS_RETURN_IF_ERROR(range("device", absl::GetFlag(FLAGS_device), 0, 1024));
   TS_RETURN_IF_ERROR(
       range("prefill_step_tokens", absl::GetFlag(FLAGS_prefill_step_tokens), 1, 1 << 20));
+  TS_RETURN_IF_ERROR(
+      range("prefill_catchup_tokens", absl::GetFlag(FLAGS_prefill_catchup_tokens), 1, 1 << 20));
+  TS_RETURN_IF_ERROR(
+      range("prefill_catchup_ms", absl::GetFlag(FLAGS_prefill_catchup_ms), 0, 1000 * kDay));
   TS_RETURN_IF_ERROR(range("stats_interval_s", absl::GetFlag(FLAGS_stats_interval_s), 0, kDay));
   TS_RETURN_IF_ERROR(range("watchdog_s", absl::GetFlag(FLAGS_watchdog_s), 0, kDay));
   TS_RETURN_IF_ERROR(range("rank", absl::GetFlag(FLAGS_rank), -1, 1 << 20));

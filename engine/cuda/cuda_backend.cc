@@ -34,6 +34,14 @@ absl::Status ValidateOptions(const CudaBackendOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill_step_tokens: must be >= 1, got ", o.prefill_step_tokens));
   }
+  if (o.prefill_catchup_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_catchup_tokens: must be >= 1, got ", o.prefill_catchup_tokens));
+  }
+  if (o.prefill_catchup_after.count() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("prefill_catchup_after: must be >= 0 ms, got ",
+                                                   o.prefill_catchup_after.count()));
+  }
   if (o.buckets.back() < o.max_slots) {
     return absl::InvalidArgumentError(
         absl::StrCat("buckets: largest bucket ", o.buckets.back(), " < max_slots ", o.max_slots));

@@ -90,6 +90,12 @@ struct CudaBackendOptions {
   // streams (docs/device-loop.md, mixed steps); >= 1, capped at prefill_chunk_tokens. The prompts
   // get at least a quarter of it.
   int32_t prefill_step_tokens = 256;
+  // Device loop: once a prompt has waited longer than prefill_catchup_after behind the ones ahead
+  // of it, mixed steps hold prefill_catchup_tokens rows until that backlog is through
+  // (MixedStepPromptRows, engine/cuda/loop_policy.h; docs/device-loop.md, Catching up after a
+  // burst). 0: off, the default.
+  int32_t prefill_catchup_tokens = 384;
+  std::chrono::milliseconds prefill_catchup_after{0};
   uint32_t ring_capacity = 1024;
   // The device-resident loop (docs/device-loop.md): Run(kLoop) keeps a scheduler kernel
   // tail-launching the bucket graphs with no host call between steps, and prefills new prompts

@@ -13,10 +13,12 @@
 // chunk of prompt rows rides in the same layer GEMMs, so the weights, most of a step's bytes,
 // are read once for both. A step holds at most prefill_step_tokens rows, decode and prompt
 // (vLLM's max_num_batched_tokens), so a stream's token interval grows by the chunk's compute
-// only. The host stages the next mixed step as soon as the last one's copies have run, keeping
-// about one step queued ahead of the GPU; when the queue is empty the loop is launched behind
-// the last one. With nothing decoding, a prompt goes in plain chunks as large as the prefill
-// buffers allow, and the loop launched behind the chunk admits its slots at its first step.
+// only; prefill_catchup_tokens once prompts have queued behind others for longer than
+// prefill_catchup_after (MixedStepPromptRows). The host stages the next mixed step as soon as the
+// last one's copies have run, keeping about one step queued ahead of the GPU; when the queue is
+// empty the loop is launched behind the last one. With nothing decoding, a prompt goes in plain
+// chunks as large as the prefill buffers allow, and the loop launched behind the chunk admits its
+// slots at its first step.
 //
 // Who writes a slot's device state: the chunk that holds a prompt's first piece stages it
 // PREFILL; the postprocess after its last piece makes it READY for the loop's scheduler (a plain
@@ -27,7 +29,9 @@
 // backend drops it and writes the FINISHED record itself).
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -103,8 +107,9 @@ void CudaBackend::StopLoop() {
 }
 
 void CudaBackend::QueuePrefills(std::span<const SlotInit> inits) {
+  const PrefillQueue::Clock::time_point now = PrefillQueue::Clock::now();
   for (const SlotInit& in : inits) {
-    prefill_queue_.Push(in);
+    prefill_queue_.Push(in, now);
     Slot& s = slots_[in.slot];
     table_->set_state(in.slot, SlotState::kQueued);
     s.prompt_len = static_cast<int32_t>(in.prompt.size());
@@ -171,11 +176,16 @@ absl::Status CudaBackend::EnqueueMixedStep() {
   TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
   TS_CHECK_GE(index, 0);
   const int32_t bucket = options_.buckets[index];
-  // prefill_step_tokens counts the step's rows, decode and prompt, as vLLM's
-  // max_num_batched_tokens does; prompts always get a quarter of it.
-  const int32_t step = std::min(options_.prefill_step_tokens, options_.prefill_chunk_tokens);
-  const int32_t prompt_rows = std::min(std::max(step - bucket, std::max(step / 4, 1)),
-                                       options_.prefill_chunk_tokens - bucket);
+  std::optional<std::chrono::nanoseconds> backlog_wait;
+  if (const auto queued = prefill_queue_.oldest_unstarted()) {
+    backlog_wait = PrefillQueue::Clock::now() - *queued;
+  }
+  const int32_t prompt_rows =
+      MixedStepPromptRows({.step_tokens = options_.prefill_step_tokens,
+                           .catchup_tokens = options_.prefill_catchup_tokens,
+                           .catchup_after = options_.prefill_catchup_after,
+                           .chunk_tokens = options_.prefill_chunk_tokens},
+                          bucket, backlog_wait);
   const int32_t splits = model_->NumSplits(bucket, RegimeBound(max_active_context()));
   TS_RETURN_IF_ERROR(EnqueueChunk(prompt_rows, bucket, splits));
   AfterStep(rows_);  // the host's decoded counts; RefreshSlots corrects them from the rings

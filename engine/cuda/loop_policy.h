@@ -3,7 +3,10 @@
 // decision without a GPU (tests/engine/loop_policy_test.cc); cuda_backend_loop.cc carries it out.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <optional>
 
 namespace ts {
 
@@ -44,6 +47,31 @@ inline LoopAction NextLoopAction(const LoopState& s) {
     return s.decoding ? LoopAction::kMixedStep : LoopAction::kPlainChunk;
   }
   return s.decoding ? LoopAction::kLaunch : LoopAction::kNone;
+}
+
+// How many rows a mixed step gives the prompts (docs/device-loop.md, mixed steps, and Catching
+// up after a burst). A step holds step_tokens rows, decode and prompt, as vLLM's
+// max_num_batched_tokens counts, and the prompts always get a quarter of it. Once a prompt has
+// waited longer than catchup_after behind the ones ahead of it (no chunk has started it), steps
+// hold catchup_tokens rows until that backlog is through: a burst of arrivals then clears at the
+// larger step's prefill rate, while a lone prompt, however long, never lengthens the streams'
+// steps beyond step_tokens. Every size is capped by the prefill buffers (chunk_tokens rows).
+struct MixedStepBudget {
+  int32_t step_tokens = 256;                  // >= 1
+  int32_t catchup_tokens = 384;               // >= 1; below step_tokens it changes nothing
+  std::chrono::nanoseconds catchup_after{0};  // 0: never catch up
+  int32_t chunk_tokens = 2048;                // > the largest bucket
+};
+
+inline int32_t MixedStepPromptRows(const MixedStepBudget& b, int32_t bucket,
+                                   std::optional<std::chrono::nanoseconds> oldest_unstarted_wait) {
+  int32_t step = b.step_tokens;
+  if (b.catchup_after.count() > 0 && oldest_unstarted_wait.has_value() &&
+      *oldest_unstarted_wait > b.catchup_after) {
+    step = std::max(step, b.catchup_tokens);
+  }
+  step = std::min(step, b.chunk_tokens);
+  return std::min(std::max(step - bucket, std::max(step / 4, 1)), b.chunk_tokens - bucket);
 }
 
 // The loop's own regime switch (docs/device-loop.md, The attention regime): the host offers the

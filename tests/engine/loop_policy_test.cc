@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <optional>
 #include <string>
 
 namespace ts {
@@ -141,6 +143,66 @@ TEST(LoopPolicyTest, AWithdrawalSettlesOnlyAfterTheNextStepOrTheExit) {
   EXPECT_FALSE(WithdrawalSettled(/*loop_running=*/true, /*steps=*/7, /*withdraw_steps=*/7));
   EXPECT_TRUE(WithdrawalSettled(true, 8, 7));
   EXPECT_TRUE(WithdrawalSettled(false, 7, 7));
+}
+
+// A mixed step's prompt rows: the step's rows less the bucket's decode rows, at least a quarter of
+// the step, within the prefill buffers; catch-up steps only once a prompt has waited longer than
+// catchup_after without a chunk.
+TEST(LoopPolicyTest, MixedStepsGiveThePromptsTheStepLessItsDecodeRows) {
+  const MixedStepBudget b{
+      .step_tokens = 256, .catchup_tokens = 512, .catchup_after = {}, .chunk_tokens = 2048};
+  EXPECT_EQ(MixedStepPromptRows(b, 16, std::nullopt), 240);
+  EXPECT_EQ(MixedStepPromptRows(b, 64, std::nullopt), 192);
+  EXPECT_EQ(MixedStepPromptRows(b, 240, std::nullopt), 64);  // a quarter at least
+  EXPECT_EQ(MixedStepPromptRows(b, 1024, std::nullopt), 64);
+  // The step is capped by the prefill buffers, and so is the quarter.
+  const MixedStepBudget small{.step_tokens = 256, .chunk_tokens = 100};
+  EXPECT_EQ(MixedStepPromptRows(small, 64, std::nullopt), 36);
+  const MixedStepBudget tight{.step_tokens = 256, .chunk_tokens = 80};
+  EXPECT_EQ(MixedStepPromptRows(tight, 64, std::nullopt), 16);
+  const MixedStepBudget one{.step_tokens = 1, .chunk_tokens = 2048};
+  EXPECT_EQ(MixedStepPromptRows(one, 8, std::nullopt), 1);
+}
+
+TEST(LoopPolicyTest, CatchUpStepsOnlyOncePromptsHaveWaitedBehindOthersTooLong) {
+  using namespace std::chrono_literals;
+  const MixedStepBudget b{
+      .step_tokens = 256, .catchup_tokens = 512, .catchup_after = 30ms, .chunk_tokens = 2048};
+  EXPECT_EQ(MixedStepPromptRows(b, 64, std::nullopt), 192);  // nothing unstarted
+  EXPECT_EQ(MixedStepPromptRows(b, 64, 0ns), 192);
+  EXPECT_EQ(MixedStepPromptRows(b, 64, 30ms), 192);  // not longer than catchup_after
+  EXPECT_EQ(MixedStepPromptRows(b, 64, 30ms + 1ns), 448);
+  EXPECT_EQ(MixedStepPromptRows(b, 16, 2s), 496);
+  // Off: catchup_after 0, or a catch-up step no larger than the plain one.
+  MixedStepBudget off = b;
+  off.catchup_after = 0ns;
+  EXPECT_EQ(MixedStepPromptRows(off, 64, 10s), 192);
+  MixedStepBudget smaller = b;
+  smaller.catchup_tokens = 128;
+  EXPECT_EQ(MixedStepPromptRows(smaller, 64, 10s), 192);
+  // The prefill buffers cap a catch-up step too.
+  MixedStepBudget capped = b;
+  capped.chunk_tokens = 300;
+  EXPECT_EQ(MixedStepPromptRows(capped, 64, 10s), 236);
+  // Over a grid: within [1, chunk - bucket], never fewer rows for a longer wait.
+  for (int32_t step : {1, 6, 64, 256, 700}) {
+    for (int32_t catchup : {1, 256, 512, 4096}) {
+      for (int32_t bucket : {1, 8, 64, 128}) {
+        const MixedStepBudget g{.step_tokens = step,
+                                .catchup_tokens = catchup,
+                                .catchup_after = 30ms,
+                                .chunk_tokens = 1024};
+        int32_t last = 0;
+        for (auto wait : {0ms, 29ms, 30ms, 31ms, 5000ms}) {
+          const int32_t rows = MixedStepPromptRows(g, bucket, wait);
+          EXPECT_GE(rows, 1);
+          EXPECT_LE(rows, 1024 - bucket);
+          EXPECT_GE(rows, last) << step << " " << catchup << " " << bucket;
+          last = rows;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

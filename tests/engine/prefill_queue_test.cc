@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <numeric>
 #include <vector>
 
@@ -23,9 +24,12 @@ Prompt MakePrompt(int32_t len, int32_t first_token) {
   return p;
 }
 
-void Push(PrefillQueue& q, SlotId slot, const Prompt& p) {
-  q.Push(SlotInit{
-      .slot = slot, .prompt = p.tokens, .block_table = p.table, .sampling = {}, .stop = {}});
+void Push(PrefillQueue& q, SlotId slot, const Prompt& p,
+          PrefillQueue::Clock::time_point queued_at = {}) {
+  q.Push(
+      SlotInit{
+          .slot = slot, .prompt = p.tokens, .block_table = p.table, .sampling = {}, .stop = {}},
+      queued_at);
 }
 
 TEST(PrefillQueueTest, PacksWholePromptsThenSplitsTheNextInArrivalOrder) {
@@ -171,6 +175,32 @@ TEST(PrefillQueueTest, DropSaysWhetherThePromptWasStartedAndKeepsTheOthers) {
   EXPECT_EQ(q.Drop(2), PrefillQueue::DropResult::kNotQueued);
   q.PopFinished();
   EXPECT_TRUE(q.empty());
+}
+
+// The catch-up budget (MixedStepPromptRows) keys on how long prompts wait behind others, so the
+// queue reports the oldest prompt no chunk has started: a started prompt, however long it still
+// runs, is not a backlog; a dropped one waits no more.
+TEST(PrefillQueueTest, OldestUnstartedIsTheFirstPromptNoChunkHasStarted) {
+  using namespace std::chrono_literals;
+  const PrefillQueue::Clock::time_point t0{1s};
+  PrefillQueue q;
+  EXPECT_FALSE(q.oldest_unstarted().has_value());
+  const Prompt a = MakePrompt(10, 100), b = MakePrompt(4, 200), c = MakePrompt(4, 300);
+  Push(q, 1, a, t0);
+  Push(q, 2, b, t0 + 5ms);
+  Push(q, 3, c, t0 + 9ms);
+  EXPECT_EQ(q.oldest_unstarted(), t0);
+  q.NextChunk(6);  // a started, not finished
+  EXPECT_EQ(q.oldest_unstarted(), t0 + 5ms);
+  q.PopFinished();
+  EXPECT_EQ(q.oldest_unstarted(), t0 + 5ms);
+  EXPECT_EQ(q.Drop(2), PrefillQueue::DropResult::kUnstarted);
+  EXPECT_EQ(q.oldest_unstarted(), t0 + 9ms);
+  q.NextChunk(5);  // the rest of a, and c's first row
+  EXPECT_FALSE(q.oldest_unstarted().has_value());
+  q.PopFinished();
+  ASSERT_TRUE(q.Contains(3));
+  EXPECT_FALSE(q.oldest_unstarted().has_value());
 }
 
 }  // namespace

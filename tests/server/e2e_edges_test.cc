@@ -127,6 +127,9 @@ TEST(ServerEdgeTest, OutOfRangeFlagsFailNamingTheFlag) {
       {"--gpu_memory_fraction=1.5", "--gpu_memory_fraction"},
       {"--max_batch=100000", "--max_batch"},
       {"--debug_step_delay_ms=-1", "--debug_step_delay_ms"},
+      {"--prefill_step_tokens=0", "--prefill_step_tokens"},
+      {"--prefill_catchup_tokens=0", "--prefill_catchup_tokens"},
+      {"--prefill_catchup_ms=-1", "--prefill_catchup_ms"},
   };
   for (const auto& [flag, name] : cases) {
     SCOPED_TRACE(flag);
