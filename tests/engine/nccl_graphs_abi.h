@@ -3,9 +3,10 @@
 // 2.28.7 added GIN, which inserted ncclDevCommRequirements::barrierCount before lsaBarrierCount,
 // grew ncclWindow_vidmem (inlined in ncclDevComm, so every later field moved) and appended fields
 // to ncclDevComm (checked against NVIDIA/nccl's tags v2.28.3-1, v2.28.7-1 and v2.28.9-1). The GPU
-// machine has had 2.28.3 (DESIGN §6) while this toolkit ships 2.28.9, so for a 2.28.3 library the
-// requirements go in, and the device communicator comes out, in 2.28.3's layout, converted to the
-// header's for the kernels (which read only fields that 2.28.3 has).
+// machine has had 2.28.3 (docs/gpu-facts.md, Software on the GPU machine) while this toolkit
+// ships 2.28.9, so for a 2.28.3 library the requirements go in, and the device communicator comes
+// out, in 2.28.3's layout, converted to the header's for the kernels (which read only fields
+// that 2.28.3 has).
 #pragma once
 
 #include <nccl.h>

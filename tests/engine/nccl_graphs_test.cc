@@ -1,7 +1,7 @@
-// Which NCCL operations work in which CUDA graphs (DESIGN §4: device-launched graphs hold only
-// kernel, memcpy, memset and child-graph nodes, so send/recv may be host-graph-only, and a device
-// loop across GPUs would need NCCL 2.28's device API). Found out on one GPU with a one-rank
-// communicator; each case prints one FINDING line for the record.
+// Which NCCL operations work in which CUDA graphs (docs/gpu-facts.md, Device-launchable graphs:
+// they hold only kernel, memcpy, memset and child-graph nodes, so send/recv may be host-graph-only,
+// and a device loop across GPUs would need NCCL 2.28's device API). Found out on one GPU with a
+// one-rank communicator; each case prints one FINDING line for the record.
 //
 // An outcome that is the thing being explored (an instantiation or an NCCL call refused) is
 // printed and not asserted. Wrong data after any path reports success fails the test, and every
