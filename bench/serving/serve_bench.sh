@@ -14,13 +14,16 @@
 # random-weight one in the SHAPE given (default 8b). Prompts are random ids, uniform 64-512 tokens,
 # 128 output tokens (EOS ignored), greedy; --max_batch 64. Full reports under $OUT/serve-*. The last
 # columns are p99s of the server's own Timing: its TTFT, and the queue (a slot and KV blocks), wait
-# (behind other prompts) and prefill parts of it; results.jsonl has them per request, and $OUT/serve-<mode>-<rate>.ttft-tail.txt
-# splits the slowest first tokens (bench/serving/ttft_tail.py), .itl-tail.txt the slowest token
-# intervals (bench/serving/itl_tail.py). The last two columns are the server's counters over each
-# rate's run (tailserve-load's server_counters): the share of mixed steps (decode and prefill in
-# one step) and the loop's launches. The device loop's server prints, as it exits, its step
-# counts and how its attention regime changed (on the device, or by an exit that leaves the GPU
-# idle for the update); the script echoes that line and keeps it in $OUT/serve-exits.txt.
+# (behind other prompts) and prefill parts of it; results.jsonl has them per request, and
+# $OUT/serve-<mode>-<rate>.ttft-tail.txt splits the slowest first tokens
+# (bench/serving/ttft_tail.py), .itl-tail.txt the slowest token intervals
+# (bench/serving/itl_tail.py); $OUT/serve-all-tails.txt holds every run's two reports in one file,
+# whose name sorts before the others, for a remote runner that returns only the first few files.
+# The last two columns are the server's counters over each rate's run (tailserve-load's
+# server_counters): the share of mixed steps (decode and prefill in one step) and the loop's
+# launches. The device loop's server prints, as it exits, its step counts and how its attention
+# regime changed (on the device, or by an exit that leaves the GPU idle for the update); the
+# script echoes that line and keeps it in $OUT/serve-exits.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/serve-out}
@@ -65,6 +68,9 @@ for mode in $MODES; do
       --out_dir "$dir" > "$dir.log" 2>&1 || echo "$mode $rate: tailserve-load rc=$?"
     python3 bench/serving/ttft_tail.py "$dir/results.jsonl" > "$dir.ttft-tail.txt" 2>&1
     python3 bench/serving/itl_tail.py "$dir/results.jsonl" > "$dir.itl-tail.txt" 2>&1
+    for t in ttft itl; do
+      { echo "==== $mode$TAG $rate req/s: $t tail"; cat "$dir.$t-tail.txt"; } >> "$OUT/serve-all-tails.txt"
+    done
     rows+=("$(python3 - "$dir/summary.json" "$mode$TAG" "$rate" <<'EOF'
 import json, sys
 s = json.load(open(sys.argv[1]))
