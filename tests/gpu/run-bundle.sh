@@ -21,8 +21,11 @@
 #     crashes in it (bench/results/2026-12-07e-h200.md). Leave it out of racecheck runs, and read
 #     its memcheck result by the error summary. Under racecheck kernels_decode_attention_test,
 #     kernels_sampling_test and kernels_gemv_test each need more than one device call's 600 s
-#     with other tools beside them (bench/results/2026-12-07f-h100.md): run them alone, a
-#     --gtest_filter at a time.
+#     with other tools beside them (bench/results/2026-12-07f-h100.md): SANITIZE_SHARD=1 runs
+#     each test of a binary (each test left by SANITIZE_GTEST_ARGS' filter) as its own job, so
+#     that SANITIZE_JOBS of them share the call. SANITIZE_BUDGET=N (seconds) ends every tool run
+#     N s after the start and starts none in the last 20 s, so that a call with a wall-clock limit
+#     still prints its table (runs not started are listed as NOT RUN and count as failures).
 #   TESTS: a regex of the binaries to run (default: all).
 # TS_REQUIRE_GPU=1 turns "no CUDA device" into a failure: on this machine a skip would hide a
 # broken device (tests/common/gpu_main.cc).
@@ -58,6 +61,7 @@ jobs_run=()
 # Per-run sanitizer logs stay off $OUT: only a few files come back from the machine, and a run
 # cut short must not crowd out the logs that matter.
 jobdir=$(mktemp -d)
+sanitize_end=$(( $(date +%s) + ${SANITIZE_BUDGET:-0} ))
 pass=0; fail=0; skip=0; failed=()
 # run_one <log> <name> <timeout> <command...>
 run_one() {
@@ -88,35 +92,57 @@ while read -r t limit; do
     run_one "$OUT/tests.log" "$t" "${limit:-600}" ".bundle/bin/$t" ${GTEST_ARGS:-}
   else
     [[ -z "${SANITIZE_TESTS:-}" || "$t" =~ ${SANITIZE_TESTS} ]] || continue
+    # One run of the binary, or with SANITIZE_SHARD=1 one run per test it lists (after
+    # SANITIZE_GTEST_ARGS' filter), each its own job.
+    shards=("")
+    if [ -n "${SANITIZE_SHARD:-}" ]; then
+      mapfile -t shards < <(".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-} --gtest_list_tests |
+        awk '/^[^ ]/ { suite = $1 } /^  [^ ]/ { print suite $1 }')
+      [ ${#shards[@]} -gt 0 ] || shards=("")
+    fi
     for tool in $SANITIZE; do
-      while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-1}" ]; do wait -n; done
-      job="$jobdir/$tool-$t"
-      ( t0=$(date +%s)
-        timeout "${SANITIZE_TIMEOUT:-${limit:-600}}" compute-sanitizer --tool "$tool" \
-          --error-exitcode 86 --print-limit 20 --report-api-errors no ${SANITIZE_ARGS:-} \
-          ".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-} \
-          > "$job.log" 2>&1
-        echo "$? $(( $(date +%s) - t0 ))" > "$job.rc" ) &
-      jobs_run+=("$tool $t")
+      for i in "${!shards[@]}"; do
+        shard=${shards[$i]}
+        while [ "$(jobs -rp | wc -l)" -ge "${SANITIZE_JOBS:-1}" ]; do wait -n; done
+        job="$jobdir/$tool-$t-$i"
+        jobs_run+=("$tool $t $i $shard")
+        cap=${SANITIZE_TIMEOUT:-${limit:-600}}
+        if [ -n "${SANITIZE_BUDGET:-}" ]; then
+          left=$(( sanitize_end - $(date +%s) ))
+          if [ "$left" -lt 20 ]; then echo "not-run 0" > "$job.rc"; continue; fi
+          [ "$left" -ge "$cap" ] || cap=$left
+        fi
+        ( t0=$(date +%s)
+          timeout "$cap" compute-sanitizer --tool "$tool" \
+            --error-exitcode 86 --print-limit 20 --report-api-errors no ${SANITIZE_ARGS:-} \
+            ".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-} ${shard:+--gtest_filter=$shard} \
+            > "$job.log" 2>&1
+          echo "$? $(( $(date +%s) - t0 ))" > "$job.rc" ) &
+      done
     done
   fi
 done < .bundle/gpu-tests.txt
 wait
 # One log per tool and the table, in launch order (only a few files come back from the machine).
 for j in "${jobs_run[@]}"; do
-  read -r tool t <<< "$j"
-  job="$jobdir/$tool-$t"
+  read -r tool t i shard <<< "$j"
+  job="$jobdir/$tool-$t-$i"
   read -r rc secs < "$job.rc"
-  { echo "==== $t"; cat "$job.log"; } >> "$OUT/sanitize-$tool.log"
+  if [ "$rc" = not-run ]; then
+    fail=$((fail+1)); failed+=("$t${shard:+ $shard} [$tool] (not run)")
+    table+=("$(printf '%-44s %-16s' "$t${shard:+ $shard} [$tool]" "NOT RUN (budget)")")
+    continue
+  fi
+  { echo "==== $t${shard:+ $shard}"; cat "$job.log"; } >> "$OUT/sanitize-$tool.log"
   if [ "$rc" -eq 0 ]; then verdict=pass; pass=$((pass+1));
   elif [ "$rc" -eq 77 ]; then verdict=skip; skip=$((skip+1));
   else
     verdict="FAIL rc=$rc"; [ "$rc" -eq 86 ] && verdict="SANITIZER ERROR"
     [ "$rc" -eq 124 ] && verdict="TIMEOUT"
-    fail=$((fail+1)); failed+=("$t [$tool]")
+    fail=$((fail+1)); failed+=("$t${shard:+ $shard} [$tool]")
     grep -E "Failure|FAILED|ERROR SUMMARY: [1-9]|Invalid|Race|Uninitialized|Expected" "$job.log" | head -8
   fi
-  table+=("$(printf '%-44s %-16s %5s s' "$t [$tool]" "$verdict" "$secs")")
+  table+=("$(printf '%-44s %-16s %5s s' "$t${shard:+ $shard} [$tool]" "$verdict" "$secs")")
   rm -f "$job.log" "$job.rc"
 done
 rm -rf "$jobdir"

@@ -51,17 +51,26 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // The kernel walks each split in 16-key chunks and looks up every key's block: blocks of 1-8
-// split a chunk over several blocks, 32-256 hold several chunks (and a long poisoned tail).
-TEST(DecodeAttentionTest, BlockSizesAroundTheKeyChunk) {
-  for (int block_size : {1, 2, 4, 8, 32, 64, 256}) {
-    for (int head_dim : {16, 64, 128}) {
-      SCOPED_TRACE(absl::StrCat("block_size=", block_size, " head_dim=", head_dim));
-      const uint32_t seed = 300 + block_size + head_dim;
-      const DecodeHarness h({32, 8}, head_dim, Contexts(9, seed), seed, block_size);
-      for (const ModeConfig& m : AllModes(h)) h.RunAndCheck(m);
-    }
+// split a chunk over several blocks, 32-256 hold several chunks (and a long poisoned tail). One
+// test per block size, so that a compute-sanitizer run can take them one at a time
+// (tests/gpu/run-bundle.sh, SANITIZE_SHARD).
+class DecodeAttentionBlockSizeTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(DecodeAttentionBlockSizeTest, MatchesReferenceAroundTheKeyChunk) {
+  const int block_size = GetParam();
+  for (int head_dim : {16, 64, 128}) {
+    SCOPED_TRACE(absl::StrCat("head_dim=", head_dim));
+    const uint32_t seed = 300 + block_size + head_dim;
+    const DecodeHarness h({32, 8}, head_dim, Contexts(9, seed), seed, block_size);
+    for (const ModeConfig& m : AllModes(h)) h.RunAndCheck(m);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(BlockSizes, DecodeAttentionBlockSizeTest,
+                         ::testing::Values(1, 2, 4, 8, 32, 64, 256),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return absl::StrCat("Block", info.param);
+                         });
 
 TEST(DecodeAttentionTest, EachEdgeLengthAlone) {
   for (int n : {1, 15, 16, 17, 255, 1000, 4000}) {
@@ -74,13 +83,18 @@ TEST(DecodeAttentionTest, EachEdgeLengthAlone) {
 // Long contexts at the Llama-3 8B head shape, one sequence each: every mode of AllModes, so the
 // production split count (ChooseNumSplits: 32-49 splits on an H200), one split over the whole
 // context, several splits through the combine kernel and the work queue.
-TEST(DecodeAttentionTest, LongContexts) {
-  for (int n : {4096, 16384, 32768}) {
-    SCOPED_TRACE(absl::StrCat("context=", n));
-    const DecodeHarness h({32, 8}, 128, {n}, 2000 + n);
-    for (const ModeConfig& m : AllModes(h)) h.RunAndCheck(m, /*report=*/true);
-  }
+class DecodeAttentionLongTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(DecodeAttentionLongTest, MatchesReferenceInEveryMode) {
+  const int n = GetParam();
+  const DecodeHarness h({32, 8}, 128, {n}, 2000 + n);
+  for (const ModeConfig& m : AllModes(h)) h.RunAndCheck(m, /*report=*/true);
 }
+
+INSTANTIATE_TEST_SUITE_P(Contexts, DecodeAttentionLongTest, ::testing::Values(4096, 16384, 32768),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return absl::StrCat("Context", info.param);
+                         });
 
 // A ragged batch of long and short contexts off the block boundaries, with a padding row.
 TEST(DecodeAttentionTest, RaggedLongBatch) {
