@@ -96,7 +96,7 @@ while read -r t limit; do
     # SANITIZE_GTEST_ARGS' filter), each its own job.
     shards=("")
     if [ -n "${SANITIZE_SHARD:-}" ]; then
-      mapfile -t shards < <(".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-} --gtest_list_tests |
+      mapfile -t shards < <(".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-} --gtest_list_tests < /dev/null |
         awk '/^[^ ]/ { suite = $1 } /^  [^ ]/ { print suite $1 }')
       [ ${#shards[@]} -gt 0 ] || shards=("")
     fi
