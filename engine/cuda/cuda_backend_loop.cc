@@ -176,9 +176,11 @@ absl::Status CudaBackend::EnqueueMixedStep() {
   TS_ASSIGN_OR_RETURN(const int32_t index, StageRows());
   TS_CHECK_GE(index, 0);
   const int32_t bucket = options_.buckets[index];
-  std::optional<std::chrono::nanoseconds> backlog_wait;
-  if (const auto queued = prefill_queue_.oldest_unstarted()) {
-    backlog_wait = PrefillQueue::Clock::now() - *queued;
+  std::optional<std::chrono::nanoseconds> backlog_wait;  // read only where catch-up is on
+  if (options_.prefill_catchup_after.count() > 0) {
+    if (const auto queued = prefill_queue_.oldest_unstarted()) {
+      backlog_wait = PrefillQueue::Clock::now() - *queued;
+    }
   }
   const int32_t prompt_rows =
       MixedStepPromptRows({.step_tokens = options_.prefill_step_tokens,
