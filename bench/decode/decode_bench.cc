@@ -56,6 +56,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/common/copy_roof.h"
 #include "bench/decode/step_clock.h"
 #include "common/flags.h"
 #include "common/status.h"
@@ -178,35 +179,6 @@ absl::StatusOr<std::vector<int32_t>> ParseInts(const std::string& flag, const st
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
-}
-
-// Device-to-device copy bandwidth, bytes read + written per second: the memory roof.
-absl::StatusOr<double> MeasureCopyBandwidth() {
-  const size_t bytes = size_t{2} << 30;
-  void* a = nullptr;
-  void* b = nullptr;
-  TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&a, bytes));
-  TS_CUDA_RETURN_IF_ERROR(cudaMalloc(&b, bytes));
-  TS_CUDA_RETURN_IF_ERROR(cudaMemset(a, 1, bytes));  // never time on zeros
-  cudaEvent_t e0, e1;
-  TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e0));
-  TS_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e1));
-  std::vector<double> gbps;
-  for (int rep = 0; rep < 12; ++rep) {
-    TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(e0));
-    TS_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(rep % 2 ? a : b, rep % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice));
-    TS_CUDA_RETURN_IF_ERROR(cudaEventRecord(e1));
-    TS_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(e1));
-    float ms = 0;
-    TS_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, e0, e1));
-    if (rep >= 2) gbps.push_back(2.0 * bytes / (ms * 1e-3) / 1e9);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  TS_CUDA_RETURN_IF_ERROR(cudaFree(a));
-  TS_CUDA_RETURN_IF_ERROR(cudaFree(b));
-  return Quantile(gbps, 0.5);
 }
 
 struct Settings {
@@ -718,12 +690,7 @@ int Main() {
     std::fprintf(stderr, "no usable CUDA device %d\n", absl::GetFlag(FLAGS_device));
     return 1;
   }
-  auto bw = MeasureCopyBandwidth();
-  if (!bw.ok()) {
-    std::fprintf(stderr, "copy bandwidth: %s\n", bw.status().ToString().c_str());
-    return 1;
-  }
-  s.copy_gbps = *bw;
+  s.copy_gbps = MeasureCopyBandwidthGbps();
   std::printf("device-to-device copy: %.0f GB/s (read + write)\n", s.copy_gbps);
   std::unique_ptr<std::ofstream> out;
   if (!absl::GetFlag(FLAGS_out).empty()) {

@@ -3,7 +3,8 @@
 // down) at M = 8, 16, 32, 64, 128 it times every algorithm cuBLASLt's heuristic offers (up to 32
 // asked) and each one's split-K variants (2..16 splits, in-place and fp32 reduction, where
 // cublasLtMatmulAlgoCheck accepts them), and prints the heuristic's first choice, the fastest
-// candidate, and the HBM roof (W + A + C bytes at 4.3 TB/s).
+// candidate, and the HBM roof (W + A + C bytes at the copy bandwidth measured first,
+// bench/common/copy_roof.h).
 //
 // Method: each candidate is launched alone between two CUDA events, 3 warm-ups then the median of
 // 10; W rotates over 4 copies so L2 never holds it. Standalone launches carry launch latency
@@ -32,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench/common/copy_roof.h"
 #include "cublaslt_setup.h"  // beside this file
 
 namespace {
@@ -41,7 +43,6 @@ using ts::bench::Projection;
 #define CHECK(x) \
   ts::bench::CheckOrExit("tailserve-cublaslt-sweep", static_cast<int>(x), #x, __LINE__)
 
-constexpr double kRoofBytesPerUs = 4.3e6;  // docs/gpu-facts.md, Bandwidth roof
 constexpr double kPeakFlopsPerUs = 989e6;  // the H200's dense bf16 tensor-core peak
 constexpr int kCopies = 4;
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // as kernels/gemm.cuh's default
@@ -187,6 +188,9 @@ int main(int argc, char** argv) {
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
 
+  const double copy_gbps = ts::bench::MeasureCopyBandwidthGbps();
+  const double roof_bytes_per_us = copy_gbps * 1e3;
+  std::printf("device-to-device copy: %.0f GB/s (read + write): the roof\n", copy_gbps);
   std::printf("%-11s %4s %9s %9s %9s %9s %11s %s\n", "shape", "m", "top1_us", "best_us", "roof_us",
               "flop_us", "best_splits", "candidates");
   std::vector<float> top1;  // per (m, shape), in loop order, for the second table
@@ -209,7 +213,7 @@ int main(int argc, char** argv) {
         if (us > 0.f) median[i] = us;
       }
       const double roof =
-          (double(s.n) * s.k + double(m) * (s.k + s.n)) * sizeof(__nv_bfloat16) / kRoofBytesPerUs;
+          (double(s.n) * s.k + double(m) * (s.k + s.n)) * sizeof(__nv_bfloat16) / roof_bytes_per_us;
       top1.push_back(cand.empty() ? 0.f : median[0]);
       if (cand.empty()) {
         std::printf("%-11s %4d  no algorithm\n", s.name, m);

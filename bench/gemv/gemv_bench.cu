@@ -4,7 +4,8 @@
 // ChooseGemvSplitK's split, against kernels/gemm.cuh's cuBLASLt Gemm. Each variant is captured as
 // a graph of `launches` back-to-back launches whose W rotates over enough copies that L2 (read off
 // the device) never holds it; a replay is timed with CUDA events after warm-up and the table shows
-// the median per launch in us and as a fraction of the 4.3 TB/s read roof (W bytes only), plus the
+// the median per launch in us and as a fraction of the read roof (W bytes at the copy bandwidth
+// measured in the same run, bench/common/copy_roof.h), plus the
 // rel. L2 difference of our output against cuBLASLt's (a sanity check, ~1e-3 is bf16 rounding).
 //
 //   tailserve-gemv-bench [--model=all|1b|8b] [--ms=1,4,8,12,16] [--iters=30]
@@ -31,14 +32,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "bench/common/copy_roof.h"
 #include "bench/common/graph_timing.h"
 #include "kernels/gemm.cuh"
 #include "kernels/gemv.cuh"
 
 namespace ts::bench {
 namespace {
-
-constexpr double kRoofBytesPerUs = 4.3e6;  // 4.3 TB/s (docs/gpu-facts.md, Bandwidth roof)
 
 struct Options {
   std::string model = "all";
@@ -61,7 +61,8 @@ constexpr char kUsage[] =
     "                            [--warmup=3] [--launches=20] [--splits=2,4,8]\n"
     "  Times the Llama-3.2-1B and Llama-3.1-8B decode GEMMs (qkv, o, gate_up, down, lm_head) at\n"
     "  each M of --ms: kernels/gemv.cuh, plain and with PDL, against cuBLASLt (us per launch and\n"
-    "  fraction of the 4.3 TB/s W roof). --splits: at m > 8, one more row per forced split_k.\n"
+    "  fraction of the W roof at the copy bandwidth measured first). --splits: at m > 8, one more\n"
+    "  row per forced split_k.\n"
     "  bench/gemv/README.md says more.\n";
 
 // A comma-separated list of integers in [1, hi] replaces *out.
@@ -156,6 +157,7 @@ struct Shape {
 struct Device {
   int num_sms = 0;
   size_t l2_bytes = 0;
+  double copy_bytes_per_us = 0;  // the roof: device-to-device copy bandwidth, this run
 };
 
 // One shape's operands for up to max_m rows: `copies` copies of W that the timed launches rotate
@@ -257,7 +259,7 @@ void RunShape(const Options& o, const Device& dev, const Shape& s, kernels::Gemm
     CheckOk(kernels::LaunchGemv(p, stream), "gemv");
     const double diff = DiffAgainstCublas(gemm, x, s, m, stream);
 
-    const double roof = x.bytes / kRoofBytesPerUs;
+    const double roof = x.bytes / dev.copy_bytes_per_us;
     auto pct = [&](double us) { return 100.0 * roof / us; };
     std::printf(
         "%-3s %-8s %6d %6d %3d %8.1f %7.2f | %8.2f %4.0f%% | %8.2f %4.0f%% | %8.2f %4.0f%% |"
@@ -283,9 +285,13 @@ int Main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-  const Device dev{prop.multiProcessorCount, static_cast<size_t>(prop.l2CacheSize)};
-  std::printf("device %s, %d SMs, L2 %.1f MB; %d launches per graph, median of %d replays\n",
-              prop.name, dev.num_sms, dev.l2_bytes / 1e6, o.launches, o.iters);
+  const double copy_gbps = MeasureCopyBandwidthGbps();
+  const Device dev{prop.multiProcessorCount, static_cast<size_t>(prop.l2CacheSize),
+                   copy_gbps * 1e3};
+  std::printf(
+      "device %s, %d SMs, L2 %.1f MB, copy %.0f GB/s; %d launches per graph, median of %d "
+      "replays\n",
+      prop.name, dev.num_sms, dev.l2_bytes / 1e6, copy_gbps, o.launches, o.iters);
 
   // Llama-3.2-1B: hidden 2048, 32 q / 8 kv heads of 64, intermediate 8192, vocab 128256.
   // Llama-3.1-8B: hidden 4096, 32 q / 8 kv heads of 128, intermediate 14336, vocab 128256.
