@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <set>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/sampling.cuh"
@@ -80,26 +82,34 @@ std::vector<int32_t> Launch(const std::vector<int32_t>& hot, int32_t vocab, int3
   return buf.tokens.Download();
 }
 
-TEST(SamplingIdsTest, EveryIdNextToARangeBoundaryIsRead) {
+// One vocab and split a test, so that compute-sanitizer can run them side by side (racecheck
+// runs the 128256-token rows hundreds of times slower; tests/gpu/run-bundle.sh, SANITIZE_SHARD).
+class SamplingIdsTest : public ::testing::TestWithParam<std::tuple<int32_t, int32_t>> {};
+
+TEST_P(SamplingIdsTest, EveryIdNextToARangeBoundaryIsRead) {
   constexpr int32_t kRowsPerLaunch = 64;
-  for (int32_t vocab : {7, 1000, 50257, 128256}) {
-    for (int32_t split : {1, 3, kSamplingMaxSplit}) {
-      SCOPED_TRACE(::testing::Message() << "vocab=" << vocab << " split=" << split);
-      const std::vector<int32_t> ids = IdsNearBoundaries(vocab, split);
-      // Each id twice, greedy and sampled; rows of odd vocab start at every alignment.
-      std::vector<int32_t> hot;
-      for (int32_t id : ids) hot.insert(hot.end(), {id, id});
-      for (size_t first = 0; first < hot.size(); first += kRowsPerLaunch) {
-        const std::vector<int32_t> part(hot.begin() + first,
-                                        hot.begin() + std::min(hot.size(), first + kRowsPerLaunch));
-        const std::vector<int32_t> got = Launch(part, vocab, split, vocab + split + first);
-        for (size_t r = 0; r < part.size(); ++r) {
-          EXPECT_EQ(got[r], part[r]) << (r % 2 == 0 ? "greedy" : "sampled") << " row " << r;
-        }
-      }
+  const auto [vocab, split] = GetParam();
+  const std::vector<int32_t> ids = IdsNearBoundaries(vocab, split);
+  // Each id twice, greedy and sampled; rows of odd vocab start at every alignment.
+  std::vector<int32_t> hot;
+  for (int32_t id : ids) hot.insert(hot.end(), {id, id});
+  for (size_t first = 0; first < hot.size(); first += kRowsPerLaunch) {
+    const std::vector<int32_t> part(hot.begin() + first,
+                                    hot.begin() + std::min(hot.size(), first + kRowsPerLaunch));
+    const std::vector<int32_t> got = Launch(part, vocab, split, vocab + split + first);
+    for (size_t r = 0; r < part.size(); ++r) {
+      EXPECT_EQ(got[r], part[r]) << (r % 2 == 0 ? "greedy" : "sampled") << " row " << r;
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(VocabsAndSplits, SamplingIdsTest,
+                         ::testing::Combine(::testing::Values(7, 1000, 50257, 128256),
+                                            ::testing::Values(1, 3, kSamplingMaxSplit)),
+                         [](const ::testing::TestParamInfo<std::tuple<int32_t, int32_t>>& info) {
+                           return "Vocab" + std::to_string(std::get<0>(info.param)) + "_Split" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace ts::kernels
