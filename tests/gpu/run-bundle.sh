@@ -26,6 +26,8 @@
 #     that SANITIZE_JOBS of them share the call. SANITIZE_BUDGET=N (seconds) ends every tool run
 #     N s after the start and starts none in the last 20 s, so that a call with a wall-clock limit
 #     still prints its table (runs not started are listed as NOT RUN and count as failures).
+#     Set TS_EMPIRICAL_DRAWS=1000 for racecheck: SamplingTest.EmpiricalDistributionMatchesFilters
+#     reads it (20000 draws otherwise, which outlast a call; bench/results/2026-12-07i-h100.md).
 #   TESTS: a regex of the binaries to run (default: all).
 # TS_REQUIRE_GPU=1 turns "no CUDA device" into a failure: on this machine a skip would hide a
 # broken device (tests/common/gpu_main.cc).
