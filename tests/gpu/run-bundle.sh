@@ -26,8 +26,8 @@
 #     that SANITIZE_JOBS of them share the call. SANITIZE_BUDGET=N (seconds) ends every tool run
 #     N s after the start and starts none in the last 20 s, so that a call with a wall-clock limit
 #     still prints its table (runs not started are listed as NOT RUN and count as failures).
-#     Set TS_EMPIRICAL_DRAWS=1000 for racecheck: SamplingTest.EmpiricalDistributionMatchesFilters
-#     reads it (20000 draws otherwise, which outlast a call; bench/results/2026-12-07i-h100.md).
+#     Every tool run gets TS_UNDER_SANITIZER=<tool> (tests/common/sanitizer.h): the tests that
+#     repeat launches for statistics or odds, not coverage, repeat less under it.
 #   TESTS: a regex of the binaries to run (default: all).
 # TS_REQUIRE_GPU=1 turns "no CUDA device" into a failure: on this machine a skip would hide a
 # broken device (tests/common/gpu_main.cc).
@@ -115,7 +115,7 @@ while read -r t limit; do
           [ "$left" -ge "$cap" ] || cap=$left
         fi
         ( t0=$(date +%s)
-          timeout "$cap" compute-sanitizer --tool "$tool" \
+          TS_UNDER_SANITIZER=$tool timeout "$cap" compute-sanitizer --tool "$tool" \
             --error-exitcode 86 --print-limit 20 --report-api-errors no ${SANITIZE_ARGS:-} \
             ".bundle/bin/$t" ${SANITIZE_GTEST_ARGS:-} ${shard:+--gtest_filter=$shard} \
             > "$job.log" 2>&1
