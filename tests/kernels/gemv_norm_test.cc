@@ -47,18 +47,6 @@ TEST(GemvTest, NormPrologueMatchesRmsNormThenGemv) {
       }
     }
   }
-  EXPECT_FALSE(GemvCanFuseNorm(8, 8256));
-  EXPECT_TRUE(GemvCanFuseNorm(1, 65536));
-}
-
-TEST(GemvTest, NormProloguePaysOnlyForASmallA) {
-  EXPECT_TRUE(GemvNormProloguePays(1, 2048));  // 1B decode at batch 1 and 2
-  EXPECT_TRUE(GemvNormProloguePays(2, 2048));
-  EXPECT_TRUE(GemvNormProloguePays(1, 4096));  // 8B at batch 1
-  EXPECT_FALSE(GemvNormProloguePays(2, 4096));
-  EXPECT_FALSE(GemvNormProloguePays(4, 2048));
-  EXPECT_FALSE(GemvNormProloguePays(8, 4096));
-  EXPECT_FALSE(GemvNormProloguePays(1, 8256 * 8));  // past what the prologue can take
 }
 
 // Each row's stored values (after the bf16 rounding and the residual add) per group of 32 columns,

@@ -228,29 +228,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PrefillAttentionSplitTest,
                                                std::get<2>(info.param));
                          });
 
-TEST(PrefillAttentionTest, SplitChoiceFillsTheGpuOnlyWhereTilesDoNot) {
-  // 64 tokens x 4 heads per kv head = 2 CTAs of 128 rows x 8 kv heads = 16 CTAs on 132 SMs (264
-  // slots of two per SM): splits up to one wave pay fully, so the caps decide: the keys (40 tiles
-  // / 4 = 10), the partials' room, 16.
-  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 2560, 132, 2048), 10);
-  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 1024, 132, 2048), 4);       // 16 key tiles
-  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 32000, 132, 256), 4);       // room: 256 / 64
-  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 32000, 132, 1 << 20), 16);  // at most 16
-  EXPECT_EQ(PrefillAttentionSplits(2048, 2048, 1, 32, 8, 32000, 132, 2048), 1);  // 512 CTAs
-  EXPECT_EQ(PrefillAttentionSplits(64, 64, 1, 32, 8, 200, 132, 2048), 1);        // a short prefix
-  // A 256-token chunk after a 16k prefix: 64 CTAs. 4 splits fill 256 of 264 slots; 5 would need a
-  // second wave for 25% more work per wave-time, and 8 only tie with 4 (two full waves).
-  EXPECT_EQ(PrefillAttentionSplits(256, 256, 1, 32, 8, 16640, 132, 2048), 4);
-  // 256 CTAs already fill one wave: a second split would only double the waves.
-  EXPECT_EQ(PrefillAttentionSplits(1024, 1024, 1, 32, 8, 32000, 132, 2048), 1);
-  // Past one wave a split must fill the last wave better: 200 CTAs, 5 splits = 1000 CTAs in 4
-  // waves (1.25 splits per wave) beat 1-4 splits (1 per wave); 9 = 1800 in 7 waves beat 5.
-  EXPECT_EQ(PrefillAttentionSplits(800, 800, 1, 32, 8, 32000, 132, 8000), 9);
-  EXPECT_EQ(PrefillAttentionSplits(800, 800, 1, 32, 8, 32000, 132, 5600), 5);  // room: 7
-  // Several sequences: 4 x 16 = 64 CTAs, as one 256-token chunk.
-  EXPECT_EQ(PrefillAttentionSplits(256, 64, 4, 32, 8, 16640, 132, 2048), 4);
-}
-
 TEST(PrefillAttentionTest, RejectsSplitsWithoutPartials) {
   const PrefillHarness h({8, 2, 64, {40}, {500}}, 13);
   PrefillAttentionParams p = h.Params();
