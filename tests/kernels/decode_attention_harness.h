@@ -293,6 +293,9 @@ class DecodeHarness {
   std::unique_ptr<GuardedBuffer<uint8_t>> dws_;
 };
 
+// The count AllModes returns, for tests that take its modes one per test (a sanitizer shard each).
+inline constexpr int kAllModesCount = 9;
+
 inline std::vector<ModeConfig> AllModes(const DecodeHarness& h) {
   const int sms = NumSms();
   SplitChoiceInputs in;
