@@ -37,6 +37,15 @@ bool MeansNoGpu(cudaError_t err) {
 int main(int argc, char** argv) {
   absl::InitializeSymbolizer(argv[0]);
   absl::InstallFailureSignalHandler({});
+  // A listing runs no test and needs no device, so the names a filter or a sanitizer shard plan
+  // (tests/gpu/run-bundle.sh, SANITIZE_SHARD) will match can be checked on any machine.
+  bool listing = false;
+  for (int i = 1; i < argc; ++i)
+    listing = listing || std::strcmp(argv[i], "--gtest_list_tests") == 0;
+  if (listing) {
+    ::testing::InitGoogleTest(&argc, argv);
+    return RUN_ALL_TESTS();
+  }
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err == cudaSuccess && count == 0) err = cudaErrorNoDevice;
