@@ -55,27 +55,23 @@ def peer_by_key(records):
 
 
 def table(ours, peer, modes):
-    keys = sorted({(s, b) for (s, b, _) in ours} | set(peer),
-                  key=lambda k: (k[0], k[1]))
+    keys = sorted({(s, b) for (s, b, _) in ours} | set(peer))
     head = ['shape', 'batch'] + [f'{m} ms' for m in modes] + [f'{m} of copy' for m in modes]
     head += ['peer ms', 'peer / our best']
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
     for shape, batch in keys:
-        times, fracs = [], []
+        times, cells, fracs = [], [shape.upper(), str(batch)], []
         for m in modes:
-            runs = ours.get((shape, batch, m))
+            runs = ours.get((shape, batch, m), [])
             if not runs:
                 times.append(None)
+                cells.append('-')
                 fracs.append('-')
                 continue
             t = statistics.median(r[0] for r in runs)
-            f = statistics.median(r[1] for r in runs)
             times.append(t)
-            fracs.append(f'{100 * f:.1f}%')
-        cells = [shape.upper(), str(batch)]
-        for m, t in zip(modes, times):
-            n = len(ours.get((shape, batch, m), []))
-            cells.append('-' if t is None else f'{t:.3f}' + (f' ({n} runs)' if n > 1 else ''))
+            cells.append(f'{t:.3f}' + (f' ({len(runs)} runs)' if len(runs) > 1 else ''))
+            fracs.append(f'{100 * statistics.median(r[1] for r in runs):.1f}%')
         cells += fracs
         p_runs = peer.get((shape, batch))
         p = statistics.median(p_runs) if p_runs else None

@@ -5,26 +5,19 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <utility>
-#include <vector>
 
 #include "kernels/gemv.cuh"
+#include "tests/kernels/gemv_test_util.h"  // kShapes, the shapes the kernels are tested at
 
 namespace ts::kernels {
 namespace {
 
 TEST(GemvParamsTest, SplitHeuristicAndWorkspaceSize) {
-  // Every Llama-1B/8B projection fills a 132-SM H200 without splitting: qkv, o, gate_up, down of
-  // each.
-  for (const auto& [n, k] : std::vector<std::pair<int, int>>{{3072, 2048},
-                                                             {2048, 2048},
-                                                             {16384, 2048},
-                                                             {2048, 8192},
-                                                             {6144, 4096},
-                                                             {4096, 4096},
-                                                             {28672, 4096},
-                                                             {4096, 14336}}) {
-    EXPECT_EQ(ChooseGemvSplitK(1, n, k, 132), 1) << n << "x" << k;
+  // Every Llama-1B/8B projection fills a 132-SM H200 without splitting.
+  for (const auto& [n, k] : gemv_test::kShapes) {
+    if (n >= 2048) {
+      EXPECT_EQ(ChooseGemvSplitK(1, n, k, 132), 1) << n << "x" << k;
+    }
   }
   EXPECT_EQ(ChooseGemvSplitK(1, 24, 40, 132), 1);      // tiny: the second kernel never pays
   EXPECT_EQ(ChooseGemvSplitK(8, 512, 8192, 132), 4);   // 32 CTAs, k allows 4 splits of 2048
