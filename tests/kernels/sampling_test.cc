@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <limits>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -358,69 +359,79 @@ TEST(SamplingTest, ParamsBySlotMatchesParamsByRow) {
   EXPECT_EQ(RunGpu(rows, kVocab, o).tokens, by_row.tokens);
 }
 
-// Fewer draws under compute-sanitizer: racecheck runs 8 launches of 20000 rows for longer than a
+// Fewer draws under compute-sanitizer: racecheck runs the launches of 20000 rows for longer than a
 // device call (> 540 s on the H200 and the H100), and 1000 rows reach the same filter paths; the
 // tolerance follows the count.
 int EmpiricalDraws() {
   return ts::testing::UnderComputeSanitizer() ? 1000 : 20000;
 }
 
-TEST(SamplingTest, EmpiricalDistributionMatchesFilters) {
+struct FilterCase {
+  const char* name;  // the test's name suffix
+  ts::SamplingParams params;
+  bool penalties;
+};
+void PrintTo(const FilterCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+// One filter a test, so that compute-sanitizer can run them side by side: racecheck took more
+// than 520 s over all eight at 1000 draws on an H100 (tests/gpu/run-bundle.sh, SANITIZE_SHARD).
+class EmpiricalDistributionTest : public ::testing::TestWithParam<FilterCase> {};
+
+TEST_P(EmpiricalDistributionTest, MatchesFilters) {
   constexpr int kVocab = 16;
   const int kDraws = EmpiricalDraws();
   // Ties at 1.5 (ids 1, 2) and at 0.7 (ids 4, 5, 6) put top-k cuts inside groups of equals.
   const std::vector<float> logits = {2.0f, 1.5f,  1.5f,  1.0f,  0.7f,  0.7f,  0.7f,  0.3f,
                                      0.0f, -0.5f, -1.0f, -1.0f, -2.0f, -3.0f, -5.0f, -kInf};
-  struct Config {
-    const char* name;
-    ts::SamplingParams p;
-    bool penalties;
-  };
-  std::vector<Config> configs = {
-      {"plain", Params(1.0f, 0, 1.0f, 0.0f, 0), false},
-      {"top_k=5 (cut at the first of 3 ties)", Params(0.7f, 5, 1.0f, 0.0f, 0), false},
-      {"top_k=6 (cut at the second of 3 ties)", Params(0.7f, 6, 1.0f, 0.0f, 0), false},
-      {"top_k=2 (cut inside a pair)", Params(1.0f, 2, 1.0f, 0.0f, 0), false},
-      {"top_p=0.8", Params(1.0f, 0, 0.8f, 0.0f, 0), false},
-      {"min_p=0.3", Params(1.2f, 0, 1.0f, 0.3f, 0), false},
-      {"all filters", Params(0.9f, 12, 0.95f, 0.05f, 0), false},
-      {"penalties", Params(1.0f, 0, 1.0f, 0.0f, 0), true},
-  };
-  for (const Config& cfg : configs) {
-    SCOPED_TRACE(cfg.name);
-    RowCase base;
-    base.logits = logits;
-    base.params = cfg.p;
-    base.position = 4242;
-    if (cfg.penalties) {
-      AddPenalties(base.params);
-      base.prompt = {0, 9};
-      base.output = {1, 1, 3};
-    }
-    std::vector<RowCase> rows(kDraws, base);
-    for (int i = 0; i < kDraws; ++i) rows[i].params.seed = 1000003ull * i + 7;
-    RunOptions o;
-    o.slots.assign(kDraws, 0);  // all rows read one slot's history
-    o.num_slots = 1;
-    const auto gpu = RunGpu(rows, kVocab, o);
-    const auto prob = ExpectedProbs(base);
-    std::vector<int> hist(kVocab, 0);
-    int agree = 0;
-    for (int i = 0; i < kDraws; ++i) {
-      ++hist[gpu.tokens[i]];
-      agree += gpu.tokens[i] == CpuToken(rows[i]);
-    }
-    EXPECT_EQ(agree, kDraws) << "GPU and CPU tokens differ for some seeds";
-    for (int t = 0; t < kVocab; ++t) {
-      const double f = double(hist[t]) / kDraws, p = prob[t];
-      if (p == 0) {
-        EXPECT_EQ(hist[t], 0) << "filtered-out token " << t << " was drawn";
-      } else {
-        EXPECT_NEAR(f, p, 4.5 * std::sqrt(p * (1 - p) / kDraws) + 1e-4) << "token " << t;
-      }
+  const FilterCase& cfg = GetParam();
+  RowCase base;
+  base.logits = logits;
+  base.params = cfg.params;
+  base.position = 4242;
+  if (cfg.penalties) {
+    AddPenalties(base.params);
+    base.prompt = {0, 9};
+    base.output = {1, 1, 3};
+  }
+  std::vector<RowCase> rows(kDraws, base);
+  for (int i = 0; i < kDraws; ++i) rows[i].params.seed = 1000003ull * i + 7;
+  RunOptions o;
+  o.slots.assign(kDraws, 0);  // all rows read one slot's history
+  o.num_slots = 1;
+  const auto gpu = RunGpu(rows, kVocab, o);
+  const auto prob = ExpectedProbs(base);
+  std::vector<int> hist(kVocab, 0);
+  int agree = 0;
+  for (int i = 0; i < kDraws; ++i) {
+    ++hist[gpu.tokens[i]];
+    agree += gpu.tokens[i] == CpuToken(rows[i]);
+  }
+  EXPECT_EQ(agree, kDraws) << "GPU and CPU tokens differ for some seeds";
+  for (int t = 0; t < kVocab; ++t) {
+    const double f = double(hist[t]) / kDraws, p = prob[t];
+    if (p == 0) {
+      EXPECT_EQ(hist[t], 0) << "filtered-out token " << t << " was drawn";
+    } else {
+      EXPECT_NEAR(f, p, 4.5 * std::sqrt(p * (1 - p) / kDraws) + 1e-4) << "token " << t;
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Filters, EmpiricalDistributionTest,
+    ::testing::Values(FilterCase{"Plain", Params(1.0f, 0, 1.0f, 0.0f, 0), false},
+                      // top_k=5 and 6 cut at the first and the second of the three 0.7 ties
+                      FilterCase{"TopK5", Params(0.7f, 5, 1.0f, 0.0f, 0), false},
+                      FilterCase{"TopK6", Params(0.7f, 6, 1.0f, 0.0f, 0), false},
+                      // top_k=2 cuts inside the 1.5 pair
+                      FilterCase{"TopK2", Params(1.0f, 2, 1.0f, 0.0f, 0), false},
+                      FilterCase{"TopP08", Params(1.0f, 0, 0.8f, 0.0f, 0), false},
+                      FilterCase{"MinP03", Params(1.2f, 0, 1.0f, 0.3f, 0), false},
+                      FilterCase{"AllFilters", Params(0.9f, 12, 0.95f, 0.05f, 0), false},
+                      FilterCase{"Penalties", Params(1.0f, 0, 1.0f, 0.0f, 0), true}),
+    [](const ::testing::TestParamInfo<FilterCase>& info) { return info.param.name; });
 
 TEST(SamplingTest, PenaltiesMoveTheResultLikeTheReference) {
   constexpr int kVocab = 1000;
