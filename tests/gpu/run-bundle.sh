@@ -26,6 +26,8 @@
 #     that SANITIZE_JOBS of them share the call. SANITIZE_BUDGET=N (seconds) ends every tool run
 #     N s after the start and starts none in the last 20 s, so that a call with a wall-clock limit
 #     still prints its table (runs not started are listed as NOT RUN and count as failures).
+#     Even alone, SamplingIdsTest at vocab 50257 and 128256 with 32 splits outlasts a call under
+#     racecheck (> 520 s, 2026-12-07j-h100.md); SeededDrawsAgreeWithCpu launches those shapes.
 #     Every tool run gets TS_UNDER_SANITIZER=<tool> (tests/common/sanitizer.h): the tests that
 #     repeat launches for statistics or odds, not coverage, repeat less under it.
 #   TESTS: a regex of the binaries to run (default: all).
