@@ -85,8 +85,8 @@ def table(ours, peer, modes):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('--ours', action='append', required=True, help='tailserve-bench --out file')
-    ap.add_argument('--peer', action='append', required=True, help='peer_decode.py --out file')
+    ap.add_argument('--ours', action='append', required=True, help='tailserve-bench --out file (repeatable)')
+    ap.add_argument('--peer', action='append', required=True, help='peer_decode.py --out file (repeatable)')
     ap.add_argument('--modes', default='host,loop', help='our modes, comma-separated, in order')
     a = ap.parse_args(argv)
     ours_records = read_lines(a.ours)
